@@ -1,0 +1,1 @@
+"""The generator service: one vLLM engine, an asyncio loop, reward functions."""

@@ -1,0 +1,122 @@
+"""Wrapper of one vLLM AsyncLLM engine: generate a GRPO group, swap weights in place.
+
+Tokens in, tokens out (`skip_tokenizer_init`): the service tokenises and decodes, so vLLM never
+depends on the tokenizer's files. Behaviour log-probs are vLLM's processed log-probs (after
+temperature), which is what the learner recomputes.
+
+Versions: `version` is the weights version loaded. Each request records the version it started on
+(first) and the newest version loaded while it was still running (last). Updates close a gate so
+no request starts mid-update; `inflight` mode pauses with mode="keep" (running requests continue
+on the new weights: first < last), `drain` mode pauses with mode="wait" (they finish first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    first_version: int
+    last_version: int
+    gen_ms: float
+
+
+@dataclass
+class _Active:
+    first: int
+    last: int
+
+
+class Engine:
+    def __init__(self, cfg: Config, model_path: str, seed: int, eos_id: int | None):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        g = cfg.generator
+        args = AsyncEngineArgs(
+            model=model_path, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=seed,
+            max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
+            max_num_seqs=g.max_num_seqs, enforce_eager=g.enforce_eager, tensor_parallel_size=g.tensor_parallel_size,
+            worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.mode = g.update_mode
+        self.eos_id = eos_id
+        self.version = 0
+        self._ids = itertools.count()
+        self._active: dict[str, _Active] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._update_lock = asyncio.Lock()
+
+    async def generate(self, prompt_ids: list[int], n: int, sampling: dict, seed: int | None = None) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n, max_tokens=sampling["max_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
+            ignore_eos=sampling.get("ignore_eos", False), logprobs=0, detokenize=False, seed=seed,
+            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        await self._gate.wait()
+        rid = f"r{next(self._ids)}"
+        active = self._active[rid] = _Active(self.version, self.version)
+        start = time.perf_counter()
+        final = None
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=rid):
+                final = out
+        finally:
+            del self._active[rid]
+        ms = (time.perf_counter() - start) * 1000
+        return [
+            Completion(list(c.token_ids), _sampled_logprobs(c), c.finish_reason or "", active.first, active.last, ms)
+            for c in final.outputs
+        ]
+
+    async def load(self, source: bytes | str, crc32: int, version: int) -> float:
+        """Swap in weights `version`; returns milliseconds spent paused."""
+        async with self._update_lock:
+            self._gate.clear()
+            start = time.perf_counter()
+            try:
+                await self.llm.pause_generation(mode="keep" if self.mode == "inflight" else "wait", clear_cache=False)
+                try:
+                    await self.llm.collective_rpc("load_weights_blob", args=(source, crc32))
+                    await self.llm.reset_prefix_cache()
+                    self.version = version
+                    if self.mode == "inflight":  # drain: every request finished before the swap
+                        for a in self._active.values():
+                            a.last = version
+                finally:
+                    await self.llm.resume_generation()
+            finally:
+                self._gate.set()
+            return (time.perf_counter() - start) * 1000
+
+    async def weights_checksum(self) -> float:
+        return (await self.llm.collective_rpc("weights_checksum"))[0]
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def _sampled_logprobs(c) -> list[float]:
+    """Log-prob of each sampled token (vLLM gives a {token_id: Logprob} mapping per position)."""
+    out = []
+    for tok, pos in zip(c.token_ids, c.logprobs, strict=True):
+        out.append(float(pos[tok].logprob))
+    return out

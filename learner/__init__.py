@@ -1,0 +1,1 @@
+"""The learner service: DeepSpeed engine, the hub, the GRPO loss, weight publishing, checkpoints."""

@@ -1,0 +1,101 @@
+"""From rollout groups to padded micro-batches.
+
+One row per sample: prompt + completion tokens, the behaviour log-probs of the completion, the
+group advantage and the temperature it was sampled at. Groups with zero reward variance are
+skipped (counted). Rows are packed into micro-batches by a token budget (rows x padded length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from learner.hub import behaviour_version
+from learner.loss import group_advantages
+from pipeline import protocol as P
+
+
+@dataclass
+class Row:
+    prompt: np.ndarray
+    completion: np.ndarray
+    behaviour: np.ndarray
+    advantage: float
+    temperature: float
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+
+def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool) -> tuple[list[Row], dict]:
+    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float64)
+    adv, zero = group_advantages(rewards, scale=scale_rewards)
+    rows = []
+    for gi, g in enumerate(groups):
+        if zero[gi]:
+            continue
+        prompt = P.unpack_ints(g.prompt_ids)
+        for si, s in enumerate(g.samples):
+            tokens = P.unpack_ints(s.token_ids)
+            if len(tokens):
+                rows.append(Row(prompt, tokens, P.unpack_floats(s.logprobs), float(adv[gi, si]), g.temperature))
+    lags = [step - behaviour_version(g) for g in groups]
+    samples = [s for g in groups for s in g.samples]
+    stats = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "groups/zero_variance": int(zero.sum()), "staleness/max_lag": max(lags), "staleness/mean_lag": float(np.mean(lags)),
+        "staleness/min_behaviour_version": min(behaviour_version(g) for g in groups),
+        "inflight/mixed_samples": sum(s.first_version < s.last_version for s in samples),
+        "tokens/completion_mean": float(np.mean([len(s.token_ids) // 4 for s in samples])),
+    }
+    return rows, stats
+
+
+def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
+    """Greedy packing of length-sorted rows so that rows x longest <= token_budget (at least one row each)."""
+    out: list[list[Row]] = []
+    current: list[Row] = []
+    longest = 0
+    for row in sorted(rows, key=lambda r: r.length):
+        new_longest = max(longest, row.length)
+        if current and (len(current) + 1) * new_longest > token_budget:
+            out.append(current)
+            current, new_longest = [], row.length
+        current.append(row)
+        longest = new_longest
+    if current:
+        out.append(current)
+    return out
+
+
+def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded tensors; position t of the *_next tensors describes token t+1."""
+    L = max(r.length for r in rows)
+    n = len(rows)
+    ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, L), dtype=torch.long)
+    mask = torch.zeros((n, L - 1))
+    mu = torch.zeros((n, L - 1))
+    adv = torch.zeros((n, L - 1))
+    temp = torch.ones((n, 1, 1))
+    for i, r in enumerate(rows):
+        p, c = len(r.prompt), len(r.completion)
+        ids[i, :p] = torch.from_numpy(r.prompt.astype(np.int64))
+        ids[i, p:p + c] = torch.from_numpy(r.completion.astype(np.int64))
+        attn[i, :p + c] = 1
+        mask[i, p - 1:p + c - 1] = 1
+        mu[i, p - 1:p + c - 1] = torch.from_numpy(r.behaviour.astype(np.float32))
+        adv[i, p - 1:p + c - 1] = r.advantage
+        temp[i] = r.temperature
+    out = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each next token under logits / temperature: [rows, L-1]."""
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

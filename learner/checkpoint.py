@@ -1,0 +1,41 @@
+"""Checkpoints: the DeepSpeed engine state plus the hub's state (version, ledger, pending prompts).
+
+RUN_DIR/checkpoints/v{N}/ holds DeepSpeed's files and hub.json; RUN_DIR/checkpoints/latest names
+the newest complete one (written last, atomically), so a crash mid-save leaves the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int) -> Path:
+    root = run_dir / "checkpoints"
+    tag = f"v{version}"
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    if rank == 0:
+        (root / tag / "hub.json").write_text(json.dumps(hub_state))
+        tmp = root / "latest.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, root / "latest")
+    return root / tag
+
+
+def load(engine, run_dir: Path) -> tuple[int, dict]:
+    """Restore the engine from the newest checkpoint; returns (version, hub state)."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        tag = (root / "latest").read_text().strip()
+        hub_state = json.loads((root / tag / "hub.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"--resume {run_dir}: no readable checkpoint ({e})") from None
+    path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+    if path is None:
+        raise CheckpointError(f"--resume {run_dir}: DeepSpeed could not load checkpoint {root / tag}")
+    return int(tag[1:]), hub_state

@@ -1,0 +1,81 @@
+"""Model loading, the DeepSpeed engine, and full-weight gathering (ZeRO-3 aware)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the learner's process group (gloo on CPU, nccl on GPU). A lone learner is rank 0 of 1."""
+    import deepspeed
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from pipeline.netutil import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    deepspeed.init_distributed(auto_mpi_discovery=False)
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_engine(cfg: Config, model_path: str):
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    t = cfg.trainer
+    torch.manual_seed(t.seed)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    # A torch optimizer instead of DeepSpeed's: no FusedAdam JIT build (slow, and broken on arch 9.0a).
+    fused = torch.cuda.is_available()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def gathered_weights(engine, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU tensor) one parameter at a time; under ZeRO-3 each is gathered then released,
+    so the extra device memory stays near one parameter."""
+    import deepspeed
+
+    for name, p in engine.module.named_parameters():
+        if zero_stage == 3:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                t = p.data.detach().to("cpu", copy=True)
+        else:
+            t = p.data.detach().to("cpu")
+        yield name, t
+
+
+def save_hf(engine, cfg: Config, tokenizer, out_dir, rank: int) -> None:
+    """Final weights in Hugging Face format (loadable with from_pretrained)."""
+    state = dict(gathered_weights(engine, cfg.trainer.zero_stage))
+    if rank == 0:
+        engine.module.save_pretrained(out_dir, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)

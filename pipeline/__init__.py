@@ -1,0 +1,1 @@
+"""What learner and generators share: config, protocol, transports, tasks, metrics, CLI."""

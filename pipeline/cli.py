@@ -1,0 +1,109 @@
+"""`pipeline`: the command line. Each subcommand parses its config, sets the environment, imports
+the heavy libraries late and hands over to its service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import ConfigError, apply_environment, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeline", description="Asynchronous pipelined RL for language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def service(name: str, help: str, config_required: bool) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help)
+        s.add_argument("-c", "--config", required=config_required, help="YAML config (default: the embedded demo)")
+        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, e.g. --set trainer.max_staleness=2 (repeatable)")
+        s.add_argument("--gpus", default=None, help="GPUs this service may use, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES)")
+        return s
+
+    run = service("run", "learner + generators on this machine (no config: the embedded default)", False)
+    run.add_argument("--run-dir", type=Path, default=None)
+    lrn = service("learner", "the learner service (DeepSpeed + hub)", True)
+    lrn.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
+    lrn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue from RUN_DIR's checkpoint")
+    gen = service("generator", "a generator service (vLLM)", True)
+    gen.add_argument("--learner", required=True, help="hub address, e.g. tcp://127.0.0.1:5555")
+    st = sub.add_parser("status", help="the learner's version, buffer and generators")
+    st.add_argument("--learner", required=True)
+    st.add_argument("--watch", action="store_true")
+    se = sub.add_parser("set", help="change run-time knobs of a running learner")
+    se.add_argument("--learner", required=True)
+    se.add_argument("items", nargs="+", metavar="KEY=VALUE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command in ("status", "set"):
+            return _remote(args)
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"pipeline: config error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_environment(cfg, args.gpus)
+    if args.command == "run":
+        from pipeline.launcher import launch
+
+        return launch(cfg, args.config, args.overrides, args.run_dir)
+    if args.command == "learner":
+        from learner.service import main as learner_main
+
+        run_dir = make_run_dir(cfg, args.resume or args.run_dir)
+        learner_main(cfg, run_dir, resume=args.resume is not None)
+        return 0
+    from generator.service import main as generator_main
+
+    asyncio.run(generator_main(cfg, args.learner, args.gpus or ""))
+    return 0
+
+
+def make_run_dir(cfg, explicit: Path | None) -> Path:
+    run_dir = explicit or Path(cfg.run.dir) / (cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir.resolve()
+
+
+def _remote(args) -> int:
+    from pipeline import protocol as P
+    from pipeline.client import request_once
+    from pipeline.config import parse_override
+    from pipeline.status import render
+
+    try:
+        if args.command == "set":
+            for item in args.items:
+                key, value = parse_override(item)
+                reply = request_once(args.learner, P.SetRequest(key, value))
+                if isinstance(reply, P.Error):
+                    print(f"pipeline set: {reply.message}", file=sys.stderr)
+                    return 2
+                print(f"{key} = {reply.info['value']!r} (from step {reply.info['from_step']})")
+            return 0
+        while True:
+            reply = request_once(args.learner, P.StatusRequest())
+            text = render(reply.info) if isinstance(reply, P.Ack) else json.dumps(P.as_dict(reply))
+            print(("\033[2J\033[H" if args.watch else "") + text, flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(2)
+    except P.PeerLost as e:
+        print(f"pipeline {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

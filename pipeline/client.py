@@ -1,0 +1,81 @@
+"""Async request/reply client of the hub's control channel (DEALER socket, request ids).
+
+One reader task dispatches replies to the futures of their requests, so weight chunks, leases and
+heartbeats can be in flight at once. A request that gets no reply within `timeout` raises `PeerLost`;
+so does every waiting request when the client is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import zmq
+import zmq.asyncio
+
+from pipeline import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+class HubClient:
+    def __init__(self, address: str, timeout: float = 10.0, ctx: zmq.asyncio.Context | None = None):
+        self.address, self.timeout = address, timeout
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            data = await self.sock.recv()
+            try:
+                msg, rid = P.decode(data, limit=2**31)
+            except P.ProtocolError as e:
+                log.warning("hub sent a bad reply: %s", e)
+                continue
+            fut = self._waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def request(self, msg: P.Message, timeout: float | None = None) -> P.Message:
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        await self.sock.send(P.encode(msg, rid))
+        try:
+            return await asyncio.wait_for(fut, timeout or self.timeout)
+        except TimeoutError:
+            raise P.PeerLost(f"no reply from the hub at {self.address} to {type(msg).__name__} "
+                             f"within {timeout or self.timeout} s") from None
+        finally:
+            self._waiting.pop(rid, None)
+
+    def close(self) -> None:
+        self._reader.cancel()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(P.PeerLost("client closed"))
+        self._waiting.clear()
+        self.sock.close(linger=0)
+
+
+def request_once(address: str, msg: P.Message, timeout: float = 5.0) -> P.Message:
+    """Synchronous one-shot request (for `pipeline status` / `pipeline set`)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(P.encode(msg, 1))
+        if not sock.poll(int(timeout * 1000)):
+            raise P.PeerLost(f"no reply from the learner at {address} within {timeout} s")
+        reply, _ = P.decode(sock.recv(), limit=2**31)
+        return reply
+    finally:
+        sock.close(linger=0)
+        ctx.term()

