@@ -61,7 +61,8 @@ class Engine:
         self._gate.set()
         self._update_lock = asyncio.Lock()
 
-    async def generate(self, prompt_ids: list[int], n: int, sampling: dict, seed: int | None = None) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], n: int, sampling: dict,
+                       seed: int | None = None) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

@@ -189,8 +189,9 @@ class Generator:
             reply = await self.client.request(P.LeaseRequest(self.id, min(free, self.cfg.generator.lease_size)))
             if isinstance(reply, P.Wait):
                 if reply.reason == "run complete":
-                    log.info("generator %s: the run is complete", self.id)
+                    log.info("generator %s: the run is complete at version %d", self.id, reply.version)
                     self.stopping = max(self.stopping, 1)
+                    await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
                     break
                 await asyncio.sleep(reply.retry_s)
                 continue
@@ -198,14 +199,23 @@ class Generator:
                 if reply.fatal:
                     raise Reregister(reply.message)
                 raise P.ProtocolError(f"lease refused: {reply.message}")
-            async with self.version_changed:  # k = 0: generate only on the newest weights
-                await self.version_changed.wait_for(lambda r=reply: self.engine.version >= r.min_version)
+            await self._wait_version(reply.min_version)  # k = 0: generate only on the newest weights
             for item in reply.groups:
                 task = asyncio.create_task(self._group(reply, item))
                 self.groups[task] = reply.lease_id
                 task.add_done_callback(lambda t: (self.groups.pop(t, None), room.set()))
         while self.groups:  # draining: let the groups in flight finish
             await asyncio.sleep(0.05)
+
+    async def _wait_version(self, version: int, timeout: float | None = None) -> None:
+        async def loaded() -> None:
+            async with self.version_changed:
+                await self.version_changed.wait_for(lambda: self.engine.version >= version)
+
+        try:
+            await asyncio.wait_for(loaded(), timeout)
+        except TimeoutError:
+            log.warning("generator %s: weights v%d did not arrive within %s s", self.id, version, timeout)
 
     # ---- one prompt group -----------------------------------------------------------------------
 

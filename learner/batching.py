@@ -46,7 +46,8 @@ def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool) -> 
     samples = [s for g in groups for s in g.samples]
     stats = {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-        "groups/zero_variance": int(zero.sum()), "staleness/max_lag": max(lags), "staleness/mean_lag": float(np.mean(lags)),
+        "groups/zero_variance": int(zero.sum()),
+        "staleness/max_lag": max(lags), "staleness/mean_lag": float(np.mean(lags)),
         "staleness/min_behaviour_version": min(behaviour_version(g) for g in groups),
         "inflight/mixed_samples": sum(s.first_version < s.last_version for s in samples),
         "tokens/completion_mean": float(np.mean([len(s.token_ids) // 4 for s in samples])),

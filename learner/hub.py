@@ -79,7 +79,8 @@ class Hub:
                              rollouts=0, tokens=0)
         self.last_ready: P.WeightsReady | None = None
         self.blobs: dict[int, bytes] = {}  # zmq transport: the latest safetensors blobs by version
-        self._lease_ids = itertools.count(1)
+        # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
+        self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
         self._gen_index = itertools.count()
         self._outbox: deque[bytes] = deque()
         self._stopped = threading.Event()
@@ -129,6 +130,8 @@ class Hub:
         log.info("hub listening on %s", self.address)
 
     def stop(self) -> None:
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         self._wake_tx.send(b"")
         self._thread.join(timeout=5)
@@ -244,7 +247,7 @@ class Hub:
         still_needed = (self.cfg.trainer.total_steps - self.version) * B - in_flight
         room = min((k + 1) * B - in_flight, still_needed, msg.max_groups, self.cfg.generator.lease_size)
         if self.version >= self.cfg.trainer.total_steps:
-            return P.Wait("run complete", retry_s=1.0)
+            return P.Wait("run complete", retry_s=1.0, version=self.version)
         if room <= 0:
             reason = "waiting for the last steps" if still_needed <= 0 else "staleness window full"
             return P.Wait(reason, retry_s=0.05)
@@ -301,6 +304,7 @@ class Hub:
     def _on_leave(self, msg: P.Leave) -> P.Message:
         self._requeue_generator(msg.generator_id, "left")
         del self.generators[msg.generator_id]
+        self.lock.notify_all()
         return P.Ack()
 
     def _on_status_request(self, msg: P.StatusRequest) -> P.Message:
@@ -424,6 +428,10 @@ class Hub:
             self.lock.notify_all()
         self._outbox.append(P.encode(ready))
         self._wake_tx.send(b"")
+
+    def wait_generators_gone(self, timeout: float) -> bool:
+        with self.lock:
+            return self.lock.wait_for(lambda: not self.generators, timeout)
 
     def uses_transport(self, name: str) -> bool:
         with self.lock:

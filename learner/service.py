@@ -15,19 +15,20 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgpack
 import torch
 
 from learner import checkpoint
-from learner.hub import Hub
+from learner.hub import Hub, behaviour_version
 from learner.model import build_engine, init_distributed, save_hf
 from learner.publisher import WeightPublisher
 from learner.step import train_step
 from pipeline import protocol as P
 from pipeline.config import Config, save_config
-from pipeline.metrics import MetricsWriter, plot
+from pipeline.metrics import MetricsWriter, plot, truncate_metrics
 from pipeline.tasks import load_rows
 from pipeline.tinymodel import resolve_model_path
 from pipeline.transports import remove_shm
@@ -44,6 +45,9 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = build_engine(cfg, model_path)
     version, hub_state = checkpoint.load(engine, run_dir) if resume else (0, None)
+    if resume and rank == 0:
+        discarded = truncate_metrics(run_dir, version)
+        log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
     run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
     hub = None
     if rank == 0:
@@ -61,7 +65,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         save_hf(engine, cfg, tokenizer, run_dir / "final", rank)
         if rank == 0:
             plot(run_dir)
-            time.sleep(2 * cfg.hub.heartbeat_s)  # let generators hear "run complete" and leave
+            hub.wait_generators_gone(timeout=15.0)  # let generators hear "run complete" and leave
     finally:
         if hub is not None:
             hub.stop()
@@ -89,7 +93,8 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
             "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
             "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
             "generators": len(hub.generators), "max_staleness": cfg.trainer.max_staleness,
-            "trained_prompts": [[g.epoch, g.prompt_id] for g in groups],
+            "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
+            "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
             **{f"hub/{k}": v for k, v in hub.counters.items()},
         }
         last_tokens, last_time = tokens, now

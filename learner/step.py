@@ -7,7 +7,6 @@ ranks, so the gradient is the same however the rows are split.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from learner.batching import Row, build_rows, collate, micro_batches, token_logprobs

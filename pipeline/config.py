@@ -80,7 +80,7 @@ class SamplingConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 30
+    total_steps: int = 50
     """Optimizer steps to run; each one publishes a new weights version."""
     epochs: int = 0
     """Stop after this many passes over the dataset (0: no limit, total_steps decides)."""
@@ -266,7 +266,8 @@ def _check_config(cfg: Config) -> None:
     if not 0 <= cfg.trainer.zero_stage <= 3:
         raise ConfigError(f"trainer.zero_stage: must be 0, 1, 2 or 3, got {cfg.trainer.zero_stage}")
     if not 0 < cfg.generator.gpu_memory_utilization <= 1:
-        raise ConfigError(f"generator.gpu_memory_utilization: must be in (0, 1], got {cfg.generator.gpu_memory_utilization}")
+        raise ConfigError(
+            f"generator.gpu_memory_utilization: must be in (0, 1], got {cfg.generator.gpu_memory_utilization}")
     if cfg.trainer.group_size < 2:
         raise ConfigError(f"trainer.group_size: GRPO needs at least 2 samples per prompt, got {cfg.trainer.group_size}")
     if not cfg.rewards:

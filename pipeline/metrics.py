@@ -30,6 +30,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def truncate_metrics(run_dir: Path, version: int) -> int:
+    """On resume from `version`: keep the records of steps < version; move later ones (their weights were
+    lost with the learner) to metrics.discarded.jsonl. Returns how many were moved."""
+    records = read_metrics(run_dir)
+    keep = [r for r in records if r["step"] < version]
+    gone = [r for r in records if r["step"] >= version]
+    if gone:
+        with (Path(run_dir) / "metrics.discarded.jsonl").open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in gone)
+        (Path(run_dir) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return len(gone)
+
+
 def plot(run_dir: Path) -> Path | None:
     """reward.png: mean reward and staleness (max/mean lag) against step."""
     records = read_metrics(run_dir)

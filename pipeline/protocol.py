@@ -165,6 +165,7 @@ class Wait(Message):
     tag: ClassVar[str] = "wait"
     reason: str
     retry_s: float = 0.05
+    version: int = -1  # the learner's version ("run complete": generators apply it before leaving)
 
 
 @dataclass
@@ -341,4 +342,5 @@ def check_rollout(group: RolloutGroup, group_size: int) -> None:
                 "must be int32/float32 arrays of one length"
             )
         if s.first_version > s.last_version:
-            raise ProtocolError(f"{where}.samples[{i}]: first_version {s.first_version} > last_version {s.last_version}")
+            raise ProtocolError(
+                f"{where}.samples[{i}]: first_version {s.first_version} > last_version {s.last_version}")

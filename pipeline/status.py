@@ -11,7 +11,8 @@ def render(s: dict) -> str:
         f"re-queued {c['requeued']}  stale dropped {c['stale_dropped']}  duplicates {c['duplicates']}  "
         f"bad messages {c['bad_messages']}",
         "",
-        f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} {'heartbeat':>9}",
+        f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} "
+        f"{'heartbeat':>9}",
     ]
     for g in s["generators"]:
         lag = "-" if g["lag"] is None else g["lag"]

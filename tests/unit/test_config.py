@@ -1,0 +1,68 @@
+import pytest
+
+from pipeline.config import (
+    ConfigError,
+    apply_runtime_change,
+    config_from_dict,
+    load_config,
+    runtime_keys,
+)
+
+
+def test_defaults_are_the_embedded_demo():
+    cfg = load_config()
+    assert cfg.model.path == "builtin:tiny"
+    assert cfg.data.path == "builtin:echo"
+    assert cfg.rewards[0].fn == "pipeline.tasks:echo_reward"
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  max_staleness: 3\n  lr: 1e-4\ngenerator:\n  update_mode: drain\n")
+    cfg = load_config(path, ["trainer.max_staleness=2", "sampling.temperature=0.7"])
+    assert cfg.trainer.max_staleness == 2  # command line beats the file
+    assert cfg.trainer.lr == 1e-4  # YAML's "1e-4" string is read as a float
+    assert cfg.generator.update_mode == "drain"
+    assert cfg.sampling.temperature == 0.7
+
+
+@pytest.mark.parametrize("data, overrides, message", [
+    ({"trainer": {"max_stalness": 1}}, [], "trainer.max_stalness: unknown field (did you mean max_staleness?)"),
+    ({}, ["trainer.batch_size=many"], "trainer.batch_size: expected int, got 'many'"),
+    ({}, ["trainer.max_staleness=-1"], "trainer.max_staleness: must be >= 0"),
+    ({}, ["trainer.loss=reinforce"], "trainer.loss: 'reinforce' is not one of"),
+    ({}, ["generator.enforce_eager=3"], "generator.enforce_eager: expected true or false"),
+    ({"rewards": [{"fn": "nocolon"}]}, [], "rewards[0].fn: expected 'module:function'"),
+    ({"rewards": [{"fnn": "a:b"}]}, [], "rewards[0].fnn: unknown field"),
+    ({}, ["trainer.group_size=1"], "trainer.group_size: GRPO needs at least 2"),
+    ({}, ["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization: must be in (0, 1]"),
+    ({"trainer": 5}, [], "trainer: expected a mapping"),
+    ({}, ["trainer"], "expected KEY=VALUE"),
+])
+def test_bad_fields_are_named(data, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data, overrides)
+    assert message in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_runtime_changes():
+    cfg = load_config()
+    assert "trainer.max_staleness" in runtime_keys() and "trainer.lr" in runtime_keys()
+    assert apply_runtime_change(cfg, "trainer.max_staleness", 4) == 4
+    assert cfg.trainer.max_staleness == 4
+    with pytest.raises(ConfigError, match="cannot change while a run goes on"):
+        apply_runtime_change(cfg, "trainer.batch_size", 8)
+    with pytest.raises(ConfigError, match="unknown field"):
+        apply_runtime_change(cfg, "trainer.nope", 1)
+    with pytest.raises(ConfigError, match="out of range"):
+        apply_runtime_change(cfg, "trainer.lr", -1.0)
+    assert cfg.trainer.lr > 0

