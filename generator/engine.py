@@ -13,6 +13,7 @@ on the new weights: first < last), `drain` mode pauses with mode="wait" (they fi
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import time
@@ -66,10 +67,12 @@ class Engine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        ignore_eos = sampling.get("ignore_eos", False)
         params = SamplingParams(
             n=n, max_tokens=sampling["max_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
-            ignore_eos=sampling.get("ignore_eos", False), logprobs=0, detokenize=False, seed=seed,
-            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+            ignore_eos=ignore_eos, logprobs=0, detokenize=False, seed=seed,
+            # without a tokenizer vLLM does not know EOS; stop tokens would also override ignore_eos
+            stop_token_ids=[self.eos_id] if self.eos_id is not None and not ignore_eos else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         await self._gate.wait()
@@ -112,7 +115,10 @@ class Engine:
         return (await self.llm.collective_rpc("weights_checksum"))[0]
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None  # collected now, not during interpreter teardown (AsyncLLM.__del__ fails there)
+            gc.collect()
 
 
 def _sampled_logprobs(c) -> list[float]:

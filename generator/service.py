@@ -60,7 +60,7 @@ class Generator:
             try:
                 await self._session()
                 return
-            except (P.PeerLost, Reregister) as e:
+            except (P.PeerLost, Reregister, P.ProtocolError) as e:
                 if self.stopping:
                     return
                 log.warning("generator %s: %s; reconnecting in %.1f s (engine stays warm)", self.id, e, backoff)
@@ -106,12 +106,15 @@ class Generator:
                 self.push.close(linger=2000)
 
     async def _run_tasks(self) -> None:
-        tasks = [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._subscribe(),
-                                                   self._leases())]
+        """Run until the lease loop ends (drained or run complete); a failing background task ends it too."""
+        leases = asyncio.create_task(self._leases())
+        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._subscribe())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 t.result()  # surfaces PeerLost / Reregister
+                if t is not leases:
+                    raise RuntimeError(f"background task {t.get_coro().__name__} ended unexpectedly")
         finally:
             for t in tasks:
                 t.cancel()
@@ -136,8 +139,6 @@ class Generator:
                 latest = reply.info.get("latest")
                 if latest and latest["version"] > self.engine.version:
                     self.announced.put_nowait(P.from_dict(P.WeightsReady, latest))
-            if self.stopping >= 2 or self.stopping and not self.groups:
-                return
             await asyncio.sleep(self.welcome.heartbeat_s)
 
     async def _subscribe(self) -> None:

@@ -28,7 +28,12 @@ class WeightLoader:
         return len(tensors)
 
     def _load_named(self, named: list) -> None:
+        import logging
+
         from vllm.platforms import current_platform
+
+        # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
         runner = self.model_runner
         if current_platform.is_cpu():

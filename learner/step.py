@@ -7,6 +7,7 @@ ranks, so the gradient is the same however the rows are split.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from learner.batching import Row, build_rows, collate, micro_batches, token_logprobs
@@ -38,19 +39,30 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
         loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap)
         loss = masked_sum(loss_tok, batch["mask"]) / total_tokens
         engine.backward(loss, scale_wrt_gas=False)
+        if i == n_steps - 1:
+            grad_norm = _grad_norm(engine, t.zero_stage)
         engine.step()
         sums["loss"] += float(loss)
         for k in ("is_weight", "clipped", "behaviour_kl"):
             sums[k] += float(masked_sum(st[k], batch["mask"]))
-    grad_norm = engine.get_global_grad_norm() if rows else 0.0
     stats.update({
-        "loss": sums["loss"], "lr": t.lr, "grad_norm": float(grad_norm or 0.0), "micro_batches": len(batches),
+        "loss": sums["loss"], "lr": t.lr, "micro_batches": len(batches),
+        "grad_norm": grad_norm if grad_norm >= 0 else float(engine.get_global_grad_norm() or 0.0),
         "tokens/trained": total_tokens if rows else 0,
         "correction/is_weight_mean": sums["is_weight"] / total_tokens,
         "correction/clip_frac": sums["clipped"] / total_tokens,
         "correction/behaviour_kl": sums["behaviour_kl"] / total_tokens,
     })
     return stats
+
+
+def _grad_norm(engine, zero_stage: int) -> float:
+    """Gradient norm before clipping. ZeRO 1-3 optimizers compute it in step(); without ZeRO, DeepSpeed
+    clips but does not keep the norm, so it is computed here."""
+    if zero_stage > 0:
+        return -1.0  # read after the step
+    grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
 
 
 def _empty_row(rows: list[Row], groups: list[P.RolloutGroup]) -> Row:

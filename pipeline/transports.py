@@ -104,12 +104,21 @@ class ZmqReceiver(Receiver):
 
 
 class ShmReceiver(Receiver):
+    """Reads the learner's /dev/shm file; falls back to zmq for a version that was not written there
+    (published before this generator registered, or already removed as old)."""
+
     name = "shm"
 
+    def __init__(self, fallback: Receiver):
+        self.fallback = fallback
+
     async def fetch(self, ready: P.WeightsReady) -> bytes:
-        if not ready.shm_path:
-            raise P.ProtocolError(f"weights v{ready.version}: announcement has no shm path")
-        blob = await asyncio.to_thread(Path(ready.shm_path).read_bytes)
+        try:
+            if not ready.shm_path:
+                raise FileNotFoundError
+            blob = await asyncio.to_thread(Path(ready.shm_path).read_bytes)
+        except FileNotFoundError:
+            return await self.fallback.fetch(ready)
         return _verified(blob, ready)
 
 
@@ -127,5 +136,5 @@ def make_receiver(transport: str, client, chunk_mb: int) -> Receiver:
     if transport == "zmq":
         return ZmqReceiver(client, chunk_mb * 2**20)
     if transport == "shm":
-        return ShmReceiver()
+        return ShmReceiver(ZmqReceiver(client, chunk_mb * 2**20))
     raise ValueError(f"weights.transport: {transport!r} is not available here (zmq, shm)")

