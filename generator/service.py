@@ -51,10 +51,10 @@ class Generator:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal)
+    async def run(self, handle_signals: bool = True) -> None:
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, self._on_signal)
         backoff = 0.5
         while self.stopping < 2:
             try:

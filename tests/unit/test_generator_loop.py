@@ -1,0 +1,102 @@
+"""The generator's asyncio loop against a real in-process hub, with a fake engine (no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from generator.engine import Completion
+from generator.service import Generator
+from learner.hub import Hub
+from pipeline import protocol as P
+from pipeline.config import config_from_dict
+from pipeline.tasks import echo_rows
+from pipeline.transports import checksum, serialize
+
+
+class FakeEngine:
+    """Answers every prompt with the prompt's first token repeated; 'loads' weights by recording them."""
+
+    def __init__(self):
+        self.version = 0
+        self.loaded: list[tuple[int, int]] = []
+
+    async def generate(self, prompt_ids, n, sampling, seed=None):
+        await asyncio.sleep(0.01)
+        v = self.version
+        return [Completion([prompt_ids[0]] * 4, [-0.5] * 4, "length", v, v, 1.0) for _ in range(n)]
+
+    async def load(self, source, crc32, version):
+        assert checksum(source) == crc32
+        self.loaded.append((version, len(source)))
+        self.version = version
+        return 1.0
+
+
+class FakeTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [4 + int(c) for c in text.split() if c.isdigit()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i - 4) for i in ids)
+
+
+async def _until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 1, "total_steps": 3},
+                            "weights": {"transport": "zmq", "chunk_mb": 1}, "hub": {"heartbeat_s": 0.2}})
+    hub = Hub(cfg, echo_rows(32, 0), tmp_path, "unit")
+    hub.start()
+    engine = FakeEngine()
+    gen = Generator(cfg, engine, FakeTokenizer(), hub.address)
+    task = asyncio.create_task(gen.run(handle_signals=False))
+    try:
+        await _until(lambda: len(hub.buffer) >= 8)  # (k + 1) * batch_size groups, then the window is full
+        batch, _ = await asyncio.to_thread(hub.take_batch, 0)
+        assert len(batch) == 4
+        for g in batch:  # rewards computed by the generator: 4 echoed digits of the 8 the echo task scores
+            assert g.samples[0].reward == 4 / 8 and P.unpack_ints(g.prompt_ids)[0] == P.unpack_ints(
+                g.samples[0].token_ids)[0]
+        # version 1: a 3 MB blob pulled over the control channel in 1 MB chunks and checked
+        blob = serialize([("w", torch.arange(750_000, dtype=torch.float32))])
+        hub.publish(1, P.WeightsReady(1, len(blob), checksum(blob)), blob)
+        await _until(lambda: engine.version == 1 and hub.generators[gen.id].version == 1)
+        assert engine.loaded == [(1, len(blob))]
+        await _until(lambda: any(behaviour == 1 for behaviour in
+                                 [min(s.first_version for s in g.samples) for g, _ in hub.buffer]))
+        applied = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if "weights_applied" in line]
+        assert len(applied) == 1
+    finally:
+        gen.stopping = 2
+        await asyncio.wait_for(task, 10)
+        hub.stop()
+    assert gen.id not in hub.generators  # it said goodbye
+
+
+async def test_generator_reregisters_when_the_hub_forgets_it(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 5},
+                            "hub": {"heartbeat_s": 0.1}})
+    hub = Hub(cfg, echo_rows(16, 0), tmp_path, "unit")
+    hub.start()
+    gen = Generator(cfg, FakeEngine(), FakeTokenizer(), hub.address)
+    task = asyncio.create_task(gen.run(handle_signals=False))
+    try:
+        await _until(lambda: gen.id in hub.generators)
+        with hub.lock:  # as after a heartbeat timeout: the hub drops it and re-queues its leases
+            hub._requeue_generator(gen.id, "heartbeat timeout")
+            del hub.generators[gen.id]
+        await _until(lambda: gen.id in hub.generators)  # told "register again", it did
+        registers = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if '"register"' in line]
+        assert len(registers) == 2
+    finally:
+        gen.stopping = 2
+        await asyncio.wait_for(task, 10)
+        hub.stop()
