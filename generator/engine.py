@@ -91,15 +91,27 @@ class Engine:
             for c in final.outputs
         ]
 
-    async def load(self, source: bytes | str, crc32: int, version: int) -> float:
-        """Swap in weights `version`; returns milliseconds spent paused."""
+    async def load(self, source: bytes | str, crc32: int | None, version: int) -> float:
+        """Swap in weights `version` (a blob, or the path of a file; crc32=None: already verified);
+        returns milliseconds spent paused."""
+        return await self._swap(version, "load_weights_blob", (source, crc32))
+
+    async def load_collective(self, version: int, manifest: list) -> float:
+        """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
+        return await self._swap(version, "load_weights_collective", (manifest,))
+
+    async def init_collective(self, host: str, info: dict) -> None:
+        await self.llm.collective_rpc("init_collective", args=(host, info["port"], info["world_size"],
+                                                                info["backend"], info["timeout_s"]))
+
+    async def _swap(self, version: int, method: str, args: tuple) -> float:
         async with self._update_lock:
             self._gate.clear()
             start = time.perf_counter()
             try:
                 await self.llm.pause_generation(mode="keep" if self.mode == "inflight" else "wait", clear_cache=False)
                 try:
-                    await self.llm.collective_rpc("load_weights_blob", args=(source, crc32))
+                    await self.llm.collective_rpc(method, args=args)
                     await self.llm.reset_prefix_cache()
                     self.version = version
                     if self.mode == "inflight":  # drain: every request finished before the swap

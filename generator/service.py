@@ -79,7 +79,8 @@ class Generator:
         client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s))
         try:
             welcome = await client.request(P.Register(self.id, self.host, self.boot_id, self.gpus, os.getpid(),
-                                                      self.engine.version), timeout=10.0)
+                                                      self.engine.version, self.cfg.generator.tensor_parallel_size),
+                                           timeout=10.0)
             if not isinstance(welcome, P.Welcome):
                 raise P.PeerLost(f"registration refused: {getattr(welcome, 'message', welcome)}")
             log.info("generator %s registered (learner version %d, transport %s)", self.id, welcome.version,
@@ -92,6 +93,8 @@ class Generator:
             self.push.connect(welcome.rollouts_endpoint)
             self.announced: asyncio.Queue = asyncio.Queue()
             self.version_changed = asyncio.Condition()
+            if welcome.collective:  # nccl: meet the learner in this generator's process group
+                await self.engine.init_collective(_host_of(self.address), welcome.collective)
             if welcome.latest and welcome.latest["version"] != self.engine.version:
                 await self._apply(P.from_dict(P.WeightsReady, welcome.latest))
             await self._run_tasks()
@@ -108,7 +111,8 @@ class Generator:
     async def _run_tasks(self) -> None:
         """Run until the lease loop ends (drained or run complete); a failing background task ends it too."""
         leases = asyncio.create_task(self._leases())
-        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._subscribe())]
+        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._subscribe(),
+                                                              self._pushed())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -158,25 +162,47 @@ class Generator:
         finally:
             sub.close(linger=0)
 
+    async def _pushed(self) -> None:
+        """Announcements the hub sends on the control channel (the nccl transport's)."""
+        while True:
+            msg = await self.client.pushed.get()
+            if isinstance(msg, P.WeightsReady):
+                self.announced.put_nowait(msg)
+
     async def _weights(self) -> None:
         while True:
             ready = await self.announced.get()
-            while not self.announced.empty():  # skip to the newest announced version
+            if ready.collective != self.receiver.collective:
+                continue  # announcements of the other kind of transport
+            if ready.collective:  # every broadcast must be received, in order: the learner is sending it
+                await self._apply(ready)
+                continue
+            while not self.announced.empty():  # files: skip to the newest announced version
                 newer = self.announced.get_nowait()
-                ready = newer if newer.version > ready.version else ready
+                if not newer.collective and newer.version > ready.version:
+                    ready = newer
             if ready.version > self.engine.version:
                 await self._apply(ready)
 
     async def _apply(self, ready: P.WeightsReady) -> None:
         start = time.perf_counter()
-        source = await self.receiver.fetch(ready)
-        paused_ms = await self.engine.load(source, ready.checksum, ready.version)
+        try:
+            if ready.collective:
+                paused_ms = await self.engine.load_collective(ready.version, ready.manifest)
+            else:
+                path = await self.receiver.fetch(ready)  # verified against the announced checksum
+                paused_ms = await self.engine.load(path, None, ready.version)
+        except (P.ProtocolError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
+            raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
         total_ms = (time.perf_counter() - start) * 1000
         log.info("weights v%d applied: %.0f ms (%.0f ms paused), %.0f ms after the optimizer step", ready.version,
                  total_ms, paused_ms, (time.time() - ready.published_at) * 1000 if ready.published_at else 0)
         async with self.version_changed:
             self.version_changed.notify_all()
-        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms))
+        via = self.receiver.name if ready.collective or self.receiver.name != "nccl" else "zmq"
+        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, via))
 
     async def _leases(self) -> None:
         room = asyncio.Event()
@@ -251,6 +277,11 @@ class Generator:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         return self.tok(prompt, add_special_tokens=False)["input_ids"]
+
+
+def _host_of(address: str) -> str:
+    """tcp://HOST:PORT -> HOST"""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
 async def main(cfg: Config, address: str, gpus: str = "") -> None:

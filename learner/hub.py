@@ -45,6 +45,7 @@ class GeneratorInfo:
     index: int
     transport: str
     last_seen: float
+    ident: bytes = b""  # its ROUTER identity: where pushed (unsolicited) messages go
     version: int = -1
     tokens_per_s: float = 0.0
     groups: int = 0
@@ -64,8 +65,9 @@ class HubStopped(RuntimeError):
 
 class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
-                 state: dict | None = None):
+                 state: dict | None = None, collective=None):
         self.cfg, self.rows, self.run_dir, self.run_id = cfg, rows, run_dir, run_id
+        self.collective = collective  # learner.collective.CollectivePeers for the nccl transport
         self.version = version
         self.lock = threading.Condition()
         self.generators: dict[str, GeneratorInfo] = {}
@@ -82,8 +84,9 @@ class Hub:
         # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
         self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
         self._gen_index = itertools.count()
-        self._outbox: deque[bytes] = deque()
+        self._outbox: deque[tuple[bytes | None, bytes]] = deque()  # (ROUTER identity or None for PUB, message)
         self._stopped = threading.Event()
+        self._wake_lock = threading.Lock()
         self._boot_id = host_identity()[1]
         if state:
             self._restore(state)
@@ -133,7 +136,8 @@ class Hub:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._wake_tx.send(b"")
+        with self._wake_lock:
+            self._wake_tx.send(b"")
         self._thread.join(timeout=5)
         with self.lock:
             self.lock.notify_all()
@@ -151,7 +155,11 @@ class Hub:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
             while self._outbox:
-                self.pub.send(self._outbox.popleft())
+                ident, data = self._outbox.popleft()
+                if ident is None:
+                    self.pub.send(data)
+                else:
+                    self.control.send_multipart([ident, data])
             if self.control in events:
                 self._drain(self.control, self._on_control)
             if self.rollouts in events:
@@ -188,6 +196,9 @@ class Hub:
             return
         with self.lock:
             reply = self._handle(msg)
+            gen = self.generators.get(getattr(msg, "generator_id", None))
+            if gen is not None:
+                gen.ident = ident
         self._reply(ident, reply, rid)
 
     def _bad(self, what: str) -> None:
@@ -213,6 +224,11 @@ class Hub:
         old = self.generators.pop(msg.generator_id, None)
         if old is not None:  # a reconnect under the same id: its old leases are void
             self._requeue_generator(old.generator_id, "re-registered")
+        collective = {}
+        if transport == "nccl":
+            if self.collective is None:
+                return P.Error("weights.transport nccl: this learner has no collective transport", fatal=True)
+            collective = self.collective.open(msg.generator_id, 1 + msg.tensor_parallel)
         gen = GeneratorInfo(msg.generator_id, msg.host, msg.gpus, msg.pid, next(self._gen_index), transport,
                             time.monotonic(), version=msg.loaded_version)
         self.generators[gen.generator_id] = gen
@@ -222,7 +238,7 @@ class Hub:
             run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
             rollouts_endpoint=self._endpoint(self.rollouts_port), weights_endpoint=self._endpoint(self.pub_port),
             transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s, sampling=self._sampling(),
-            group_size=self.cfg.trainer.group_size, index=gen.index, latest=self._latest(),
+            group_size=self.cfg.trainer.group_size, index=gen.index, latest=self._latest(), collective=collective,
         )
 
     def _latest(self) -> dict:
@@ -291,7 +307,8 @@ class Hub:
 
     def _on_weights_applied(self, msg: P.WeightsApplied) -> P.Message:
         self.generators[msg.generator_id].version = msg.version
-        self._event("weights_applied", generator=msg.generator_id, version=msg.version, load_ms=msg.load_ms)
+        self._event("weights_applied", generator=msg.generator_id, version=msg.version, load_ms=msg.load_ms,
+                    via=msg.via)
         return P.Ack()
 
     def _on_weights_fetch(self, msg: P.WeightsFetch) -> P.Message:
@@ -371,6 +388,8 @@ class Hub:
                     del self.generators[gen.generator_id]
 
     def _requeue_generator(self, gen_id: str, why: str) -> None:
+        if self.collective is not None:
+            self.collective.close(gen_id)
         n = 0
         for lease_id in [i for i, lease in self.leases.items() if lease.generator_id == gen_id]:
             keys = list(self.leases.pop(lease_id).items)
@@ -414,20 +433,34 @@ class Hub:
                     return batch, stats
                 self.lock.wait(0.5)
 
-    def publish(self, version: int, ready: P.WeightsReady, blob: bytes | None) -> None:
-        """The step that produced `version` is done: its groups join the ledger; announce the weights."""
+    def finish_step(self, version: int) -> None:
+        """The step that produced `version` is done: its groups join the ledger, admission moves on."""
         with self.lock:
             self.trained.update((g.epoch, g.prompt_id) for g in self.in_step)
             self.in_step = []
             self.version = version
-            if blob is not None:
-                self.blobs[version] = blob
-                for v in [v for v in self.blobs if v < version - 1]:
-                    del self.blobs[v]
-            self.last_ready = ready
             self.lock.notify_all()
-        self._outbox.append(P.encode(ready))
-        self._wake_tx.send(b"")
+
+    def announce(self, ready: P.WeightsReady, blob: bytes | None) -> None:
+        """Serve `blob` for zmq generators and announce it (any thread: the PUB send happens on the hub's).
+        A collective announcement is not the `latest` that joiners load: they load a blob."""
+        with self.lock:
+            if blob is not None:
+                self.blobs[ready.version] = blob
+                for v in [v for v in self.blobs if v < ready.version - 1]:
+                    del self.blobs[v]
+            if not ready.collective:
+                self.last_ready = ready
+                self._outbox.append((None, P.encode(ready)))
+            else:  # pushed over the control channel: reliable, and in order with the broadcasts that follow
+                data = P.encode(ready)
+                self._outbox.extend((g.ident, data) for g in self.generators.values() if g.transport == "nccl")
+        with self._wake_lock:  # the inproc socket is shared by the learner and publisher threads
+            self._wake_tx.send(b"")
+
+    def publish(self, version: int, ready: P.WeightsReady, blob: bytes | None) -> None:
+        self.finish_step(version)
+        self.announce(ready, blob)
 
     def wait_generators_gone(self, timeout: float) -> bool:
         with self.lock:

@@ -59,22 +59,22 @@ def build_engine(cfg: Config, model_path: str):
 
 
 def gathered_weights(engine, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full CPU tensor) one parameter at a time; under ZeRO-3 each is gathered then released,
-    so the extra device memory stays near one parameter."""
+    """(name, full parameter on the learner's device) one at a time. Under ZeRO-3 each is gathered for
+    the time the consumer holds it, then released, so the extra device memory stays near one parameter.
+    The tensors are the live parameters: copy what must outlive the next optimizer step."""
     import deepspeed
 
     for name, p in engine.module.named_parameters():
         if zero_stage == 3:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                t = p.data.detach().to("cpu", copy=True)
+                yield name, p.data.detach()
         else:
-            t = p.data.detach().to("cpu")
-        yield name, t
+            yield name, p.data.detach()
 
 
 def save_hf(engine, cfg: Config, tokenizer, out_dir, rank: int) -> None:
     """Final weights in Hugging Face format (loadable with from_pretrained)."""
-    state = dict(gathered_weights(engine, cfg.trainer.zero_stage))
+    state = {name: t.to("cpu", copy=True) for name, t in gathered_weights(engine, cfg.trainer.zero_stage)}
     if rank == 0:
         engine.module.save_pretrained(out_dir, state_dict=state)
         if tokenizer is not None:

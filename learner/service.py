@@ -49,19 +49,24 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         discarded = truncate_metrics(run_dir, version)
         log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
     run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
-    hub = None
+    hub = collective = None
     if rank == 0:
         save_config(cfg, run_dir / "config.yaml")
-        hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state)
+        if cfg.weights.transport == "nccl":
+            from learner.collective import CollectivePeers
+
+            collective = CollectivePeers(cfg.hub.host, cfg.weights.collective_timeout_s)
+        hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state, collective)
         hub.start()
         (run_dir / "hub.json").write_text(json.dumps({"address": hub.address, "pid": os.getpid(), "run_id": run_id}))
         print(f"learner: hub listening on {hub.address}  (pipeline generator -c CONFIG --learner {hub.address})",
               flush=True)
-    publisher = WeightPublisher(cfg, engine, hub, run_id, rank)
+    publisher = WeightPublisher(cfg, engine, hub, run_id, rank, collective)
     publisher.publish(version)
     metrics = MetricsWriter(run_dir)
     try:
         train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id)
+        publisher.flush()
         save_hf(engine, cfg, tokenizer, run_dir / "final", rank)
         if rank == 0:
             plot(run_dir)
@@ -91,6 +96,7 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
         record = {
             "step": step, "version": step + 1, **stats, **drop_stats, "time/wait_s": waited,
             "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
+            "sync/serialize_ms": publisher.serialize_ms,
             "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
             "generators": len(hub.generators), "max_staleness": cfg.trainer.max_staleness,
             "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import ConfigError, apply_environment, load_config
+from pipeline.config import ConfigError, apply_environment, env_flag, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,15 +58,36 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(cfg, args.config, args.overrides, args.run_dir)
     if args.command == "learner":
-        from learner.service import main as learner_main
+        from learner.launch import spawn_ranks, world_size
 
         run_dir = make_run_dir(cfg, args.resume or args.run_dir)
+        world = world_size(cfg.trainer.ranks, args.gpus)
+        if world > 1 and not env_flag("RANK"):  # the parent: start one process per rank, same run directory
+            child = _without_gpus(sys.argv[1:] if argv is None else argv)
+            if args.run_dir is None and args.resume is None:
+                child += ["--run-dir", str(run_dir)]
+            return spawn_ranks(child, world, args.gpus)
+        from learner.service import main as learner_main
+
         learner_main(cfg, run_dir, resume=args.resume is not None)
         return 0
     from generator.service import main as generator_main
 
     asyncio.run(generator_main(cfg, args.learner, args.gpus or ""))
     return 0
+
+
+def _without_gpus(argv: list[str]) -> list[str]:
+    """Ranks get their GPU from the parent (CUDA_VISIBLE_DEVICES); drop --gpus from their arguments."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            out.append(a)
+    return out
 
 
 def make_run_dir(cfg, explicit: Path | None) -> Path:

@@ -28,6 +28,7 @@ class HubClient:
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
+        self.pushed: asyncio.Queue = asyncio.Queue()  # messages the hub sent unasked (request id 0)
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -37,6 +38,9 @@ class HubClient:
                 msg, rid = P.decode(data, limit=2**31)
             except P.ProtocolError as e:
                 log.warning("hub sent a bad reply: %s", e)
+                continue
+            if rid == 0 and not isinstance(msg, P.Error):
+                self.pushed.put_nowait(msg)
                 continue
             fut = self._waiting.pop(rid, None)
             if fut is not None and not fut.done():

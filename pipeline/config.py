@@ -114,6 +114,8 @@ class TrainerConfig:
     """Seed of the learner."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    ranks: int = 0
+    """Learner processes (data parallel). 0: one per GPU given with --gpus, else 1. On CPU, gloo ranks."""
 
 
 @dataclass
@@ -156,10 +158,13 @@ class HubConfig:
 
 @dataclass
 class WeightsConfig:
-    transport: Literal["auto", "zmq", "shm"] = "auto"
-    """auto: shm for generators on the learner's host, zmq otherwise."""
+    transport: Literal["auto", "zmq", "shm", "nccl"] = "auto"
+    """auto: shm for generators on the learner's host, zmq otherwise. nccl: broadcast from the learner's GPU
+    to each generator's GPUs (one process group per generator, made when it registers; gloo on CPU)."""
     chunk_mb: int = 16
     """Chunk size of the zmq transport."""
+    collective_timeout_s: float = 120.0
+    """nccl transport: rendezvous and broadcast timeout; a generator that misses it is dropped from the group."""
 
 
 @dataclass
@@ -194,11 +199,12 @@ _POSITIVE = {
     "trainer.total_steps", "trainer.batch_size", "trainer.group_size", "trainer.micro_batch_tokens",
     "sampling.max_tokens", "generator.lease_size", "generator.max_inflight_groups", "generator.max_num_seqs",
     "generator.max_model_len", "generator.tensor_parallel_size", "hub.heartbeat_s", "hub.heartbeat_timeout_s",
-    "hub.max_message_mb", "weights.chunk_mb", "trainer.lr", "data.size", "run.generators", "generator.cpu_kvcache_gb",
+    "hub.max_message_mb", "weights.chunk_mb",
+    "weights.collective_timeout_s", "trainer.lr", "data.size", "run.generators", "generator.cpu_kvcache_gb",
 }
 _NON_NEGATIVE = {
     "trainer.max_staleness", "trainer.epochs", "trainer.checkpoint_every", "trainer.weight_decay", "trainer.grad_clip",
-    "trainer.clip_eps", "sampling.temperature", "hub.port",
+    "trainer.clip_eps", "sampling.temperature", "hub.port", "trainer.ranks",
 }
 
 

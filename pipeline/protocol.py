@@ -78,6 +78,7 @@ class Register(Message):
     gpus: str = ""
     pid: int = 0
     loaded_version: int = -1  # >= 0 when reconnecting with an engine that already holds weights
+    tensor_parallel: int = 1  # workers of this generator (ranks of its nccl process group, besides the learner)
 
 
 @dataclass
@@ -103,6 +104,7 @@ class WeightsApplied(Message):
     generator_id: str
     version: int
     load_ms: float = 0.0
+    via: str = ""  # the transport that delivered it
 
 
 @dataclass
@@ -149,6 +151,7 @@ class Welcome(Message):
     group_size: int = 2
     index: int = 0  # registration order, for per-generator seeds
     latest: dict = field(default_factory=dict)  # WeightsReady of the current version, as a map
+    collective: dict = field(default_factory=dict)  # nccl transport: port, world_size, backend, timeout_s
 
 
 @dataclass
@@ -213,6 +216,8 @@ class WeightsReady(Message):
     checksum: int  # crc32 of the safetensors blob
     shm_path: str = ""  # set when the shm transport wrote the blob to /dev/shm
     published_at: float = 0.0  # learner's time.time() at the end of the optimizer step
+    collective: bool = False  # nccl transport: the learner broadcasts the tensors now, in manifest order
+    manifest: list = field(default_factory=list)  # [[name, dtype, shape], ...] when collective
 
 
 # ---- codec ---------------------------------------------------------------------------------------

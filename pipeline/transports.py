@@ -3,16 +3,21 @@
 The learner serialises the weights once per version into a safetensors blob, with a crc32 checksum,
 and the hub announces `WeightsReady` on the PUB socket. What a generator does with the announcement
 depends on the transport chosen for it at registration (`make_receiver`, picked once):
-  zmq  pulls the blob from the hub in chunks over the control channel (any host, late joiners);
-  shm  reads the file the learner wrote to /dev/shm (same host: no socket copy).
+  zmq  pulls the blob from the hub in chunks over the control channel into a local file (any host,
+       late joiners);
+  shm  uses the file the learner wrote to /dev/shm (same host: no socket copy).
+Either way the engine's workers get a path and read the file once.
+  nccl the learner broadcasts each tensor into the generator's workers (learner/collective.py).
 Announcements always travel over ZeroMQ; a new transport implements `Receiver.fetch`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import socket
+import tempfile
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -73,68 +78,110 @@ class ChecksumMismatch(P.ProtocolError):
 
 
 class Receiver:
-    """Generator side of a transport: turn an announcement into bytes the engine can load."""
+    """Generator side of a transport: turn an announcement into a verified safetensors file.
+
+    The file's path (not its bytes) goes to the engine's workers, which read it once; the checksum is
+    checked here, before the engine pauses for the update.
+    """
 
     name = ""
+    collective = False  # True: versions arrive as broadcasts into the workers, not as files
 
-    async def fetch(self, ready: P.WeightsReady) -> bytes:
+    async def fetch(self, ready: P.WeightsReady) -> str:
         raise NotImplementedError
 
 
 class ZmqReceiver(Receiver):
+    """Pulls the blob from the hub in chunks (several in flight) straight into a local file."""
+
     name = "zmq"
 
     def __init__(self, client, chunk_bytes: int, window: int = 4):
         self.client, self.chunk, self.window = client, chunk_bytes, window
+        self.dir = (SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())) / f"pipeline-recv-{os.getpid()}"
 
-    async def fetch(self, ready: P.WeightsReady) -> bytes:
-        buf = bytearray(ready.size)
-        offsets = list(range(0, ready.size, self.chunk))
-        sem = asyncio.Semaphore(self.window)  # chunks in flight: keeps the socket busy without flooding it
+    async def fetch(self, ready: P.WeightsReady) -> str:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob("weights-v*.safetensors"):
+            old.unlink(missing_ok=True)  # the engine has loaded the previous version already
+        path = self.dir / f"weights-v{ready.version}.safetensors"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, ready.size)
+            sem = asyncio.Semaphore(self.window)  # chunks in flight: keeps the socket busy without flooding it
 
-        async def one(off: int) -> None:
-            async with sem:
-                reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk))
-            if not isinstance(reply, P.WeightsChunk):
-                raise P.ProtocolError(f"weights v{ready.version} at {off}: {getattr(reply, 'message', reply)}")
-            buf[off:off + len(reply.data)] = reply.data
+            async def one(off: int) -> None:
+                async with sem:
+                    reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk))
+                if not isinstance(reply, P.WeightsChunk):
+                    raise P.ProtocolError(f"weights v{ready.version} at {off}: {getattr(reply, 'message', reply)}")
+                os.pwrite(fd, reply.data, off)
 
-        await asyncio.gather(*(one(o) for o in offsets))
-        return _verified(bytes(buf), ready)
+            await asyncio.gather(*(one(o) for o in range(0, ready.size, self.chunk)))
+        finally:
+            os.close(fd)
+        return await verify_file(str(path), ready)
+
+    def close(self) -> None:
+        for f in self.dir.glob("*"):
+            f.unlink(missing_ok=True)
 
 
 class ShmReceiver(Receiver):
-    """Reads the learner's /dev/shm file; falls back to zmq for a version that was not written there
-    (published before this generator registered, or already removed as old)."""
+    """Uses the file the learner wrote to /dev/shm; falls back to zmq for a version that was not written
+    there (published before this generator registered, or already removed as old)."""
 
     name = "shm"
 
     def __init__(self, fallback: Receiver):
         self.fallback = fallback
 
-    async def fetch(self, ready: P.WeightsReady) -> bytes:
-        try:
-            if not ready.shm_path:
-                raise FileNotFoundError
-            blob = await asyncio.to_thread(Path(ready.shm_path).read_bytes)
-        except FileNotFoundError:
+    async def fetch(self, ready: P.WeightsReady) -> str:
+        if not ready.shm_path or not Path(ready.shm_path).exists():
             return await self.fallback.fetch(ready)
-        return _verified(blob, ready)
+        return await verify_file(ready.shm_path, ready)
 
 
-def _verified(blob: bytes, ready: P.WeightsReady) -> bytes:
-    got = checksum(blob)
-    if len(blob) != ready.size or got != ready.checksum:
+async def verify_file(path: str, ready: P.WeightsReady) -> str:
+    """Check size and crc32 of the file against the announcement (in a thread: crc32 releases the GIL)."""
+
+    def crc() -> tuple[int, int]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return 0, 0
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return size, zlib.crc32(m)
+
+    size, got = await asyncio.to_thread(crc)
+    if size != ready.size or got != ready.checksum:
         raise ChecksumMismatch(
-            f"weights v{ready.version}: {len(blob)} bytes with crc32 {got:#x}, announced {ready.size} bytes "
+            f"weights v{ready.version}: {path} has {size} bytes with crc32 {got:#x}, announced {ready.size} bytes "
             f"with crc32 {ready.checksum:#x}"
         )
-    return blob
+    return path
+
+
+class CollectiveReceiver(Receiver):
+    """nccl: versions arrive as broadcasts into the engine's workers (`collective = True` announcements);
+    the version current at registration comes as a file over zmq."""
+
+    name = "nccl"
+    collective = True
+
+    def __init__(self, fallback: Receiver):
+        self.fallback = fallback
+
+    async def fetch(self, ready: P.WeightsReady) -> str:
+        return await self.fallback.fetch(ready)
 
 
 def make_receiver(transport: str, client, chunk_mb: int) -> Receiver:
+    zmq_receiver = ZmqReceiver(client, chunk_mb * 2**20)
     if transport == "zmq":
-        return ZmqReceiver(client, chunk_mb * 2**20)
+        return zmq_receiver
     if transport == "shm":
-        return ShmReceiver(ZmqReceiver(client, chunk_mb * 2**20))
-    raise ValueError(f"weights.transport: {transport!r} is not available here (zmq, shm)")
+        return ShmReceiver(zmq_receiver)
+    if transport == "nccl":
+        return CollectiveReceiver(zmq_receiver)
+    raise ValueError(f"weights.transport: {transport!r} is not available here (zmq, shm, nccl)")

@@ -1,0 +1,289 @@
+"""Shared pieces of the benchmarks: a random-weight model of a real shape, a synthetic dataset, a reward
+with variance, result files, and `Services`, which starts a learner and generators as processes.
+
+Models are built locally (no download): Qwen2.5's shape with random weights and a word-level tokenizer
+of the same vocabulary size ("t0" .. "t151935"), so decoding and reward scoring cost what they would
+on real text of the same token count. Processes are stopped by process group, never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline import protocol as P
+from pipeline.client import request_once
+from pipeline.launcher import Child
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PGIDS = Path(os.environ.get("BENCH_PGIDS", "/tmp/bench-pgids.txt"))
+QWEN_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+
+
+def build_model(size: str, dest: Path, seed: int = 0) -> Path:
+    """A random-weight Qwen2 of `size` ("0.5b", "1.5b", "7b"; "tiny": the builtin one) in bf16, with tokenizer."""
+    dest = Path(dest)
+    if size == "tiny":
+        from pipeline.tinymodel import build_tiny_model
+
+        return build_tiny_model(dest)
+    if (dest / "config.json").exists():
+        return dest
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    from pipeline.tinymodel import qwen_shaped_config
+
+    cfg = qwen_shaped_config(size)
+    # single characters first (letters, digits, byte-level space "Ġ"): prompts of letters encode to ids whether
+    # transformers honours tokenizer.json or rebuilds a byte-level BPE from the vocabulary (no merges)
+    chars = ["<unk>", *"abcdefghijklmnopqrstuvwxyz0123456789", "Ġ"]
+    vocab = {QWEN_SPECIAL.get(i, chars[i] if i < len(chars) else f"t{i}"): i for i in range(cfg.vocab_size)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['content'] }} <|im_end|> {% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|> {% endif %}")
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    _pin_tokenizer_class(tmp)
+    os.replace(tmp, dest)
+    return dest
+
+
+def _pin_tokenizer_class(path: Path) -> None:
+    """Make AutoTokenizer load tokenizer.json as is (some transformers 5 releases map model_type qwen2 to
+    Qwen2Tokenizer, whose BPE has no merges for this vocabulary and encodes our prompts to nothing)."""
+    from transformers import AutoTokenizer
+
+    cfg_path = path / "tokenizer_config.json"
+    base = json.loads(cfg_path.read_text())
+    best = base
+    for cls in ("PreTrainedTokenizerFast", "TokenizersBackend", None):
+        cfg = dict(base)
+        if cls:
+            cfg["tokenizer_class"] = cls
+        else:
+            cfg.pop("tokenizer_class", None)
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        try:
+            ids = AutoTokenizer.from_pretrained(path)("a b c", add_special_tokens=False)["input_ids"]
+        except Exception as e:  # try the next class
+            print(f"tokenizer class {cls}: {e}", flush=True)
+            continue
+        print(f"tokenizer class {cls}: {ids}", flush=True)
+        if list(ids) == [1, 2, 3]:
+            return
+        if ids:
+            best = cfg
+    cfg_path.write_text(json.dumps(best, indent=2))  # not word-level, but prompts still encode to ids
+
+
+def write_dataset(path: Path, rows: int = 4096, prompt_tokens: int = 32, vocab: int = 151000, seed: int = 0) -> Path:
+    """JSONL with `prompt` (random word-level tokens) and `answer` columns."""
+    rng = random.Random(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(rows):
+            prompt = " ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(prompt_tokens))
+            f.write(json.dumps({"prompt": prompt, "answer": str(rng.randrange(100))}) + "\n")
+    return path
+
+
+def parity_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
+    """Fraction of odd token ids: random-weight models get rewards with variance, so no group is skipped."""
+    return [sum(t & 1 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def machine() -> dict:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        out = []
+    return {"gpus": out, "gpu_count": len(out), "cpus": os.cpu_count(), "host": os.uname().nodename}
+
+
+def write_result(name: str, command: str, model: str, metrics: dict, **extra) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
+              "command": command, "model": model, "metrics": metrics, **extra}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2), flush=True)
+    return path
+
+
+def run_config(model: str, data: str, **sections) -> dict:
+    """A run config for benchmarks: bf16, fixed-length completions, the parity reward; `sections` override."""
+    cfg = {
+        "model": {"path": model, "dtype": "bfloat16"},
+        "data": {"path": data},
+        "rewards": [{"fn": "bench.common:parity_reward"}],
+        "sampling": {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0},
+        "trainer": {"total_steps": 10, "batch_size": 8, "group_size": 4, "max_staleness": 1, "lr": 1e-6,
+                    "loss": "decoupled", "zero_stage": 0, "micro_batch_tokens": 16384},
+        "generator": {"gpu_memory_utilization": 0.45, "max_model_len": 512, "enforce_eager": True,
+                      "max_inflight_groups": 32, "lease_size": 8},
+        "hub": {"heartbeat_timeout_s": 60.0},
+        "weights": {"transport": "auto"},
+    }
+    if "tiny" in Path(model).name:  # CPU smoke runs: the builtin model has 256 positions
+        cfg["generator"]["max_model_len"] = 256
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+class Services:
+    """A learner and generators as separate `pipeline` processes, each in its own process group."""
+
+    def __init__(self, run_dir: Path, cfg: dict, use_gpus: bool = True):
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.cfg_path = self.run_dir / "bench.yaml"
+        self.cfg_path.write_text(yaml.safe_dump(cfg))
+        self.use_gpus = use_gpus
+        self.children: list[Child] = []
+        self.started: dict[str, float] = {}
+        self.address = ""
+        signal.signal(signal.SIGTERM, _exit_on_term)  # `timeout` stops the driver: still stop the children
+
+    def _argv(self, *args: str, gpus: str, overrides: tuple[str, ...] = ()) -> list[str]:
+        argv = [sys.executable, "-m", "pipeline.cli", *args, "-c", str(self.cfg_path)]
+        for o in overrides:
+            argv += ["--set", o]
+        if self.use_gpus:
+            argv += ["--gpus", gpus]
+        return argv
+
+    def start_learner(self, gpus: str = "0", timeout: float = 300) -> str:
+        argv = self._argv("learner", gpus=gpus) + ["--run-dir", str(self.run_dir)]
+        self.started["learner"] = time.time()
+        learner = Child("learner", argv, self.run_dir / "logs" / "learner.log", env=_env())
+        self._track(learner)
+        deadline = time.monotonic() + timeout  # seconds; DeepSpeed's first start may build an op
+        while time.monotonic() < deadline:
+            if (self.run_dir / "hub.json").exists():
+                self.address = json.loads((self.run_dir / "hub.json").read_text())["address"]
+                return self.address
+            if learner.proc.poll() is not None:
+                raise RuntimeError(f"learner exited with {learner.proc.returncode}:\n{learner.tail(40)}")
+            time.sleep(0.1)
+        raise RuntimeError(f"no hub within {timeout} s:\n{learner.tail(40)}")
+
+    def start_generator(self, name: str = "generator-0", gpus: str = "1", overrides: tuple[str, ...] = ()) -> Child:
+        argv = self._argv("generator", gpus=gpus, overrides=overrides) + ["--learner", self.address]
+        self.started[name] = time.time()
+        child = Child(name, argv, self.run_dir / "logs" / f"{name}.log", env=_env())
+        self._track(child)
+        return child
+
+    def _track(self, child: Child) -> None:
+        self.children.append(child)
+        with PGIDS.open("a") as f:  # run_gpu.sh stops leftovers by these ids (children run in new sessions)
+            f.write(f"{child.pid}\n")
+
+    @property
+    def learner(self) -> Child:
+        return self.children[0]
+
+    def metrics(self) -> list[dict]:
+        from pipeline.metrics import read_metrics
+
+        return read_metrics(self.run_dir)
+
+    def events(self, name: str | None = None) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e for e in out if name is None or e["event"] == name]
+
+    def status(self) -> dict:
+        reply = request_once(self.address, P.StatusRequest())
+        return reply.info if isinstance(reply, P.Ack) else {}
+
+    def set(self, key: str, value) -> None:
+        reply = request_once(self.address, P.SetRequest(key, value))
+        if isinstance(reply, P.Error):
+            raise RuntimeError(f"set {key}={value}: {reply.message}")
+
+    def wait_steps(self, n: int, timeout: float) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            records = self.metrics()
+            if len(records) >= n:
+                return records
+            self.check_alive()
+            time.sleep(0.1)
+        raise RuntimeError(f"{len(self.metrics())} of {n} steps after {timeout} s\n{self.tails()}")
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is not None and c.proc.returncode != 0:
+                raise RuntimeError(f"{c.name} exited with {c.proc.returncode}:\n{c.tail(40)}")
+
+    def tails(self, n: int = 25) -> str:
+        return "\n".join(f"--- {c.name} ---\n{c.tail(n)}" for c in self.children)
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            c.stop(grace=10)
+
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _exit_on_term(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def log_times(path: Path, pattern: str) -> list[tuple[float, str]]:
+    """(unix time, line) of log lines containing `pattern` (the logging format starts with asctime)."""
+    import datetime
+
+    out = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if pattern in line:
+            try:
+                stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue
+            out.append((stamp, line))
+    return out
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2

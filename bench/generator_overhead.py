@@ -1,0 +1,137 @@
+"""generator_overhead: tokens/s of our generator loop ÷ tokens/s of bare vLLM AsyncLLM, same engine and GPU.
+
+One AsyncLLM engine, built by our `Engine` wrapper (same engine args as the service). Two ways of
+driving it, alternated round by round with the same prompts, n and fixed output lengths (ignore_eos):
+  bare  `llm.generate` directly with the same SamplingParams, prompts pre-tokenised;
+  ours  the service's per-group path, `Generator._group`: tokenise, `Engine.generate` (version gate and
+        bookkeeping), decode, reward functions in a thread, pack a RolloutGroup and encode it (the
+        push socket is replaced by a sink that counts bytes).
+Target: ours / bare >= 0.95.
+
+    python -m bench.generator_overhead --model-size 0.5b --gpus 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+
+class _Sink:
+    def __init__(self):
+        self.bytes = 0
+        self.messages = 0
+
+    async def send(self, data, copy: bool = False) -> None:
+        self.bytes += len(data)
+        self.messages += 1
+
+
+async def _bare(engine, prompt_ids: list[list[int]], n: int, sampling: dict, tag: str) -> int:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        n=n, max_tokens=sampling["max_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
+        ignore_eos=True, logprobs=0, detokenize=False, stop_token_ids=[engine.eos_id],
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+    async def one(i: int, ids: list[int]) -> int:
+        final = None
+        async for out in engine.llm.generate({"prompt_token_ids": ids}, params, request_id=f"{tag}-{i}"):
+            final = out
+        return sum(len(c.token_ids) for c in final.outputs)
+
+    return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids))))
+
+
+async def _ours(gen, prompts: list[str], sampling: dict, round_: int) -> int:
+    from pipeline import protocol as P
+
+    items = [P.PromptItem(prompt_id=i, epoch=round_, prompt=p, columns={"answer": "1"}) for i, p in enumerate(prompts)]
+    lease = P.Lease(lease_id=round_, min_version=0, groups=items, sampling=sampling)
+    before = gen.tokens
+    await asyncio.gather(*(gen._group(lease, item) for item in items))
+    return gen.tokens - before
+
+
+async def main(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from bench.common import build_model, run_config, write_dataset
+    from generator.engine import Engine
+    from generator.service import Generator
+    from pipeline.config import config_from_dict
+
+    model = str(build_model(args.model_size, Path(args.model_dir)))
+    data = write_dataset(Path(args.model_dir).parent / "overhead.jsonl", rows=args.prompts, prompt_tokens=32)
+    cfg = config_from_dict(run_config(model, str(data), generator={
+        "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
+        "enforce_eager": True}))
+    tok = AutoTokenizer.from_pretrained(model)
+    t0 = time.perf_counter()
+    engine = Engine(cfg, model, seed=0, eos_id=tok.eos_token_id)
+    engine_start_s = time.perf_counter() - t0
+    gen = Generator(cfg, engine, tok, "tcp://127.0.0.1:1")
+    gen.welcome = SimpleNamespace(group_size=args.n)
+    gen.push = _Sink()
+    prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+    prompt_ids = [gen._encode(p) for p in prompts]
+    sampling = dict(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
+    warm = dict(sampling, max_tokens=16)
+    await _bare(engine, prompt_ids[:32], args.n, warm, "warm")
+    await _ours(gen, prompts[:32], warm, 10_000)
+    rounds = []
+    for r in range(args.rounds):
+        t = time.perf_counter()
+        bare_tok = await _bare(engine, prompt_ids, args.n, sampling, f"b{r}")
+        bare_s = time.perf_counter() - t
+        t = time.perf_counter()
+        ours_tok = await _ours(gen, prompts, sampling, r)
+        ours_s = time.perf_counter() - t
+        rounds.append({"bare_tokens": bare_tok, "bare_s": bare_s, "bare_tok_s": bare_tok / bare_s,
+                       "ours_tokens": ours_tok, "ours_s": ours_s, "ours_tok_s": ours_tok / ours_s,
+                       "ratio": (ours_tok / ours_s) / (bare_tok / bare_s)})
+        print(f"round {r}: bare {bare_tok / bare_s:.0f} tok/s, ours {ours_tok / ours_s:.0f} tok/s, "
+              f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
+    engine.shutdown()
+    bare = sum(x["bare_tokens"] for x in rounds) / sum(x["bare_s"] for x in rounds)
+    ours = sum(x["ours_tokens"] for x in rounds) / sum(x["ours_s"] for x in rounds)
+    return {"bare_tok_s": bare, "ours_tok_s": ours, "ratio": ours / bare, "target": 0.95,
+            "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "prompt_tokens": 32,
+            "max_num_seqs": args.max_num_seqs, "engine_start_s": engine_start_s, "rounds": rounds,
+            "rollout_bytes_per_round": gen.push.bytes // max(1, args.rounds + 1)}
+
+
+def cli() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-size", default="0.5b")
+    p.add_argument("--model-dir", default="/tmp/bench-models/q-0.5b")
+    p.add_argument("--gpus", default=None)
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    args = p.parse_args()
+    from pipeline.config import apply_environment, load_config
+
+    apply_environment(load_config(None, ["generator.enforce_eager=true"]), args.gpus)
+    metrics = asyncio.run(main(args))
+    from bench.common import write_result
+
+    write_result("generator_overhead", "python -m bench.generator_overhead " + " ".join(sys.argv[1:]),
+                 f"random-weight Qwen2.5-{args.model_size} shape, bf16, enforce_eager", metrics,
+                 gpus=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,151 @@
+"""weight_sync: from the end of the optimizer step to the generator running on the new weights.
+
+For each transport (zmq, shm) one short learner + generator run; per weights version it reads
+  learner   metrics.jsonl `sync/weights_ms`: gather + serialise + checksum (+ /dev/shm write) + announce;
+  generator "weights vN applied: X ms (Y ms paused), Z ms after the optimizer step": X = fetch + load,
+            Y = engine paused, Z = optimizer step end -> generator back on the new weights (the figure).
+Then the raw transfer of the same number of bytes: memcpy in RAM, /dev/shm write + read, and an NCCL
+broadcast GPU 0 -> GPU 1 (reference for a GPU-to-GPU transport).
+
+    python -m bench.weight_sync --sizes 0.5b --transports zmq,shm
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from bench.common import Services, build_model, log_times, median, run_config, write_dataset, write_result
+
+APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms paused\), (\d+) ms after the optimizer step")
+
+
+def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, steps: int, cpu: bool) -> dict:
+    cfg = run_config(model, data, sampling={"max_tokens": 32},
+                     trainer={"total_steps": steps + 3, "batch_size": 8, "group_size": 4, "max_staleness": 1},
+                     weights={"transport": transport})
+    if cpu:
+        cfg["model"]["dtype"] = "float32"
+    with Services(run_dir, cfg, use_gpus=not cpu) as svc:
+        svc.start_learner()
+        svc.start_generator()
+        svc.wait_steps(steps, timeout=300)
+        deadline = time.monotonic() + 30  # let the last versions be applied
+        while time.monotonic() < deadline and not any(
+                e["version"] >= steps for e in svc.events("weights_applied")):
+            time.sleep(0.1)
+        records = svc.metrics()
+    lines = [APPLIED.search(line) for _, line in log_times(run_dir / "logs" / "generator-0.log", "applied:")]
+    applied = [dict(version=int(m[1]), total_ms=int(m[2]), paused_ms=int(m[3]), after_step_ms=int(m[4]))
+               for m in lines if m]
+    steady = [a for a in applied if a["version"] >= 2] or applied  # v1 includes first-use warm-up
+    publish = [r["sync/weights_ms"] for r in records[1:]] or [r["sync/weights_ms"] for r in records]
+    return {
+        "transport": transport, "model_size": size, "versions": applied,
+        "learner_publish_ms_median": median(publish),
+        "generator_fetch_load_ms_median": median([a["total_ms"] for a in steady]),
+        "generator_paused_ms_median": median([a["paused_ms"] for a in steady]),
+        "step_end_to_applied_ms_median": median([a["after_step_ms"] for a in steady]),
+        "step_end_to_applied_ms_min": min((a["after_step_ms"] for a in steady), default=None),
+        "acks": len(svc.events("weights_applied")),
+    }
+
+
+def raw_transfers(nbytes: int, cpu: bool) -> dict:
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t = time.perf_counter()
+    for _ in range(3):
+        np.copyto(dst, src)
+    memcpy_ms = (time.perf_counter() - t) / 3 * 1000
+    path = Path("/dev/shm") / f"bench-raw-{os.getpid()}"
+    t = time.perf_counter()
+    path.write_bytes(src.tobytes())
+    write_ms = (time.perf_counter() - t) * 1000
+    t = time.perf_counter()
+    path.read_bytes()
+    read_ms = (time.perf_counter() - t) * 1000
+    path.unlink()
+    out = {"bytes": nbytes, "memcpy_ms": memcpy_ms, "shm_write_ms": write_ms, "shm_read_ms": read_ms}
+    if not cpu:
+        out["nccl_broadcast_ms"] = _nccl_broadcast_ms(nbytes)
+    return out
+
+
+def _nccl_worker(rank: int, nbytes: int, port: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for _ in range(2):
+        dist.broadcast(buf, 0)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dist.broadcast(buf, 0)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1000)
+    if rank == 1:
+        q.put(median(times))
+    dist.destroy_process_group()
+
+
+def _nccl_broadcast_ms(nbytes: int) -> float | None:
+    import torch.multiprocessing as mp
+
+    from pipeline.netutil import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, nbytes, port, q)) for r in range(2)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(120)
+    return q.get(timeout=5) if not q.empty() else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="0.5b")
+    p.add_argument("--transports", default="zmq,shm")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--models", default="/tmp/bench-models")
+    p.add_argument("--runs", default="/tmp/bench-runs")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--name", default="weight_sync", help="result file name")
+    args = p.parse_args()
+    data = str(write_dataset(Path(args.runs) / "sync.jsonl", rows=2048))
+    results = {}
+    for size in args.sizes.split(","):
+        model = build_model(size, Path(args.models) / f"q-{size}")
+        nbytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+        entry = {"model_bytes": nbytes}
+        for transport in args.transports.split(","):
+            try:
+                entry[transport] = one_run(size, str(model), data, transport,
+                                           Path(args.runs) / f"sync-{size}-{transport}", args.steps, args.cpu)
+            except Exception as e:  # keep the other measurements
+                entry[transport] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+            print(size, transport, entry[transport], flush=True)
+        entry["raw"] = raw_transfers(nbytes, args.cpu)
+        results[size] = entry
+    write_result(args.name, "python -m bench.weight_sync " + " ".join(sys.argv[1:]),
+                 "random-weight Qwen2.5 shapes, bf16 (" + args.sizes + ")", results)
+
+
+if __name__ == "__main__":
+    main()

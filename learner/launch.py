@@ -1,0 +1,51 @@
+"""Several learner ranks on one host: the `pipeline learner` process spawns one child per rank.
+
+Each child gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and, on GPUs, sees only
+its own GPU (CUDA_VISIBLE_DEVICES), so no rank allocates on another's device. Rank 0 serves the hub.
+Signals to the parent are passed on; when one rank fails, the others are stopped (by PID).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pipeline.netutil import free_port
+
+
+def world_size(ranks: int, gpus: str | None) -> int:
+    if ranks:
+        return ranks
+    return len(gpus.split(",")) if gpus else 1
+
+
+def spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
+    devices = gpus.split(",") if gpus else None
+    port = str(free_port())
+    children = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0" if devices else str(rank),
+               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
+        children.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], env=env))
+
+    def forward(sig, _frame):
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        codes = [c.poll() for c in children]
+        if all(code is not None for code in codes):
+            return max(codes, key=abs)
+        if any(code not in (None, 0) for code in codes):
+            for c in children:  # one rank failed: the collectives of the others would hang
+                if c.poll() is None:
+                    c.kill()
+        time.sleep(0.2)

@@ -1,0 +1,44 @@
+"""The nccl weight transport's code path, on CPU over gloo: one process group per generator, made at
+registration (so a generator can join mid-run), each version broadcast into vLLM's workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.helpers import read_jsonl, start_generator, start_learner, wait_steps
+
+pytestmark = pytest.mark.integration
+
+
+def _applied(run_dir) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "weights_applied"]
+
+
+def test_collective_transport_with_a_late_joiner(procs, tmp_path, model_cache, free_port):
+    run_dir = tmp_path / "nccl"
+    steps = 12
+    common = [f"trainer.total_steps={steps}", "weights.transport=nccl", "trainer.max_staleness=1",
+              "weights.collective_timeout_s=60"]
+    learner = start_learner(procs, run_dir, free_port, common)
+    first = start_generator(procs, run_dir, free_port, common, "first")
+    wait_steps(run_dir, 3, 600, [learner, first])
+    late = start_generator(procs, run_dir, free_port, common, "late")
+    wait_for(lambda: len({e["generator"] for e in _applied(run_dir) if e["via"] == "nccl"}) == 2, 300,
+             "the late generator to receive a broadcast", [learner, first, late])
+    assert learner.wait(300) == 0, learner.tail()
+    for g in (first, late):
+        assert g.wait(60) == 0, g.tail()
+    registers = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
+    assert [e["transport"] for e in registers] == ["nccl", "nccl"]
+    late_id = registers[1]["generator"]
+    late_versions = [(e["version"], e["via"]) for e in _applied(run_dir) if e["generator"] == late_id]
+    # the late joiner loads the version current at its registration as a file, then receives broadcasts
+    assert late_versions[0] == (registers[1]["version"], "zmq") and registers[1]["version"] > 0
+    assert all(via == "nccl" for _, via in late_versions[1:]) and late_versions[-1][0] == steps
+    first_versions = [v for e in _applied(run_dir) if e["generator"] == registers[0]["generator"]
+                      for v in [e["version"]]]
+    assert first_versions == list(range(1, steps + 1))  # every version, in order, by broadcast
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, steps + 1))
+    assert all(r["staleness/max_lag"] <= 1 for r in records)
