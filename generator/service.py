@@ -249,25 +249,27 @@ class Generator:
     async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
         try:
             prompt_ids = self._encode(item.prompt)
-            seed = None
-            outs = await self.engine.generate(prompt_ids, self.welcome.group_size, lease.sampling, seed)
-            texts = [self.tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-            totals, per_fn = await asyncio.to_thread(score, self.rewards, item.prompt, texts,
-                                                     [o.token_ids for o in outs], item.columns)
-            samples = [
-                P.Sample(P.pack_ints(o.token_ids), P.pack_floats(o.logprobs), totals[i], per_fn[i], o.finish_reason,
-                         o.first_version, o.last_version, o.gen_ms)
-                for i, o in enumerate(outs)
-            ]
+            outs = await self.engine.generate(prompt_ids, self.welcome.group_size, lease.sampling)
+            # decode, score and encode off the event loop, which keeps feeding the engine meanwhile
+            data = await asyncio.to_thread(self._rollout_message, lease, item, prompt_ids, outs)
             self.tokens += sum(len(o.token_ids) for o in outs)
-            group = P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch, P.pack_ints(prompt_ids),
-                                   samples, float(lease.sampling["temperature"]))
-            await self.push.send(P.encode(group), copy=False)
+            await self.push.send(data, copy=False)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("group for prompt %d failed; its lease will be re-queued by the hub", item.prompt_id)
             raise
+
+    def _rollout_message(self, lease: P.Lease, item: P.PromptItem, prompt_ids: list[int], outs) -> bytes:
+        texts = [self.tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        totals, per_fn = score(self.rewards, item.prompt, texts, [o.token_ids for o in outs], item.columns)
+        samples = [
+            P.Sample(P.pack_ints(o.token_ids), P.pack_floats(o.logprobs), totals[i], per_fn[i], o.finish_reason,
+                     o.first_version, o.last_version, o.gen_ms)
+            for i, o in enumerate(outs)
+        ]
+        return P.encode(P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch, P.pack_ints(prompt_ids),
+                                       samples, float(lease.sampling["temperature"])))
 
     def _encode(self, prompt: str) -> list[int]:
         d = self.cfg.data

@@ -233,7 +233,7 @@ class Hub:
                             time.monotonic(), version=msg.loaded_version)
         self.generators[gen.generator_id] = gen
         self._event("register", generator=gen.generator_id, host=gen.host, gpus=gen.gpus, transport=transport,
-                    version=self.version)
+                    version=self.version, weights=self.last_ready.version if self.last_ready else 0)
         return P.Welcome(
             run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
             rollouts_endpoint=self._endpoint(self.rollouts_port), weights_endpoint=self._endpoint(self.pub_port),

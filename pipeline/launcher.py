@@ -62,15 +62,17 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)
     cli = [sys.executable, "-m", "pipeline.cli"]
-    learner = Child("learner", cli + ["learner", "-c", str(resolved), "--run-dir", str(run_dir)],
-                    run_dir / "logs" / "learner.log")
+    learner = Child("learner", cli + ["learner", "-c", str(resolved), "--run-dir", str(run_dir)]
+                    + _gpus(cfg.run.learner_gpus), run_dir / "logs" / "learner.log")
     children = [learner]
     print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
     try:
         address = _wait_for_hub(run_dir, learner)
+        gpus = cfg.run.generator_gpus
         for i in range(cfg.run.generators):
-            children.append(Child(f"generator-{i}", cli + ["generator", "-c", str(resolved), "--learner", address],
-                                  run_dir / "logs" / f"generator-{i}.log"))
+            argv = cli + ["generator", "-c", str(resolved), "--learner", address]
+            argv += _gpus(gpus[i % len(gpus)] if gpus else None)
+            children.append(Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log"))
         rc = _follow(cfg, run_dir, learner, children[1:])
     except KeyboardInterrupt:
         print("\nstopping (Ctrl-C)...", flush=True)
@@ -87,6 +89,10 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
               f"{records[-1]['time/elapsed_s']:.0f} s of training")
         print(f"run directory: {run_dir}  (metrics.jsonl, reward.png, final/)")
     return rc
+
+
+def _gpus(gpus: str | None) -> list[str]:
+    return ["--gpus", gpus] if gpus else []
 
 
 def _wait_for_hub(run_dir: Path, learner: Child, timeout: float = 600) -> str:

@@ -66,3 +66,11 @@ def test_runtime_changes():
     with pytest.raises(ConfigError, match="out of range"):
         apply_runtime_change(cfg, "trainer.lr", -1.0)
     assert cfg.trainer.lr > 0
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "gpu-qwen-math.yaml", "gpu-single.yaml"])
+def test_shipped_configs_load(name):
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    assert cfg.trainer.total_steps > 0 and cfg.rewards

@@ -232,3 +232,22 @@ def test_run_time_changes(make_hub, tmp_path):
     status = peer.ask(P.StatusRequest())
     assert status.info["max_staleness"] == 2
     peer.close()
+
+
+def test_heartbeat_names_dead_leases_and_reregistration_voids_old_ones(make_hub):
+    hub = make_hub()
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(2)
+    ack = peer.ask(P.Heartbeat("gen-t", 0, lease_ids=[lease.lease_id, 12345]))
+    assert ack.info["dead_leases"] == [12345]  # the generator drops work for leases the hub no longer has
+    peer.register()  # the same id again (a reconnect): its old leases are void and their prompts re-queued
+    assert lease.lease_id not in hub.leases and hub.counters["requeued"] == 2
+    ack = peer.ask(P.Heartbeat("gen-t", 0, lease_ids=[lease.lease_id]))
+    assert ack.info["dead_leases"] == [lease.lease_id]
+    peer.send_groups(lease)  # late rollouts of the void lease are recognised and dropped
+    deadline = time.monotonic() + 5
+    while hub.counters["unknown_lease"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hub.counters["unknown_lease"] == 2 and not hub.buffer
+    peer.close()
