@@ -7,12 +7,16 @@ checkpoint holds every prompt id once, the version sequence is unbroken, the bou
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from pipeline import protocol as P
+from pipeline.client import request_once
 from tests.conftest import wait_for
 from tests.integration.helpers import read_jsonl, start_generator, start_learner
 
@@ -80,14 +84,26 @@ def test_joins_kills_drain_and_learner_resume(procs, tmp_path, model_cache, free
     assert [c["key"] for c in changes] == ["trainer.max_staleness", "sampling.temperature"]
     timeline.append(f"step {_steps(run_dir)}: pipeline set trainer.max_staleness=2 (from step {from_step})")
 
+    # freeze b while it holds a lease, then SIGKILL it: its leased prompts must go back to the queue
+    deadline = time.monotonic() + 120
+    while True:
+        os.killpg(gen_b.pid, signal.SIGSTOP)
+        rows = {g["id"]: g for g in request_once(hub, P.StatusRequest()).info["generators"]}
+        if rows[id_b]["leases"] > 0 or time.monotonic() > deadline:
+            break
+        os.killpg(gen_b.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    assert rows[id_b]["leases"] > 0, "b never held a lease"
     gen_b.stop(grace=0)  # SIGKILL to the whole process group
-    timeline.append(f"step {_steps(run_dir)}: b killed (SIGKILL)")
+    timeline.append(f"step {_steps(run_dir)}: b killed (SIGKILL) holding {rows[id_b]['leases']} lease(s)")
     gen_c.signal(signal.SIGTERM)
     assert gen_c.wait(120) == 0, gen_c.tail()
     timeline.append(f"step {_steps(run_dir)}: c drained and left")
-    wait_for(lambda: any(e["event"] == "requeue" and e["generator"] == id_b
-                         for e in read_jsonl(run_dir / "events.jsonl")), 60, "b to be declared dead", [learner])
-    timeline.append(f"step {_steps(run_dir)}: b declared dead, its leases re-queued")
+    requeue = wait_for(lambda: [e for e in read_jsonl(run_dir / "events.jsonl")
+                                if e["event"] == "requeue" and e["generator"] == id_b], 60, "b to be declared dead",
+                       [learner])[0]
+    assert requeue["prompts"] > 0
+    timeline.append(f"step {_steps(run_dir)}: b declared dead, its {requeue['prompts']} leased prompts re-queued")
 
     stop_at = _steps(run_dir) + 3
     wait_for(lambda: _steps(run_dir) >= stop_at, 300, "more steps", [learner, gen_a])
@@ -112,6 +128,7 @@ def test_joins_kills_drain_and_learner_resume(procs, tmp_path, model_cache, free
     assert {tuple(k) for k in ledger["trained"]} == expected and len(ledger["trained"]) == PROMPTS
     counters = records[-1]
     summary = {k: counters[f"hub/{k}"] for k in ("requeued", "duplicates", "unknown_lease", "stale_dropped")}
+    assert summary["requeued"] >= requeue["prompts"]  # the counters survived the learner's restart
     print("timeline:\n  " + "\n  ".join(timeline))
     print(f"prompts {PROMPTS}, trained {len(trained)}, counters after resume {summary}")
 
