@@ -221,9 +221,8 @@ class Hub:
         transport = self.cfg.weights.transport
         if transport == "auto":
             transport = "shm" if msg.boot_id and msg.boot_id == self._boot_id else "zmq"
-        old = self.generators.pop(msg.generator_id, None)
-        if old is not None:  # a reconnect under the same id: its old leases are void
-            self._requeue_generator(old.generator_id, "re-registered")
+        if msg.generator_id in self.generators:  # a reconnect under the same id: its old leases are void
+            self._drop_generator(msg.generator_id, "re-registered")
         collective = {}
         if transport == "nccl":
             if self.collective is None:
@@ -319,9 +318,7 @@ class Hub:
         return P.WeightsChunk(msg.version, msg.offset, blob[msg.offset:end], len(blob))
 
     def _on_leave(self, msg: P.Leave) -> P.Message:
-        self._requeue_generator(msg.generator_id, "left")
-        del self.generators[msg.generator_id]
-        self.lock.notify_all()
+        self._drop_generator(msg.generator_id, "left")
         return P.Ack()
 
     def _on_status_request(self, msg: P.StatusRequest) -> P.Message:
@@ -384,10 +381,12 @@ class Hub:
                 if now - gen.last_seen > self.cfg.hub.heartbeat_timeout_s:
                     log.warning("hub: generator %s silent for %.1f s: dropped, its leases re-queued",
                                 gen.generator_id, now - gen.last_seen)
-                    self._requeue_generator(gen.generator_id, "heartbeat timeout")
-                    del self.generators[gen.generator_id]
+                    self._drop_generator(gen.generator_id, "heartbeat timeout")
 
-    def _requeue_generator(self, gen_id: str, why: str) -> None:
+    def _drop_generator(self, gen_id: str, why: str) -> None:
+        """Forget a generator (it left, went silent, or re-registers): its leased prompts go back to the
+        front of the queue, its process group (nccl) is closed, waiters are woken."""
+        self.generators.pop(gen_id, None)
         if self.collective is not None:
             self.collective.close(gen_id)
         n = 0

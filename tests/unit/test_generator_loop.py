@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import torch
@@ -51,15 +52,26 @@ async def _until(pred, timeout=10.0):
         await asyncio.sleep(0.02)
 
 
-async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
-    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 1, "total_steps": 3},
-                            "weights": {"transport": "zmq", "chunk_mb": 1}, "hub": {"heartbeat_s": 0.2}})
-    hub = Hub(cfg, echo_rows(32, 0), tmp_path, "unit")
+@contextlib.asynccontextmanager
+async def running(cfg, run_dir, engine):
+    """A hub in its thread and a generator on this loop; the generator leaves and the hub stops afterwards."""
+    hub = Hub(cfg, echo_rows(32, 0), run_dir, "unit")
     hub.start()
-    engine = FakeEngine()
     gen = Generator(cfg, engine, FakeTokenizer(), hub.address)
     task = asyncio.create_task(gen.run(handle_signals=False))
     try:
+        yield hub, gen
+    finally:
+        gen.stopping = 2
+        await asyncio.wait_for(task, 10)
+        hub.stop()
+
+
+async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 1, "total_steps": 3},
+                            "weights": {"transport": "zmq", "chunk_mb": 1}, "hub": {"heartbeat_s": 0.2}})
+    engine = FakeEngine()
+    async with running(cfg, tmp_path, engine) as (hub, gen):
         await _until(lambda: len(hub.buffer) >= 8)  # (k + 1) * batch_size groups, then the window is full
         batch, _ = await asyncio.to_thread(hub.take_batch, 0)
         assert len(batch) == 4
@@ -75,29 +87,16 @@ async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
                                  [min(s.first_version for s in g.samples) for g, _ in hub.buffer]))
         applied = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if "weights_applied" in line]
         assert len(applied) == 1
-    finally:
-        gen.stopping = 2
-        await asyncio.wait_for(task, 10)
-        hub.stop()
     assert gen.id not in hub.generators  # it said goodbye
 
 
 async def test_generator_reregisters_when_the_hub_forgets_it(tmp_path):
     cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 5},
                             "hub": {"heartbeat_s": 0.1}})
-    hub = Hub(cfg, echo_rows(16, 0), tmp_path, "unit")
-    hub.start()
-    gen = Generator(cfg, FakeEngine(), FakeTokenizer(), hub.address)
-    task = asyncio.create_task(gen.run(handle_signals=False))
-    try:
+    async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
         await _until(lambda: gen.id in hub.generators)
         with hub.lock:  # as after a heartbeat timeout: the hub drops it and re-queues its leases
-            hub._requeue_generator(gen.id, "heartbeat timeout")
-            del hub.generators[gen.id]
+            hub._drop_generator(gen.id, "heartbeat timeout")
         await _until(lambda: gen.id in hub.generators)  # told "register again", it did
         registers = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if '"register"' in line]
         assert len(registers) == 2
-    finally:
-        gen.stopping = 2
-        await asyncio.wait_for(task, 10)
-        hub.stop()
