@@ -2,7 +2,8 @@
 
 One run, one learner GPU (0) and one generator GPU (1); `trainer.max_staleness` is changed while the
 run goes on (`pipeline set`), so the three phases share one start. The workload is sized so that
-generating a batch and training on it take about as long. Steps/min of a phase is measured between
+generating a batch and training on it take about as long: 448-token prompts (training pays for them,
+generation hardly: one prefill), 192 generated tokens, 32 groups x 8. Steps/min of a phase is measured between
 its steps' end times, skipping the first `--skip` steps after each change (the pipeline refills).
 GPU busy fraction: NVML utilisation sampled every 0.1 s, averaged over each phase. Target: k=1 >= 1.8x k=0.
 
@@ -31,19 +32,22 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--prompt-tokens", type=int, default=448,
+                   help="long prompts cost training time, little generation time: this balances the two")
     p.add_argument("--transport", default="shm")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")
     p.add_argument("--timeout", type=float, default=420)
     args = p.parse_args()
     phases = [int(k) for k in args.phases.split(",")]
     model = str(build_model(args.model_size, Path(args.model_dir)))
-    data = write_dataset(Path(args.run_dir).parent / "speedup.jsonl", rows=4096)
+    data = write_dataset(Path(args.run_dir).parent / "speedup.jsonl", rows=4096, prompt_tokens=args.prompt_tokens)
     per_phase = args.steps + args.skip
     cfg = run_config(model, str(data),
                      sampling={"max_tokens": args.max_tokens},
                      trainer={"total_steps": per_phase * len(phases) + 2, "batch_size": args.batch_size,
                               "group_size": args.group_size, "max_staleness": phases[0]},
-                     generator={"max_inflight_groups": args.batch_size, "lease_size": 8},
+                     generator={"max_inflight_groups": args.batch_size, "lease_size": 8,
+                                "max_model_len": args.prompt_tokens + args.max_tokens + 64},
                      weights={"transport": args.transport})
     if args.cpu:
         cfg["model"]["dtype"] = "float32"
@@ -62,7 +66,8 @@ def main() -> None:
     records = svc.metrics()  # re-read after the stop: the file's mtime is the end of its last record
     last_unix = (svc.run_dir / "metrics.jsonl").stat().st_mtime
     out = {"phases": {}, "workload": {"batch_size": args.batch_size, "group_size": args.group_size,
-                                      "max_tokens": args.max_tokens, "prompt_tokens": 32, "transport": args.transport}}
+                                      "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                                      "transport": args.transport}}
     for k, first, _ in switches:
         last = first + per_phase
         rs = records[first + args.skip:last]

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark pass on a machine with 2 GPUs (learner GPU 0, generator GPU 1), in two parts
-# so that each fits one 10-minute device call:
-#   bash bench/run_gpu.sh part1   model build, generator_overhead, pipeline_speedup, GPU tests
-#   bash bench/run_gpu.sh part2   weight_sync (0.5B, then 1.5B), join_latency
-# Results: bench/results/*.json; logs and run directories are packed into $OUT (or bench/out).
+# The whole GPU benchmark pass on a machine with 4 GPUs (learner GPU 0, generators on 1..3), in three
+# parts so that each fits one 10-minute device call (results are packed after every step):
+#   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2 and 4 GPUs)
+#   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs), generator_overhead
+#   bash bench/run_gpu.sh C   join_latency, colocated (one GPU), weight_sync shm/zmq (0.5B) and nccl (1.5B)
+# With 2 GPUs: A and B run all but the 4-GPU test and generator_scaling beyond 1 GPU.
+# Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
 # Expects vLLM 0.26 + DeepSpeed in /tmp/site (../shared/gpu-kit), or installed.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,27 +34,32 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
 }
 pack() {
   cp -r bench/results /tmp/bench-logs/ 2>/dev/null
-  tar czf "$OUT/$1.tgz" -C /tmp bench-logs $(cd /tmp && ls -d bench-runs 2>/dev/null) \
-    --exclude='*.safetensors' --exclude='*/checkpoint*' --exclude='*/final' 2>/dev/null
-  cp bench/results/*.json "$OUT/" 2>/dev/null
-  nvidia-smi >"$OUT/nvidia-smi-$1.txt" 2>&1
+  tar czf "$OUT/part-$PART.tgz" -C /tmp bench-logs $(cd /tmp && ls -d bench-runs 2>/dev/null) \
+    --exclude='*.safetensors' --exclude='*/checkpoint*' --exclude='*/final' --exclude='*.pt' 2>/dev/null
 }
+PART=${1:-A}
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+nvidia-smi --query-gpu=index,name,memory.used --format=csv >"$OUT/nvidia-smi-$PART.txt" 2>&1
 
-case "${1:-part1}" in
-part1)
-  nvidia-smi --query-gpu=index,name,memory.used --format=csv
+case "$PART" in
+A)
   step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
-  step generator_overhead 130 python3 -m bench.generator_overhead --gpus 1
-  step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 200 --steps 5 --transport nccl
-  step pytest_gpu 150 python3 -m pytest -x -q tests/gpu -m gpu -p no:cacheprovider
-  pack part1
+  step weight_sync 150 python3 -m bench.weight_sync --sizes 0.5b --transports nccl; pack
+  step pytest_gpu 330 python3 -m pytest -x -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
   ;;
-part2)
-  step weight_sync 240 python3 -m bench.weight_sync --sizes 0.5b --transports nccl,shm,zmq
-  step join_latency 150 python3 -m bench.join_latency
-  left=$(( 440 - ($(date +%s) - T0) ))
-  [ "$left" -gt 120 ] && step weight_sync_1.5b "$left" python3 -m bench.weight_sync --sizes 1.5b --name weight_sync_1.5b
-  pack part2
+B)
+  step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 210 --steps 5 --transport nccl; pack
+  scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
+  step generator_scaling 210 python3 -m bench.generator_scaling --gpus "$scale"; pack
+  step generator_overhead 120 python3 -m bench.generator_overhead --gpus 1; pack
+  ;;
+C)
+  step join_latency 120 python3 -m bench.join_latency; pack
+  step colocated 150 python3 -m bench.colocated --steps 20 --timeout 130; pack
+  step weight_sync_files 150 python3 -m bench.weight_sync --sizes 0.5b --transports shm,zmq --name weight_sync_files; pack
+  left=$(( 560 - ($(date +%s) - T0) ))
+  [ "$left" -gt 90 ] && step weight_sync_1.5b "$left" python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b
+  pack
   ;;
 esac
 echo "done in $(( $(date +%s) - T0 ))s"

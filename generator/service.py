@@ -37,7 +37,8 @@ class Reregister(Exception):
 
 class Generator:
     def __init__(self, cfg: Config, engine, tokenizer, address: str, gpus: str = ""):
-        self.cfg, self.engine, self.tok, self.address, self.gpus = cfg, engine, tokenizer, address, gpus
+        self.cfg, self.engine, self.tok, self.address = cfg, engine, tokenizer, address
+        self.gpus = gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")  # reported: `auto` picks nccl for GPUs
         host, boot = host_identity()
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -94,7 +95,10 @@ class Generator:
             self.announced: asyncio.Queue = asyncio.Queue()
             self.version_changed = asyncio.Condition()
             if welcome.collective:  # nccl: meet the learner in this generator's process group
-                await self.engine.init_collective(_host_of(self.address), welcome.collective)
+                try:
+                    await self.engine.init_collective(_host_of(self.address), welcome.collective)
+                except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
+                    raise Reregister(f"nccl process group not joined: {e}") from e
             if welcome.latest and welcome.latest["version"] != self.engine.version:
                 await self._apply(P.from_dict(P.WeightsReady, welcome.latest))
             await self._run_tasks()

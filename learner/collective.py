@@ -2,9 +2,11 @@
 
 At registration the hub opens a TCPStore for the generator and tells it the port; the learner (rank 0
 of that group) and the generator's workers (ranks 1..tensor_parallel) meet there, so generators can
-join at any time. Each new version is broadcast parameter by parameter while it is gathered (ZeRO-3:
-one parameter at a time), straight from the learner's GPU to the generators' GPUs. On CPU machines the
-same groups run over gloo, which is how the tests exercise this path.
+join at any time. Joining ends with a one-element broadcast (the communicator really exists), then the
+joiner is sent the current version from the learner's CPU copy (`on_join`), and from then on every new
+version is broadcast parameter by parameter while it is gathered (ZeRO-3: one parameter at a time),
+straight from the learner's GPU to the generators' GPUs. On CPU machines the same groups run over gloo,
+which is how the tests exercise this path.
 """
 
 from __future__ import annotations
@@ -19,35 +21,56 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
-def make_group(store, rank: int, world: int, backend: str, timeout_s: float):
-    timeout = datetime.timedelta(seconds=timeout_s)
+def make_group(store, rank: int, world: int, backend: str, timeout_s: float, device=None):
+    """A process group on `store`, checked with one broadcast from rank 0 (NCCL creates its communicator
+    lazily: without it a rank that never comes would only be noticed at the first real broadcast)."""
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, opts)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+        opts._timeout = datetime.timedelta(seconds=timeout_s + 30)  # the watchdog fires after our own wait
+        group = dist.ProcessGroupNCCL(store, rank, world, opts)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
+    probe = torch.ones(1, device=device if backend == "nccl" else "cpu")
+    group.broadcast(probe, 0).wait(datetime.timedelta(seconds=timeout_s))
+    return group
+
+
+def abort(group) -> None:
+    """Tear down a group whose peer failed (NCCL would otherwise keep its pending work)."""
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # best effort: the peer is gone either way
+                pass
+            return
 
 
 class Peer:
-    def __init__(self, generator_id: str, store, world: int):
-        self.generator_id, self.store, self.world = generator_id, store, world
+    def __init__(self, generator_id: str, store, world: int, loaded_version: int):
+        self.generator_id, self.store, self.world, self.loaded_version = generator_id, store, world, loaded_version
         self.group = None
+        self.ready = False  # joined and holding the current version: new versions are broadcast to it
         self.failed = False
 
 
 class CollectivePeers:
     def __init__(self, host: str, timeout_s: float):
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         self.host, self.timeout_s = host, timeout_s
         self.lock = threading.Lock()
         self.peers: dict[str, Peer] = {}
+        self.failed: set[str] = set()  # generators whose group failed: `auto` gives them a file transport
+        self.on_join = None  # callable(peer): send the current version (set by the weight publisher)
 
-    def open(self, generator_id: str, world: int) -> dict:
+    def open(self, generator_id: str, world: int, loaded_version: int = -1) -> dict:
         """Called by the hub at registration: a store for the rendezvous, joined in the background."""
         self.close(generator_id)
         store = dist.TCPStore(self.host, 0, world, True, timeout=datetime.timedelta(seconds=self.timeout_s),
                               wait_for_workers=False)
-        peer = Peer(generator_id, store, world)
+        peer = Peer(generator_id, store, world, loaded_version)
         with self.lock:
             self.peers[generator_id] = peer
         threading.Thread(target=self._connect, args=(peer,), daemon=True, name=f"rendezvous-{generator_id}").start()
@@ -55,41 +78,55 @@ class CollectivePeers:
 
     def _connect(self, peer: Peer) -> None:
         try:
-            group = make_group(peer.store, 0, peer.world, self.backend, self.timeout_s)
-        except Exception as e:  # the generator never came: it re-registers and gets a new group
-            log.warning("nccl transport: %s did not join its process group: %s", peer.generator_id, e)
-            peer.failed = True
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+            peer.group = make_group(peer.store, 0, peer.world, self.backend, self.timeout_s, self.device)
+            if self.on_join is not None:
+                self.on_join(peer)
+        except Exception as e:  # the generator never came: it re-registers (auto: with a file transport)
+            self._fail(peer, f"did not join its process group: {e}")
             return
-        with self.lock:
-            peer.group = group
+        if peer.failed:
+            return
+        peer.ready = True
         log.info("nccl transport: %s joined (%s, %d ranks)", peer.generator_id, self.backend, peer.world)
+
+    def _fail(self, peer: Peer, why: str) -> None:
+        log.warning("nccl transport: %s %s; dropped", peer.generator_id, why)
+        peer.failed = True
+        self.failed.add(peer.generator_id)
+        if peer.group is not None:
+            abort(peer.group)
+        self.close(peer.generator_id)
 
     def close(self, generator_id: str) -> None:
         with self.lock:
             self.peers.pop(generator_id, None)
 
+    def is_ready(self, generator_id: str) -> bool:
+        with self.lock:
+            peer = self.peers.get(generator_id)
+            return peer is not None and peer.ready
+
     def ready(self) -> list[Peer]:
         with self.lock:
-            return [p for p in self.peers.values() if p.group is not None and not p.failed]
+            return [p for p in self.peers.values() if p.ready and not p.failed]
 
     def send(self, peers: list[Peer], tensor: torch.Tensor) -> None:
-        """Broadcast one tensor to every ready peer; a peer that fails is dropped (it will re-register)."""
-        t = tensor if self.backend == "nccl" else tensor.detach().to("cpu")
+        """Broadcast one tensor to every peer; a peer that fails is dropped (it will re-register)."""
+        if self.backend == "nccl":
+            t = tensor.to(self.device, non_blocking=True).contiguous()
+        else:
+            t = tensor.detach().to("cpu").contiguous()
         for peer in peers:
             if peer.failed:
                 continue
             try:
-                peer.group.broadcast(t.contiguous(), 0).wait(datetime.timedelta(seconds=self.timeout_s))
+                peer.group.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
             except Exception as e:
-                log.warning("nccl transport: broadcast to %s failed (%s); dropped", peer.generator_id, e)
-                peer.failed = True
-                self.close(peer.generator_id)
+                self._fail(peer, f"broadcast failed ({e})")
 
 
-def manifest(module) -> list[list]:
-    """[name, dtype, shape] of every parameter in broadcast order (ZeRO-3: the full shape)."""
-    out = []
-    for name, p in module.named_parameters():
-        shape = list(getattr(p, "ds_shape", p.shape))
-        out.append([name, str(p.dtype).removeprefix("torch."), shape])
-    return out
+def manifest(named) -> list[list]:
+    """[name, dtype, shape] of (name, tensor) pairs in broadcast order (ZeRO-3 parameters: the full shape)."""
+    return [[name, str(t.dtype).removeprefix("torch."), list(getattr(t, "ds_shape", t.shape))] for name, t in named]

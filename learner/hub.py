@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -68,6 +69,7 @@ class Hub:
                  state: dict | None = None, collective=None):
         self.cfg, self.rows, self.run_dir, self.run_id = cfg, rows, run_dir, run_id
         self.collective = collective  # learner.collective.CollectivePeers for the nccl transport
+        self.on_file_join = None  # callable(): a file-transport generator needs a blob of the newest version
         self.version = version
         self.lock = threading.Condition()
         self.generators: dict[str, GeneratorInfo] = {}
@@ -218,27 +220,49 @@ class Hub:
         return handler(msg)
 
     def _on_register(self, msg: P.Register) -> P.Message:
-        transport = self.cfg.weights.transport
-        if transport == "auto":
-            transport = "shm" if msg.boot_id and msg.boot_id == self._boot_id else "zmq"
-        if msg.generator_id in self.generators:  # a reconnect under the same id: its old leases are void
+        old = self.generators.get(msg.generator_id)
+        if old is not None:  # a reconnect under the same id: its old leases are void
+            if old.transport == "nccl" and not self.collective.is_ready(old.generator_id):
+                self.collective.failed.add(old.generator_id)  # it gave up on its group: auto picks a file now
             self._drop_generator(msg.generator_id, "re-registered")
-        collective = {}
+        transport = self._pick_transport(msg)
+        collective, latest = {}, self._latest()
         if transport == "nccl":
             if self.collective is None:
                 return P.Error("weights.transport nccl: this learner has no collective transport", fatal=True)
-            collective = self.collective.open(msg.generator_id, 1 + msg.tensor_parallel)
+            collective = self.collective.open(msg.generator_id, 1 + msg.tensor_parallel, msg.loaded_version)
+            latest = {}  # the current version comes by broadcast once the group is joined
+        elif self.on_file_join is not None and (self.last_ready is None or self.last_ready.version < self.version):
+            self.on_file_join()  # versions were published by broadcast only: make a blob of the newest
         gen = GeneratorInfo(msg.generator_id, msg.host, msg.gpus, msg.pid, next(self._gen_index), transport,
                             time.monotonic(), version=msg.loaded_version)
         self.generators[gen.generator_id] = gen
         self._event("register", generator=gen.generator_id, host=gen.host, gpus=gen.gpus, transport=transport,
-                    version=self.version, weights=self.last_ready.version if self.last_ready else 0)
+                    version=self.version, weights=self.version if transport == "nccl" else latest.get("version", 0))
         return P.Welcome(
             run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
             rollouts_endpoint=self._endpoint(self.rollouts_port), weights_endpoint=self._endpoint(self.pub_port),
             transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s, sampling=self._sampling(),
-            group_size=self.cfg.trainer.group_size, index=gen.index, latest=self._latest(), collective=collective,
+            group_size=self.cfg.trainer.group_size, index=gen.index, latest=latest, collective=collective,
         )
+
+    def _pick_transport(self, msg: P.Register) -> str:
+        """`auto`: nccl when this learner has GPUs and the generator reports GPUs other than the learner's
+        (and its group never failed); else shm on the same host, zmq across hosts."""
+        transport = self.cfg.weights.transport
+        if transport != "auto":
+            return transport
+        same_host = bool(msg.boot_id) and msg.boot_id == self._boot_id
+        shares_gpu = same_host and bool(set(msg.gpus.split(",")) & set(self._learner_gpus()))
+        if (self.collective is not None and msg.gpus and not shares_gpu
+                and msg.generator_id not in self.collective.failed):
+            return "nccl"
+        return "shm" if same_host else "zmq"
+
+    @staticmethod
+    def _learner_gpus() -> list[str]:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return visible.split(",")[:1] if visible else ["0"]  # rank 0's device is the one in the groups
 
     def _latest(self) -> dict:
         return P.as_dict(self.last_ready) if self.last_ready else {}
@@ -440,9 +464,10 @@ class Hub:
             self.version = version
             self.lock.notify_all()
 
-    def announce(self, ready: P.WeightsReady, blob: bytes | None) -> None:
+    def announce(self, ready: P.WeightsReady, blob: bytes | None, to: list[str] | None = None) -> None:
         """Serve `blob` for zmq generators and announce it (any thread: the PUB send happens on the hub's).
-        A collective announcement is not the `latest` that joiners load: they load a blob."""
+        A collective announcement goes to the generators in `to`, the ones the broadcasts will reach; it is
+        not the `latest` that file-transport joiners load."""
         with self.lock:
             if blob is not None:
                 self.blobs[ready.version] = blob
@@ -453,9 +478,15 @@ class Hub:
                 self._outbox.append((None, P.encode(ready)))
             else:  # pushed over the control channel: reliable, and in order with the broadcasts that follow
                 data = P.encode(ready)
-                self._outbox.extend((g.ident, data) for g in self.generators.values() if g.transport == "nccl")
+                self._outbox.extend((self.generators[g].ident, data) for g in to or [] if g in self.generators)
         with self._wake_lock:  # the inproc socket is shared by the learner and publisher threads
             self._wake_tx.send(b"")
+
+    def wants_blobs(self) -> bool:
+        """A safetensors blob of each version is needed while some generator uses a file transport, or
+        none is registered (the next one may)."""
+        with self.lock:
+            return not self.generators or any(g.transport != "nccl" for g in self.generators.values())
 
     def publish(self, version: int, ready: P.WeightsReady, blob: bytes | None) -> None:
         self.finish_step(version)

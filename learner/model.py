@@ -20,6 +20,8 @@ def init_distributed() -> tuple[int, int]:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    # a dead generator's nccl group must fail its broadcast (we drop that peer), not end the learner
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         from pipeline.netutil import free_port

@@ -52,7 +52,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     hub = collective = None
     if rank == 0:
         save_config(cfg, run_dir / "config.yaml")
-        if cfg.weights.transport == "nccl":
+        if cfg.weights.transport == "nccl" or (cfg.weights.transport == "auto" and torch.cuda.is_available()):
             from learner.collective import CollectivePeers
 
             collective = CollectivePeers(cfg.hub.host, cfg.weights.collective_timeout_s)

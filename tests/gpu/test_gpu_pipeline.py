@@ -1,10 +1,13 @@
-"""GPU end to end: `pipeline learner --gpus 0` and `pipeline generator --gpus 1` as separate processes.
+"""GPU end to end: `pipeline learner --gpus 0` and `pipeline generator --gpus N` as separate processes.
 
 A random-weight model of Qwen2.5-0.5B's shape is built locally (no download), with a word-level
-tokenizer covering its 151936 ids. The test runs a few steps and checks that versions advanced, that
-the generator acknowledged every published version (RUN_DIR/events.jsonl `weights_applied`), and
-that no process of the generator's group ever held memory on GPU 0 (nvidia-smi's compute apps,
-sampled while the run goes on). Processes are stopped by process group, never by name.
+tokenizer covering its 151936 ids.
+- 2 GPUs: learner on 0, generator on 1. Versions advance, the transport picked by `auto` is nccl, the
+  generator acknowledges every version it received by broadcast.
+- 4 GPUs: a second generator with tensor_parallel_size 2 (GPUs 2 and 3) joins mid-run: it gets the
+  current version by broadcast into both workers, then every new one, and its rollouts are trained on.
+Both check strict device isolation: nvidia-smi's compute apps, sampled while the run goes on, never show
+a process of one service on a GPU it was not given. Processes are stopped by process group, never by name.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
     pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (learner on 0, generator on 1)"),
 ]
+CLI = [sys.executable, "-m", "pipeline.cli"]
 
 
 def _group_pids(pgid: int) -> set[int]:
@@ -90,6 +94,74 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
+class GpuWatch:
+    """Which GPUs (uuids) each started service's processes have held memory on."""
+
+    def __init__(self):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.seen: dict[str, set[str]] = {}
+
+    def add(self, name: str, proc: subprocess.Popen) -> subprocess.Popen:
+        self.procs[name] = proc
+        self.seen[name] = set()
+        return proc
+
+    def sample(self) -> None:
+        apps = _compute_apps()
+        for name, proc in self.procs.items():
+            pids = _group_pids(proc.pid)
+            for pid, uuids in apps.items():
+                if pid in pids:
+                    self.seen[name].update(uuids)
+
+    def check(self, allowed: dict[str, list[int]]) -> None:
+        uuid = {i: _uuid(i) for i in range(_gpus())}
+        for name, gpus in allowed.items():
+            others = {uuid[i] for i in uuid if i not in gpus}
+            assert not self.seen[name] & others, f"{name} held memory on GPUs it was not given: {self.seen}"
+        if any(self.seen.values()):  # nvidia-smi lists processes here (not always inside containers)
+            for name, gpus in allowed.items():
+                assert {uuid[i] for i in gpus} <= self.seen[name], f"{name} not seen on all of {gpus}: {self.seen}"
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            _stop(proc)
+
+
+def _config(model_dir: Path, tmp_path: Path, **trainer) -> Path:
+    import yaml
+
+    cfg = {
+        "model": {"path": str(model_dir), "dtype": "bfloat16"},
+        "data": {"path": str(model_dir.parent / "data.jsonl")},
+        "rewards": [{"fn": "bench.common:parity_reward"}],
+        "sampling": {"max_tokens": 32, "ignore_eos": True},
+        "trainer": {"total_steps": STEPS, "batch_size": 4, "group_size": 4, "max_staleness": 1, "lr": 1e-6,
+                    **trainer},
+        "generator": {"gpu_memory_utilization": 0.5, "enforce_eager": True, "max_model_len": 256},
+        "hub": {"heartbeat_timeout_s": 60.0},
+    }
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _hub_address(run_dir: Path, learner: subprocess.Popen, log: Path, deadline: float) -> str:
+    while not (run_dir / "hub.json").exists():
+        assert learner.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "no hub.json"
+        time.sleep(0.2)
+    return json.loads((run_dir / "hub.json").read_text())["address"]
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     sys.path.insert(0, str(ROOT))
@@ -101,58 +173,77 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path) -> None:
-    import yaml
-
-    cfg = {
-        "model": {"path": str(model_dir), "dtype": "bfloat16"},
-        "data": {"path": str(model_dir.parent / "data.jsonl")},
-        "rewards": [{"fn": "bench.common:parity_reward"}],
-        "sampling": {"max_tokens": 32, "ignore_eos": True},
-        "trainer": {"total_steps": STEPS, "batch_size": 4, "group_size": 4, "max_staleness": 1, "lr": 1e-6},
-        "generator": {"gpu_memory_utilization": 0.5, "enforce_eager": True, "max_model_len": 256},
-        "hub": {"heartbeat_timeout_s": 60.0},
-    }
-    cfg_path = tmp_path / "gpu.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    run_dir = tmp_path / "run"
-    cli = [sys.executable, "-m", "pipeline.cli"]
-    learner = _start(cli + ["learner", "-c", str(cfg_path), "--run-dir", str(run_dir), "--gpus", "0"],
-                     tmp_path / "learner.log")
-    generator = None
-    gpu0, gpu1 = _uuid(0), _uuid(1)
-    seen: dict[int, set[str]] = {}
+    cfg_path, run_dir = _config(model_dir, tmp_path), tmp_path / "run"
+    watch = GpuWatch()
     try:
         deadline = time.monotonic() + 300  # seconds: DeepSpeed start, vLLM start, a few steps
-        while not (run_dir / "hub.json").exists():
-            assert learner.poll() is None, (tmp_path / "learner.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no hub.json"
-            time.sleep(0.2)
-        address = json.loads((run_dir / "hub.json").read_text())["address"]
-        generator = _start(cli + ["generator", "-c", str(cfg_path), "--learner", address, "--gpus", "1"],
-                           tmp_path / "generator.log")
+        learner = watch.add("learner", _start(CLI + ["learner", "-c", str(cfg_path), "--run-dir", str(run_dir),
+                                                     "--gpus", "0"], tmp_path / "learner.log"))
+        address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
+        generator = watch.add("generator", _start(CLI + ["generator", "-c", str(cfg_path), "--learner", address,
+                                                         "--gpus", "1"], tmp_path / "generator.log"))
         while learner.poll() is None:
             assert time.monotonic() < deadline, "run did not finish: " + (tmp_path / "learner.log").read_text()[-3000:]
             assert generator.poll() in (None, 0), (tmp_path / "generator.log").read_text()[-4000:]
-            pids = _group_pids(generator.pid)
-            for pid, uuids in _compute_apps().items():
-                if pid in pids:
-                    seen.setdefault(pid, set()).update(uuids)
+            watch.sample()
             time.sleep(0.5)
         assert learner.returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
     finally:
-        if generator is not None:
-            _stop(generator)
-        _stop(learner)
+        watch.stop()
 
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    records = _jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
-    gens = {e["generator"] for e in events if e["event"] == "register"}
-    acked = {(e["generator"], e["version"]) for e in events if e["event"] == "weights_applied"}
-    assert gens, "no generator registered"
-    for g in gens:  # a generator may skip a version when a newer one is already announced, never fall behind
-        versions = sorted(v for gg, v in acked if gg == g)
-        assert versions and versions[-1] >= STEPS - 1, f"{g} acknowledged {versions}"
-    assert not any(gpu0 in uuids for uuids in seen.values()), f"generator processes on GPU 0: {seen}"
-    if _compute_apps() or seen:  # nvidia-smi lists processes here (not always inside containers)
-        assert any(gpu1 in uuids for uuids in seen.values()), f"generator never seen on GPU 1: {seen}"
+    events = _jsonl(run_dir / "events.jsonl")
+    assert [e["transport"] for e in events if e["event"] == "register"] == ["nccl"]  # picked by `auto`
+    applied = [(e["version"], e["via"]) for e in events if e["event"] == "weights_applied"]
+    # every version after the first goes out by broadcast to a joined generator, in order
+    assert [v for v, _ in applied] == list(range(applied[0][0], STEPS + 1)), applied
+    assert {via for _, via in applied} == {"nccl"}
+    watch.check({"learner": [0], "generator": [1]})
+
+
+@pytest.mark.skipif(_gpus() < 4, reason="needs 4 GPUs (learner 0, generator 1, a joiner with TP 2 on 2,3)")
+def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path) -> None:
+    cfg_path, run_dir = _config(model_dir, tmp_path, total_steps=1000), tmp_path / "run"
+    watch = GpuWatch()
+    try:
+        deadline = time.monotonic() + 420
+        learner = watch.add("learner", _start(CLI + ["learner", "-c", str(cfg_path), "--run-dir", str(run_dir),
+                                                     "--gpus", "0"], tmp_path / "learner.log"))
+        address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
+        gen_argv = CLI + ["generator", "-c", str(cfg_path), "--learner", address]
+        watch.add("first", _start(gen_argv + ["--gpus", "1"], tmp_path / "first.log"))
+        while len(_jsonl(run_dir / "metrics.jsonl")) < 3:
+            assert time.monotonic() < deadline and learner.poll() is None, _tail(tmp_path / "learner.log")
+            watch.sample()
+            time.sleep(0.5)
+        joiner = watch.add("joiner", _start(gen_argv + ["--gpus", "2,3", "--set", "generator.tensor_parallel_size=2"],
+                                            tmp_path / "joiner.log"))
+        joiner_id = None
+        while True:  # until the joiner has applied 3 versions and had rollouts trained
+            assert time.monotonic() < deadline, "joiner did not take part: " + _tail(tmp_path / "joiner.log")
+            for name, proc in watch.procs.items():
+                assert proc.poll() is None, f"{name} exited: " + _tail(tmp_path / f"{name}.log")
+            events = _jsonl(run_dir / "events.jsonl")
+            joiner_id = next((e["generator"] for e in events if e["event"] == "register"
+                              and f"-{joiner.pid}-" in e["generator"]), None)
+            acks = [e for e in events if e["event"] == "weights_applied" and e["generator"] == joiner_id]
+            trained = sum(r["groups_by_generator"].get(joiner_id, 0) for r in _jsonl(run_dir / "metrics.jsonl"))
+            watch.sample()
+            if joiner_id and len(acks) >= 3 and trained >= 4:
+                break
+            time.sleep(0.5)
+    finally:
+        watch.stop()
+
+    events = _jsonl(run_dir / "events.jsonl")
+    registers = [e for e in events if e["event"] == "register"]
+    assert [e["transport"] for e in registers] == ["nccl", "nccl"]
+    assert registers[1]["generator"] == joiner_id and registers[1]["version"] >= 3  # it joined mid-run
+    acks = [(e["version"], e["via"]) for e in events if e["event"] == "weights_applied" and e["generator"] == joiner_id]
+    versions = [v for v, _ in acks]
+    assert {via for _, via in acks} == {"nccl"} and versions == sorted(set(versions))
+    assert versions[0] >= registers[1]["version"]  # the version current at its join, broadcast to both workers
+    records = _jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, len(records) + 1))
+    watch.check({"learner": [0], "first": [1], "joiner": [2, 3]})

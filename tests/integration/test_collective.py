@@ -33,9 +33,13 @@ def test_collective_transport_with_a_late_joiner(procs, tmp_path, model_cache, f
     assert [e["transport"] for e in registers] == ["nccl", "nccl"]
     late_id = registers[1]["generator"]
     late_versions = [(e["version"], e["via"]) for e in _applied(run_dir) if e["generator"] == late_id]
-    # the late joiner loads the version current at its registration as a file, then receives broadcasts
-    assert late_versions[0] == (registers[1]["version"], "zmq") and registers[1]["version"] > 0
-    assert all(via == "nccl" for _, via in late_versions[1:]) and late_versions[-1][0] == steps
+    # the late joiner is sent the version current when it joined by broadcast too (from the learner's CPU
+    # copy), then the new ones as they are trained; it may skip one published while it was joining
+    assert registers[1]["version"] > 0 and late_versions[0][0] >= registers[1]["version"]
+    assert all(via == "nccl" for _, via in late_versions)
+    versions = [v for v, _ in late_versions]
+    assert versions == sorted(set(versions)) and versions[-1] == steps
+    assert all(b - a <= 2 for a, b in zip(versions, versions[1:], strict=False)), versions
     first_versions = [v for e in _applied(run_dir) if e["generator"] == registers[0]["generator"]
                       for v in [e["version"]]]
     assert first_versions == list(range(1, steps + 1))  # every version, in order, by broadcast

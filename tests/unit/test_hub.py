@@ -251,3 +251,66 @@ def test_heartbeat_names_dead_leases_and_reregistration_voids_old_ones(make_hub)
         time.sleep(0.02)
     assert hub.counters["unknown_lease"] == 2 and not hub.buffer
     peer.close()
+
+
+class FakeCollective:
+    """What the hub asks of learner.collective.CollectivePeers, without process groups."""
+
+    def __init__(self):
+        self.failed, self.opened, self.joined = set(), [], set()
+
+    def open(self, generator_id, world, loaded_version=-1):
+        self.opened.append((generator_id, world, loaded_version))
+        return {"port": 1, "world_size": world, "backend": "gloo", "timeout_s": 1.0}
+
+    def is_ready(self, generator_id):
+        return generator_id in self.joined
+
+    def close(self, generator_id):
+        pass
+
+
+def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    hub = make_hub()
+    hub.collective = FakeCollective()
+    file_joins = []
+    hub.on_file_join = lambda: file_joins.append(hub.version)
+    peer = Peer(hub)
+    here = hub._boot_id
+
+    def register(gen_id, gpus, boot=here, loaded=-1):
+        peer.id = gen_id
+        return peer.ask(P.Register(gen_id, "h", boot, gpus, 1, loaded, tensor_parallel=2))
+
+    assert hub.wants_blobs()  # nobody registered yet: the next one may need a file
+    w = register("a", "1", loaded=0)
+    assert (w.transport, w.latest) == ("nccl", {}) and w.collective["world_size"] == 3
+    assert hub.collective.opened == [("a", 3, 0)]
+    assert not hub.wants_blobs()  # only nccl generators: no blob per version
+    assert register("b", "0").transport == "shm"  # the learner's GPU: colocated, shared memory
+    assert register("c", "").transport == "shm"  # no GPUs reported (a CPU engine)
+    assert register("d", "0", boot="elsewhere").transport == "nccl"  # GPU 0 of another host
+    assert register("e", "", boot="elsewhere").transport == "zmq"
+    assert hub.wants_blobs()
+    hub.collective.failed.add("f")
+    assert register("f", "2").transport == "shm"  # its group failed once
+    assert register("a", "1").transport == "shm"  # re-registers without ever joining: it gave up on nccl
+    assert "a" in hub.collective.failed
+    hub.collective.joined.add("d")
+    assert register("d", "0", boot="elsewhere").transport == "nccl"  # a joined one keeps nccl
+    # a file joiner while the newest version has no blob (none yet, or broadcast only) asks for one
+    assert file_joins == [0] * 5  # b, c, e, f and a's second registration
+    hub.finish_step(3)
+    register("g", "")
+    assert file_joins == [0] * 5 + [3]
+    peer.close()
+
+
+def test_explicit_transport_is_kept(make_hub):
+    hub = make_hub()
+    hub.cfg.weights.transport = "zmq"
+    hub.collective = FakeCollective()
+    peer = Peer(hub)
+    assert peer.ask(P.Register("x", "h", hub._boot_id, "1")).transport == "zmq"
+    peer.close()
