@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,9 +51,12 @@ def main() -> None:
     p.add_argument("--run-dir", default="/tmp/bench-runs/colocated")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--name", default="colocated", help="result file name")
     args = p.parse_args()
     model = str(build_model(args.model_size, Path(args.model_dir)))
     run_dir = Path(args.run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     data = write_dataset(run_dir.parent / "colocated.jsonl", rows=2048)
     cfg = yaml.safe_load((ROOT / "configs" / "gpu-single.yaml").read_text())
     cfg["model"] = {"path": model, "dtype": "bfloat16"}
@@ -94,7 +98,7 @@ def main() -> None:
            "gpu_memory_peak_gib": peak[0] / 2**30,
            "reward_first_last": [records[0]["reward/mean"], records[-1]["reward/mean"]] if records else None,
            "config": "configs/gpu-single.yaml (placement, memory split), bench model/data/reward"}
-    write_result("colocated", "python -m bench.colocated " + " ".join(sys.argv[1:]),
+    write_result(args.name, "python -m bench.colocated " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", out)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pipeline.client import request_once
 from pipeline.launcher import Child
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))  # run_gpu.sh: outside the tree
 PGIDS = Path(os.environ.get("BENCH_PGIDS", "/tmp/bench-pgids.txt"))
 QWEN_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 
@@ -157,6 +158,8 @@ class Services:
 
     def __init__(self, run_dir: Path, cfg: dict, use_gpus: bool = True):
         self.run_dir = Path(run_dir)
+        if self.run_dir.exists():  # a fresh run: an old hub.json or metrics.jsonl would be read as this run's
+            shutil.rmtree(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.cfg_path = self.run_dir / "bench.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg))

@@ -40,7 +40,9 @@ def main() -> None:
     args = p.parse_args()
     phases = [int(k) for k in args.phases.split(",")]
     model = str(build_model(args.model_size, Path(args.model_dir)))
-    data = write_dataset(Path(args.run_dir).parent / "speedup.jsonl", rows=4096, prompt_tokens=args.prompt_tokens)
+    # letters separated by spaces, and the word-level tokenizer gives the spaces ids too: n letters, 2n - 1 tokens
+    data = write_dataset(Path(args.run_dir).parent / "speedup.jsonl", rows=4096,
+                         prompt_tokens=(args.prompt_tokens + 1) // 2)
     per_phase = args.steps + args.skip
     cfg = run_config(model, str(data),
                      sampling={"max_tokens": args.max_tokens},

@@ -4,6 +4,7 @@
 #   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2 and 4 GPUs)
 #   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs), generator_overhead
 #   bash bench/run_gpu.sh C   join_latency, colocated (one GPU), weight_sync shm/zmq (0.5B) and nccl (1.5B)
+#   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A and B run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
 # Expects vLLM 0.26 + DeepSpeed in /tmp/site (../shared/gpu-kit), or installed.
@@ -12,9 +13,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export BENCH_PGIDS=/tmp/bench-pgids.txt
+export BENCH_PGIDS=/tmp/bench-pgids.txt BENCH_RESULTS=/tmp/bench-logs/results  # the tree is re-sent each call
 OUT=${OUT:-bench/out}
-mkdir -p "$OUT" bench/results /tmp/bench-logs
+mkdir -p "$OUT" /tmp/bench-logs/results
 T0=$(date +%s)
 # GPU processes left by an earlier, interrupted pass on this machine (our own; stopped by pid)
 for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done; sleep 2
@@ -32,10 +33,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
   tail -n 15 "/tmp/bench-logs/$name.log"
   cleanup
 }
-pack() {
-  cp -r bench/results /tmp/bench-logs/ 2>/dev/null
-  tar czf "$OUT/part-$PART.tgz" -C /tmp bench-logs $(cd /tmp && ls -d bench-runs 2>/dev/null) \
-    --exclude='*.safetensors' --exclude='*/checkpoint*' --exclude='*/final' --exclude='*.pt' 2>/dev/null
+pack() {  # results, logs and run records (no weights, checkpoints or datasets) into one small archive
+  (cd /tmp && find bench-logs bench-runs -type f \( -name '*.log' -o -name '*.json' -o -name 'metrics.jsonl' \
+     -o -name 'events.jsonl' -o -name '*.yaml' \) -size -4M 2>/dev/null | tar czf "$OUT/part-$PART.tgz" -T -)
 }
 PART=${1:-A}
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -52,6 +52,11 @@ B)
   scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
   step generator_scaling 210 python3 -m bench.generator_scaling --gpus "$scale"; pack
   step generator_overhead 120 python3 -m bench.generator_overhead --gpus 1; pack
+  ;;
+single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
+  step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
+    --run-dir /tmp/bench-runs/single-tiny; pack
+  step colocated_h100 220 python3 -m bench.colocated --steps 20 --timeout 200 --name colocated_1gpu; pack
   ;;
 C)
   step join_latency 120 python3 -m bench.join_latency; pack
