@@ -27,7 +27,7 @@ class Consumer:
 
     def __init__(self, hub):
         self.hub = hub
-        self.tokens = 0
+        self.by_generator: dict[str, int] = {}  # tokens taken, per generator
         self.first_seen: dict[str, float] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -43,7 +43,8 @@ class Consumer:
             now = time.time()
             for g in groups:
                 self.first_seen.setdefault(g.generator_id, now)
-                self.tokens += sum(len(s.token_ids) // 4 for s in g.samples)  # packed int32 ids
+                n = sum(len(s.token_ids) // 4 for s in g.samples)  # packed int32 ids
+                self.by_generator[g.generator_id] = self.by_generator.get(g.generator_id, 0) + n
             self.hub.finish_step(0)
 
 
@@ -55,7 +56,7 @@ def main() -> None:
     p.add_argument("--gpus", default="1,2,3", help="one generator per GPU, added in this order")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--warmup", type=float, default=8.0)
-    p.add_argument("--window", type=float, default=20.0)
+    p.add_argument("--window", type=float, default=30.0)
     p.add_argument("--enforce-eager", type=int, default=1)
     args = p.parse_args()
     from learner.hub import Hub
@@ -92,11 +93,14 @@ def main() -> None:
                     assert time.monotonic() < deadline, f"{name} delivered nothing:\n{svc.tails()}"
                     time.sleep(0.2)
                 time.sleep(args.warmup)
-                t0, n0 = time.time(), consumer.tokens
+                # tokens counted as each group arrives (the hub's counter), and per generator as batches are taken
+                t0, n0, per0 = time.time(), hub.counters["tokens"], dict(consumer.by_generator)
                 time.sleep(args.window)
-                t1, n1 = time.time(), consumer.tokens
-                windows.append({"generators": i + 1, "gpus": args.gpus.split(",")[:i + 1],
-                                "tokens": n1 - n0, "seconds": t1 - t0, "tokens_per_s": (n1 - n0) / (t1 - t0)})
+                t1, n1, per1 = time.time(), hub.counters["tokens"], dict(consumer.by_generator)
+                per = {g: round((per1.get(g, 0) - per0.get(g, 0)) / (t1 - t0)) for g in per1}
+                windows.append({"generators": i + 1, "gpus": args.gpus.split(",")[:i + 1], "tokens": n1 - n0,
+                                "seconds": t1 - t0, "tokens_per_s": (n1 - n0) / (t1 - t0),
+                                "tokens_per_s_by_generator": per})
                 print(json.dumps(windows[-1]), flush=True)
     finally:
         hub.stop()
