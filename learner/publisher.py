@@ -43,17 +43,21 @@ class WeightPublisher:
         start = time.perf_counter()
         step_end = step_end or time.time()
         peers = self.collective.ready() if self.collective is not None and self.rank == 0 else []
+        sender = None
         if peers:  # the generators start receiving while the tensors are gathered and sent
-            named = [(n, p) for n, p in self.engine.module.named_parameters()]
-            self.hub.announce(P.WeightsReady(version, 0, 0, "", step_end, collective=True, manifest=manifest(named)),
+            plan = manifest(self.engine.module.named_parameters())
+            self.hub.announce(P.WeightsReady(version, 0, 0, "", step_end, collective=True, manifest=plan),
                               None, to=[p.generator_id for p in peers])
+            sender = self.collective.sender(peers, plan)
         with self._lock:
             buffers = self._buffers[version % 2]
             for name, t in gathered_weights(self.engine, self.cfg.trainer.zero_stage):
                 if self.rank == 0:
-                    if peers:
-                        self.collective.send(peers, t)
+                    if sender is not None:
+                        sender.add(t)
                     _copy_into(buffers, name, t)
+            if sender is not None:
+                sender.finish()
             if self.rank != 0:
                 return 0.0
             if torch.cuda.is_available():
@@ -95,10 +99,13 @@ class WeightPublisher:
             if self._latest is None or self._latest[0] == peer.loaded_version:
                 return
             version, buffers = self._latest
-            self.hub.announce(P.WeightsReady(version, 0, 0, "", 0.0, collective=True,
-                                             manifest=manifest(buffers.items())), None, to=[peer.generator_id])
+            plan = manifest(buffers.items())
+            self.hub.announce(P.WeightsReady(version, 0, 0, "", 0.0, collective=True, manifest=plan), None,
+                              to=[peer.generator_id])
+            sender = self.collective.sender([peer], plan)
             for t in buffers.values():
-                self.collective.send([peer], t)
+                sender.add(t)
+            sender.finish()
 
     def flush(self) -> None:
         """Wait until the last version is announced."""

@@ -55,3 +55,41 @@ def test_old_versions_are_removed_from_shared_memory():
         assert [os.path.exists(p) for p in paths] == [False, False, True, True]  # keeps the newest two
     finally:
         remove_shm("unit-test2")
+
+
+def test_nccl_buckets_carry_every_tensor_bit_exact(monkeypatch):
+    """The learner packs parameters into a few flat broadcasts; the generator's plan, computed from the same
+    manifest, unpacks them into the same names, dtypes, shapes and values."""
+    import torch
+
+    from learner import collective as C
+
+    monkeypatch.setattr(C, "BUCKET_BYTES", 1000)
+    named = [("a", torch.randn(3, 5, dtype=torch.bfloat16)), ("b", torch.arange(7, dtype=torch.int64)),
+             ("big", torch.randn(40, 10)), ("c", torch.randn(1, dtype=torch.bfloat16)), ("d", torch.randn(2, 3))]
+    plan = C.manifest(named)
+    assert plan[0] == ["a", "bfloat16", [3, 5]]
+    groups = C.buckets(plan)
+    assert [g[0] for g in groups] == [[0, 1, 2], [3, 4]]  # "big" (1600 bytes) closes the first bucket
+    assert all(off % C.ALIGN == 0 for _, offs, _ in groups for off in offs)
+
+    class Peers:  # stands in for CollectivePeers: records what would be broadcast
+        backend, device, sent = "gloo", None, []
+
+        def send(self, targets, flat):
+            self.sent.append(flat.clone())
+
+    peers = Peers()
+    sender = C.BucketSender(peers, [], plan)
+    for _, t in named:
+        sender.add(t)
+    sender.finish()
+    assert len(peers.sent) == 2
+    got = [x for flat, (idx, offs, _) in zip(peers.sent, groups, strict=True) for x in C.unpack(flat, plan, idx, offs)]
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, want), (_, t) in zip(named, got, strict=True):
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+    short = C.BucketSender(peers, [], plan)
+    short.add(named[0][1])
+    with pytest.raises(RuntimeError, match="0 of 2 buckets"):
+        short.finish()
