@@ -6,8 +6,8 @@ join at any time. Joining ends with a one-element broadcast (the communicator re
 joiner is sent the current version from the learner's CPU copy (`on_join`), and from then on every new
 version is broadcast while it is gathered (ZeRO-3: one parameter at a time), straight from the learner's
 GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
-one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the same groups run over gloo,
-which is how the tests exercise this path.
+one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the
+same groups run over gloo, which is how the tests exercise this path.
 """
 
 from __future__ import annotations
