@@ -12,7 +12,6 @@ and whether the run completed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -25,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import ROOT, build_model, write_dataset, write_result
+from pipeline.metrics import read_jsonl
 
 
 def _memory_peak(stop: threading.Event, peak: list[int]) -> None:
@@ -38,10 +38,6 @@ def _memory_peak(stop: threading.Event, peak: list[int]) -> None:
             time.sleep(0.2)
     except Exception:  # no NVML (CPU smoke run)
         return
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def main() -> None:
@@ -86,7 +82,7 @@ def main() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         stop.set()
     wall = time.time() - t0
-    records, events = _jsonl(run_dir / "metrics.jsonl"), _jsonl(run_dir / "events.jsonl")
+    records, events = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl")
     rs = records[2:]  # the first steps include the engine's first use
     span = rs[-1]["time/elapsed_s"] - rs[0]["time/elapsed_s"] if len(rs) > 1 else 0
     out = {"returncode": rc, "steps": len(records), "wall_s": wall,

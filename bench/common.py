@@ -214,11 +214,9 @@ class Services:
         return read_metrics(self.run_dir)
 
     def events(self, name: str | None = None) -> list[dict]:
-        path = self.run_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [e for e in out if name is None or e["event"] == name]
+        from pipeline.metrics import read_jsonl
+
+        return [e for e in read_jsonl(self.run_dir / "events.jsonl") if name is None or e["event"] == name]
 
     def status(self) -> dict:
         reply = request_once(self.address, P.StatusRequest())

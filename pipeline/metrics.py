@@ -23,11 +23,16 @@ class MetricsWriter:
         )
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (metrics, events, changes); none while it does not exist yet."""
+    path = Path(path)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 def truncate_metrics(run_dir: Path, version: int) -> int:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.metrics import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 
@@ -158,10 +160,6 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     sys.path.insert(0, str(ROOT))
@@ -191,9 +189,9 @@ def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path)
     finally:
         watch.stop()
 
-    records = _jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
-    events = _jsonl(run_dir / "events.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     assert [e["transport"] for e in events if e["event"] == "register"] == ["nccl"]  # picked by `auto`
     applied = [(e["version"], e["via"]) for e in events if e["event"] == "weights_applied"]
     # every version after the first goes out by broadcast to a joined generator, in order
@@ -213,7 +211,7 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
         address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
         gen_argv = CLI + ["generator", "-c", str(cfg_path), "--learner", address]
         watch.add("first", _start(gen_argv + ["--gpus", "1"], tmp_path / "first.log"))
-        while len(_jsonl(run_dir / "metrics.jsonl")) < 3:
+        while len(read_jsonl(run_dir / "metrics.jsonl")) < 3:
             assert time.monotonic() < deadline and learner.poll() is None, _tail(tmp_path / "learner.log")
             watch.sample()
             time.sleep(0.5)
@@ -224,11 +222,11 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
             assert time.monotonic() < deadline, "joiner did not take part: " + _tail(tmp_path / "joiner.log")
             for name, proc in watch.procs.items():
                 assert proc.poll() is None, f"{name} exited: " + _tail(tmp_path / f"{name}.log")
-            events = _jsonl(run_dir / "events.jsonl")
+            events = read_jsonl(run_dir / "events.jsonl")
             joiner_id = next((e["generator"] for e in events if e["event"] == "register"
                               and f"-{joiner.pid}-" in e["generator"]), None)
             acks = [e for e in events if e["event"] == "weights_applied" and e["generator"] == joiner_id]
-            trained = sum(r["groups_by_generator"].get(joiner_id, 0) for r in _jsonl(run_dir / "metrics.jsonl"))
+            trained = sum(r["groups_by_generator"].get(joiner_id, 0) for r in read_jsonl(run_dir / "metrics.jsonl"))
             watch.sample()
             if joiner_id and len(acks) >= 3 and trained >= 4:
                 break
@@ -236,7 +234,7 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
     finally:
         watch.stop()
 
-    events = _jsonl(run_dir / "events.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     registers = [e for e in events if e["event"] == "register"]
     assert [e["transport"] for e in registers] == ["nccl", "nccl"]
     assert registers[1]["generator"] == joiner_id and registers[1]["version"] >= 3  # it joined mid-run
@@ -244,6 +242,6 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
     versions = [v for v, _ in acks]
     assert {via for _, via in acks} == {"nccl"} and versions == sorted(set(versions))
     assert versions[0] >= registers[1]["version"]  # the version current at its join, broadcast to both workers
-    records = _jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, len(records) + 1))
     watch.check({"learner": [0], "first": [1], "joiner": [2, 3]})

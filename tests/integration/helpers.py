@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from pipeline.metrics import read_metrics
 from tests.conftest import wait_for
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def start_learner(procs, run_dir: Path, port: int, overrides: list[str], extra: list[str] = ()) -> object:
@@ -30,5 +24,5 @@ def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name:
 
 
 def wait_steps(run_dir: Path, n: int, timeout: float, watch) -> list[dict]:
-    return wait_for(lambda: (lambda r: r if len(r) >= n else None)(read_jsonl(run_dir / "metrics.jsonl")),
+    return wait_for(lambda: (lambda r: r if len(r) >= n else None)(read_metrics(run_dir)),
                     timeout, f"{n} learner steps", watch)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.metrics import read_jsonl
 from tests.conftest import wait_for
-from tests.integration.helpers import read_jsonl, start_generator, start_learner, wait_steps
+from tests.integration.helpers import start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 

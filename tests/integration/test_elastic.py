@@ -17,8 +17,9 @@ import pytest
 
 from pipeline import protocol as P
 from pipeline.client import request_once
+from pipeline.metrics import read_jsonl
 from tests.conftest import wait_for
-from tests.integration.helpers import read_jsonl, start_generator, start_learner
+from tests.integration.helpers import start_generator, start_learner
 
 pytestmark = pytest.mark.integration
 

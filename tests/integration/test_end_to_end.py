@@ -11,7 +11,8 @@ import signal
 import numpy as np
 import pytest
 
-from tests.integration.helpers import read_jsonl, start_generator, start_learner, wait_steps
+from pipeline.metrics import read_jsonl
+from tests.integration.helpers import start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 

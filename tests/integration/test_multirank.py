@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.helpers import read_jsonl, start_generator, start_learner, wait_steps
+from pipeline.metrics import read_jsonl
+from tests.integration.helpers import start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 
