@@ -205,8 +205,7 @@ class Generator:
                  total_ms, paused_ms, (time.time() - ready.published_at) * 1000 if ready.published_at else 0)
         async with self.version_changed:
             self.version_changed.notify_all()
-        via = self.receiver.name if ready.collective or self.receiver.name != "nccl" else "zmq"
-        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, via))
+        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.name))
 
     async def _leases(self) -> None:
         room = asyncio.Event()

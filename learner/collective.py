@@ -114,12 +114,9 @@ class CollectivePeers:
         with self.lock:
             return [p for p in self.peers.values() if p.ready and not p.failed]
 
-    def send(self, peers: list[Peer], tensor: torch.Tensor) -> None:
-        """Broadcast one tensor to every peer; a peer that fails is dropped (it will re-register)."""
-        if self.backend == "nccl":
-            t = tensor.to(self.device, non_blocking=True).contiguous()
-        else:
-            t = tensor.detach().to("cpu").contiguous()
+    def send(self, peers: list[Peer], t: torch.Tensor) -> None:
+        """Broadcast a bucket (on this backend's device) to every peer; a peer that fails is dropped (it
+        will re-register)."""
         for peer in peers:
             if peer.failed:
                 continue

@@ -7,7 +7,7 @@ depends on the transport chosen for it at registration (`make_receiver`, picked 
        late joiners);
   shm  uses the file the learner wrote to /dev/shm (same host: no socket copy).
 Either way the engine's workers get a path and read the file once.
-  nccl the learner broadcasts each tensor into the generator's workers (learner/collective.py).
+  nccl the learner broadcasts each version into the generator's workers, the first one too (learner/collective.py).
 Announcements always travel over ZeroMQ; a new transport implements `Receiver.fetch`.
 """
 
@@ -163,17 +163,11 @@ async def verify_file(path: str, ready: P.WeightsReady) -> str:
 
 
 class CollectiveReceiver(Receiver):
-    """nccl: versions arrive as broadcasts into the engine's workers (`collective = True` announcements);
-    the version current at registration comes as a file over zmq."""
+    """nccl: every version, the one current at registration too, arrives as broadcasts into the engine's
+    workers (`collective = True` announcements); there is no file to fetch."""
 
     name = "nccl"
     collective = True
-
-    def __init__(self, fallback: Receiver):
-        self.fallback = fallback
-
-    async def fetch(self, ready: P.WeightsReady) -> str:
-        return await self.fallback.fetch(ready)
 
 
 def make_receiver(transport: str, client, chunk_mb: int) -> Receiver:
@@ -183,5 +177,5 @@ def make_receiver(transport: str, client, chunk_mb: int) -> Receiver:
     if transport == "shm":
         return ShmReceiver(zmq_receiver)
     if transport == "nccl":
-        return CollectiveReceiver(zmq_receiver)
+        return CollectiveReceiver()
     raise ValueError(f"weights.transport: {transport!r} is not available here (zmq, shm, nccl)")
