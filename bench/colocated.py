@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import ROOT, build_model, write_dataset, write_result
+from bench.common import ROOT, add_model_args, model_from_args, write_dataset, write_result
 from pipeline.metrics import read_jsonl
 
 
@@ -42,14 +42,12 @@ def _memory_peak(stop: threading.Event, peak: list[int]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-size", default="0.5b")
-    p.add_argument("--model-dir", default="/tmp/bench-models/q-0.5b")
-    p.add_argument("--run-dir", default="/tmp/bench-runs/colocated")
+    add_model_args(p, "colocated")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--name", default="colocated", help="result file name")
     args = p.parse_args()
-    model = str(build_model(args.model_size, Path(args.model_dir)))
+    model = str(model_from_args(args))
     run_dir = Path(args.run_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)

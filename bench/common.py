@@ -68,6 +68,22 @@ def build_model(size: str, dest: Path, seed: int = 0) -> Path:
     return dest
 
 
+MODELS, RUNS = Path("/tmp/bench-models"), Path("/tmp/bench-runs")
+
+
+def add_model_args(p, run: str | None = None) -> None:
+    """--model-size, --model-dir (default: the size's own directory under /tmp/bench-models) and, given a
+    run name, --run-dir (default /tmp/bench-runs/RUN): the arguments every benchmark takes."""
+    p.add_argument("--model-size", default="0.5b")
+    p.add_argument("--model-dir", default=None, help="default: /tmp/bench-models/q-SIZE")
+    if run:
+        p.add_argument("--run-dir", type=Path, default=RUNS / run)
+
+
+def model_from_args(args) -> Path:
+    return build_model(args.model_size, Path(args.model_dir or MODELS / f"q-{args.model_size}"))
+
+
 def _pin_tokenizer_class(path: Path) -> None:
     """Make AutoTokenizer load tokenizer.json as is (some transformers 5 releases map model_type qwen2 to
     Qwen2Tokenizer, whose BPE has no merges for this vocabulary and encodes our prompts to nothing)."""

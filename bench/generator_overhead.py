@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 
@@ -65,13 +64,14 @@ async def _ours(gen, prompts: list[str], sampling: dict, round_: int) -> int:
 async def main(args) -> dict:
     from transformers import AutoTokenizer
 
-    from bench.common import build_model, run_config, write_dataset
+    from bench.common import model_from_args, run_config, write_dataset
     from generator.engine import Engine
     from generator.service import Generator
     from pipeline.config import config_from_dict
 
-    model = str(build_model(args.model_size, Path(args.model_dir)))
-    data = write_dataset(Path(args.model_dir).parent / "overhead.jsonl", rows=args.prompts, prompt_tokens=32)
+    model_dir = model_from_args(args)
+    model = str(model_dir)
+    data = write_dataset(model_dir.parent / "overhead.jsonl", rows=args.prompts, prompt_tokens=32)
     cfg = config_from_dict(run_config(model, str(data), generator={
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
         "enforce_eager": True}))
@@ -111,9 +111,10 @@ async def main(args) -> dict:
 
 
 def cli() -> None:
+    from bench.common import add_model_args
+
     p = argparse.ArgumentParser()
-    p.add_argument("--model-size", default="0.5b")
-    p.add_argument("--model-dir", default="/tmp/bench-models/q-0.5b")
+    add_model_args(p)
     p.add_argument("--gpus", default=None)
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--n", type=int, default=8)

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import Services, build_model, run_config, write_dataset, write_result
+from bench.common import Services, add_model_args, model_from_args, run_config, write_dataset, write_result
 
 
 class Consumer:
@@ -50,9 +50,7 @@ class Consumer:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-size", default="0.5b")
-    p.add_argument("--model-dir", default="/tmp/bench-models/q-0.5b")
-    p.add_argument("--run-dir", default="/tmp/bench-runs/generator_scaling")
+    add_model_args(p, "generator_scaling")
     p.add_argument("--gpus", default="1,2,3", help="one generator per GPU, added in this order")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--warmup", type=float, default=8.0)
@@ -63,7 +61,7 @@ def main() -> None:
     from pipeline.config import config_from_dict
     from pipeline.tasks import load_rows
 
-    model = str(build_model(args.model_size, Path(args.model_dir)))
+    model = str(model_from_args(args))
     run_dir = Path(args.run_dir)
     data = write_dataset(run_dir.parent / "scaling.jsonl", rows=8192)
     cfg_dict = run_config(model, str(data), sampling={"max_tokens": args.max_tokens},

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Services, build_model, log_times, run_config, write_dataset, write_result
+from bench.common import Services, add_model_args, log_times, model_from_args, run_config, write_dataset, write_result
 
 
 def _gen_id(svc: Services, pid: int) -> str | None:
@@ -60,13 +60,11 @@ def _timeline(svc: Services, name: str, pid: int, timeout: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-size", default="0.5b")
-    p.add_argument("--model-dir", default="/tmp/bench-models/q-0.5b")
-    p.add_argument("--run-dir", default="/tmp/bench-runs/join_latency")
+    add_model_args(p, "join_latency")
     p.add_argument("--transport", default="auto")
     p.add_argument("--cpu", action="store_true")
     args = p.parse_args()
-    model = str(build_model(args.model_size, Path(args.model_dir)))
+    model = str(model_from_args(args))
     data = str(write_dataset(Path(args.run_dir).parent / "join.jsonl", rows=2048))
     cfg = run_config(model, data, sampling={"max_tokens": 32},
                      trainer={"total_steps": 40, "batch_size": 8, "group_size": 4, "max_staleness": 2},

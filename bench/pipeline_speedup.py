@@ -17,15 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Services, build_model, run_config, write_dataset, write_result
+from bench.common import Services, add_model_args, model_from_args, run_config, write_dataset, write_result
 from bench.gpu_sampler import GpuSampler
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-size", default="0.5b")
-    p.add_argument("--model-dir", default="/tmp/bench-models/q-0.5b")
-    p.add_argument("--run-dir", default="/tmp/bench-runs/pipeline_speedup")
+    add_model_args(p, "pipeline_speedup")
     p.add_argument("--phases", default="0,1,2")
     p.add_argument("--steps", type=int, default=6, help="steps per phase")
     p.add_argument("--skip", type=int, default=1, help="steps skipped after each change")
@@ -39,7 +37,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=420)
     args = p.parse_args()
     phases = [int(k) for k in args.phases.split(",")]
-    model = str(build_model(args.model_size, Path(args.model_dir)))
+    model = str(model_from_args(args))
     # letters separated by spaces, and the word-level tokenizer gives the spaces ids too: n letters, 2n - 1 tokens
     data = write_dataset(Path(args.run_dir).parent / "speedup.jsonl", rows=4096,
                          prompt_tokens=(args.prompt_tokens + 1) // 2)
