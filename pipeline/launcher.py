@@ -20,11 +20,14 @@ from pipeline.metrics import read_metrics
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict | None = None):
+    """A child process in its own process session (its group holds vLLM's engine processes too), logging
+    to `log_path`; stopped by PID, never by name. The tests and benchmarks start their services with it."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict | None = None, cwd=None):
         self.name, self.log_path = name, log_path
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env)
+                                     env=env, cwd=cwd)
 
     @property
     def pid(self) -> int:

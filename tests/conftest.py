@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from pipeline.launcher import Child
 from pipeline.netutil import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,46 +28,21 @@ def model_cache(tmp_path_factory) -> Path:
     return d
 
 
-class Proc:
-    """A child in its own process group; stopped by PID (never by name)."""
+class Proc(Child):
+    """A `pipeline` service started by a test: the environment plus `env`, run from the repository."""
 
     def __init__(self, argv: list[str], log: Path, env: dict | None = None):
-        self.log = log
-        self._f = log.open("ab")
-        self.p = subprocess.Popen(argv, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, **(env or {})}, cwd=REPO)
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
+        super().__init__(log.stem, argv, log, env={**os.environ, **(env or {})}, cwd=REPO)
 
     def signal(self, sig: int) -> None:
-        if self.p.poll() is None:
+        if self.proc.poll() is None:
             os.kill(self.pid, sig)
 
     def wait(self, timeout: float) -> int:
-        return self.p.wait(timeout)
-
-    def stop(self, grace: float = 20) -> None:
-        if self.p.poll() is None:
-            self._group(signal.SIGTERM)
-            try:
-                self.p.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self._group(signal.SIGKILL)  # the whole group: vLLM's engine core too
-        if self.p.poll() is None:
-            self.p.wait(10)
-        self._f.close()
-
-    def _group(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            pass
+        return self.proc.wait(timeout)
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return super().tail(n)
 
 
 @pytest.fixture
@@ -93,8 +67,8 @@ def wait_for(predicate, timeout: float, what: str, procs_to_check: list[Proc] = 
         if value:
             return value
         for p in procs_to_check:
-            if p.p.poll() is not None and p.p.returncode != 0:
-                pytest.fail(f"{what}: process {p.pid} exited with {p.p.returncode}:\n{p.tail()}")
+            if p.proc.poll() is not None and p.proc.returncode != 0:
+                pytest.fail(f"{what}: process {p.pid} exited with {p.proc.returncode}:\n{p.tail()}")
         time.sleep(0.3)
     logs = "\n\n".join(p.tail() for p in procs_to_check)
     pytest.fail(f"timed out after {timeout} s waiting for {what}\n{logs}")

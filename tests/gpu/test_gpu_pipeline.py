@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.metrics import read_jsonl
+from tests.conftest import Proc
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -75,35 +75,19 @@ def _uuid(index: int) -> str:
     return out.strip()
 
 
-def _start(argv: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(wait)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group (vLLM's engine core)
-    except ProcessLookupError:
-        pass
+def _start(argv: list[str], log: Path) -> Proc:
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)
+    return Proc(argv, log, env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
 
 
 class GpuWatch:
     """Which GPUs (uuids) each started service's processes have held memory on."""
 
     def __init__(self):
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
         self.seen: dict[str, set[str]] = {}
 
-    def add(self, name: str, proc: subprocess.Popen) -> subprocess.Popen:
+    def add(self, name: str, proc: Proc) -> Proc:
         self.procs[name] = proc
         self.seen[name] = set()
         return proc
@@ -127,7 +111,7 @@ class GpuWatch:
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
-            _stop(proc)
+            proc.stop()
 
 
 def _config(model_dir: Path, tmp_path: Path, **trainer) -> Path:
@@ -148,9 +132,9 @@ def _config(model_dir: Path, tmp_path: Path, **trainer) -> Path:
     return path
 
 
-def _hub_address(run_dir: Path, learner: subprocess.Popen, log: Path, deadline: float) -> str:
+def _hub_address(run_dir: Path, learner: Proc, log: Path, deadline: float) -> str:
     while not (run_dir / "hub.json").exists():
-        assert learner.poll() is None, log.read_text()[-4000:]
+        assert learner.proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, "no hub.json"
         time.sleep(0.2)
     return json.loads((run_dir / "hub.json").read_text())["address"]
@@ -180,12 +164,12 @@ def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path)
         address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
         generator = watch.add("generator", _start(CLI + ["generator", "-c", str(cfg_path), "--learner", address,
                                                          "--gpus", "1"], tmp_path / "generator.log"))
-        while learner.poll() is None:
+        while learner.proc.poll() is None:
             assert time.monotonic() < deadline, "run did not finish: " + (tmp_path / "learner.log").read_text()[-3000:]
-            assert generator.poll() in (None, 0), (tmp_path / "generator.log").read_text()[-4000:]
+            assert generator.proc.poll() in (None, 0), (tmp_path / "generator.log").read_text()[-4000:]
             watch.sample()
             time.sleep(0.5)
-        assert learner.returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
+        assert learner.proc.returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
     finally:
         watch.stop()
 
@@ -212,7 +196,7 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
         gen_argv = CLI + ["generator", "-c", str(cfg_path), "--learner", address]
         watch.add("first", _start(gen_argv + ["--gpus", "1"], tmp_path / "first.log"))
         while len(read_jsonl(run_dir / "metrics.jsonl")) < 3:
-            assert time.monotonic() < deadline and learner.poll() is None, _tail(tmp_path / "learner.log")
+            assert time.monotonic() < deadline and learner.proc.poll() is None, _tail(tmp_path / "learner.log")
             watch.sample()
             time.sleep(0.5)
         joiner = watch.add("joiner", _start(gen_argv + ["--gpus", "2,3", "--set", "generator.tensor_parallel_size=2"],
@@ -221,7 +205,7 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
         while True:  # until the joiner has applied 3 versions and had rollouts trained
             assert time.monotonic() < deadline, "joiner did not take part: " + _tail(tmp_path / "joiner.log")
             for name, proc in watch.procs.items():
-                assert proc.poll() is None, f"{name} exited: " + _tail(tmp_path / f"{name}.log")
+                assert proc.proc.poll() is None, f"{name} exited: " + _tail(tmp_path / f"{name}.log")
             events = read_jsonl(run_dir / "events.jsonl")
             joiner_id = next((e["generator"] for e in events if e["event"] == "register"
                               and f"-{joiner.pid}-" in e["generator"]), None)

@@ -106,4 +106,4 @@ def test_generator_drains_on_sigterm(procs, tmp_path, model_cache, free_port):
     assert gen.wait(60) == 0, gen.tail()
     events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
     assert "leave" in events
-    assert learner.p.poll() is None  # the learner keeps running, waiting for generators
+    assert learner.proc.poll() is None  # the learner keeps running, waiting for generators
