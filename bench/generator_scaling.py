@@ -23,29 +23,48 @@ from bench.common import Services, add_model_args, model_from_args, run_config, 
 
 
 class Consumer:
-    """Takes batches from the hub and finishes each step at once (version stays 0: nothing is stale)."""
+    """Takes batches from the hub and finishes each step at once (version stays 0: nothing is stale), and
+    samples, every 50 ms, each generator's token count at the hub."""
 
     def __init__(self, hub):
         self.hub = hub
-        self.by_generator: dict[str, int] = {}  # tokens taken, per generator
-        self.first_seen: dict[str, float] = {}
+        self.samples: dict[str, list[tuple[float, int]]] = {}  # generator -> [(time, tokens so far)]
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._take, self._sample)]
 
-    def _run(self) -> None:
+    def _take(self) -> None:
         from learner.hub import HubStopped
 
         while not self._stop.is_set():
             try:
-                groups, _ = self.hub.take_batch(0)
+                self.hub.take_batch(0)
             except HubStopped:
                 return
-            now = time.time()
-            for g in groups:
-                self.first_seen.setdefault(g.generator_id, now)
-                n = sum(len(s.token_ids) // 4 for s in g.samples)  # packed int32 ids
-                self.by_generator[g.generator_id] = self.by_generator.get(g.generator_id, 0) + n
             self.hub.finish_step(0)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            with self.hub.lock:
+                counts = {g.generator_id: g.tokens for g in self.hub.generators.values()}
+            for g, n in counts.items():
+                if n:
+                    self.samples.setdefault(g, []).append((now, n))
+            time.sleep(0.05)
+
+    def rates(self, t0: float, t1: float) -> dict[str, float]:
+        """Tokens/s per generator: the least-squares slope of its token count over [t0, t1]. A generator
+        delivers in bursts (a lease's groups finish together, seconds apart), and the difference of the
+        counts at the window's ends would be off by up to a burst."""
+        out = {}
+        for g, seen in list(self.samples.items()):
+            pts = [(t, n) for t, n in seen if t0 <= t <= t1]
+            if len(pts) < 2:
+                continue
+            mt, mn = sum(t for t, _ in pts) / len(pts), sum(n for _, n in pts) / len(pts)
+            var = sum((t - mt) ** 2 for t, _ in pts)
+            out[g] = sum((t - mt) * (n - mn) for t, n in pts) / var if var else 0.0
+        return out
 
 
 def main() -> None:
@@ -54,7 +73,7 @@ def main() -> None:
     p.add_argument("--gpus", default="1,2,3", help="one generator per GPU, added in this order")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--warmup", type=float, default=8.0)
-    p.add_argument("--window", type=float, default=30.0)
+    p.add_argument("--window", type=float, default=40.0)
     p.add_argument("--enforce-eager", type=int, default=1)
     args = p.parse_args()
     from learner.hub import Hub
@@ -77,7 +96,8 @@ def main() -> None:
     hub = Hub(cfg, load_rows(cfg.data), run_dir, "scaling")
     hub.start()
     consumer = Consumer(hub)
-    consumer.thread.start()
+    for t in consumer.threads:
+        t.start()
     windows = []
     try:
         with Services(run_dir, cfg_dict) as svc:
@@ -86,29 +106,32 @@ def main() -> None:
                 name = f"generator-{i}"
                 svc.start_generator(name, gpus=gpu)
                 deadline = time.monotonic() + 300
-                while len(consumer.first_seen) < i + 1:  # its first group reached the hub
+                while len(consumer.samples) < i + 1:  # its first group reached the hub
                     svc.check_alive()
                     assert time.monotonic() < deadline, f"{name} delivered nothing:\n{svc.tails()}"
                     time.sleep(0.2)
                 time.sleep(args.warmup)
-                # tokens counted as each group arrives (the hub's counter), and per generator as batches are taken
-                t0, n0, per0 = time.time(), hub.counters["tokens"], dict(consumer.by_generator)
+                t0, n0 = time.time(), hub.counters["tokens"]
                 time.sleep(args.window)
-                t1, n1, per1 = time.time(), hub.counters["tokens"], dict(consumer.by_generator)
-                per = {g: round((per1.get(g, 0) - per0.get(g, 0)) / (t1 - t0)) for g in per1}
-                windows.append({"generators": i + 1, "gpus": args.gpus.split(",")[:i + 1], "tokens": n1 - n0,
-                                "seconds": t1 - t0, "tokens_per_s": (n1 - n0) / (t1 - t0),
-                                "tokens_per_s_by_generator": per})
+                t1, n1 = time.time(), hub.counters["tokens"]
+                per = consumer.rates(t0, t1)
+                windows.append({"generators": i + 1, "gpus": args.gpus.split(",")[:i + 1], "seconds": t1 - t0,
+                                "tokens_per_s": sum(per.values()),
+                                "tokens_per_s_by_generator": {g: round(r) for g, r in per.items()},
+                                "tokens_counted": n1 - n0, "tokens_per_s_counted": (n1 - n0) / (t1 - t0)})
                 print(json.dumps(windows[-1]), flush=True)
     finally:
         hub.stop()
-    one = windows[0]["tokens_per_s"]
+    one = windows[0]["tokens_per_s"] if windows else 0
     for w in windows:
         w["speedup_vs_1"] = w["tokens_per_s"] / one if one else None
     metrics = {"windows": windows, "target": "2 GPUs >= 1.9x, 3 GPUs >= 2.8x one",
                "workload": {"batch_size": 32, "group_size": 8, "max_tokens": args.max_tokens, "prompt_tokens": 32,
                             "max_inflight_groups": 96, "max_num_seqs": 512, "enforce_eager": bool(args.enforce_eager)},
-               "learner": "hub + a consumer that marks each batch trained at once (no training)"}
+               "learner": "hub + a consumer that marks each batch trained at once (no training)",
+               "estimator": "tokens_per_s: sum over generators of the least-squares slope of its token count at the "
+                            "hub (sampled every 50 ms) over the window; tokens_per_s_counted: tokens arriving in "
+                            "the window / its length"}
     write_result("generator_scaling", "python -m bench.generator_scaling " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", metrics)
 

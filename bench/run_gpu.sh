@@ -2,8 +2,8 @@
 # The whole GPU benchmark pass on a machine with 4 GPUs (learner GPU 0, generators on 1..3), in three
 # parts so that each fits one 10-minute device call (results are packed after every step):
 #   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2 and 4 GPUs)
-#   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs), generator_overhead
-#   bash bench/run_gpu.sh C   join_latency, colocated (one GPU), weight_sync shm/zmq (0.5B) and nccl (1.5B)
+#   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs)
+#   bash bench/run_gpu.sh C   join_latency, weight_sync nccl (1.5B) and shm/zmq (0.5B), generator_overhead, colocated
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A and B run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -50,8 +50,7 @@ A)
 B)
   step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 210 --steps 5 --transport nccl; pack
   scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
-  step generator_scaling 210 python3 -m bench.generator_scaling --gpus "$scale"; pack
-  step generator_overhead 120 python3 -m bench.generator_overhead --gpus 1; pack
+  step generator_scaling 260 python3 -m bench.generator_scaling --gpus "$scale" --window 30; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
@@ -60,11 +59,12 @@ single)  # one GPU (an H100): the embedded default colocated as shipped, then th
   ;;
 C)
   step join_latency 120 python3 -m bench.join_latency; pack
-  step colocated 150 python3 -m bench.colocated --steps 20 --timeout 130; pack
+  step weight_sync_1.5b 150 python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b; pack
   step weight_sync_files 150 python3 -m bench.weight_sync --sizes 0.5b --transports shm,zmq --name weight_sync_files; pack
   left=$(( 560 - ($(date +%s) - T0) ))
-  [ "$left" -gt 90 ] && step weight_sync_1.5b "$left" python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b
-  pack
+  [ "$left" -gt 100 ] && step generator_overhead 100 python3 -m bench.generator_overhead --gpus 1 && pack
+  left=$(( 560 - ($(date +%s) - T0) ))
+  [ "$left" -gt 100 ] && step colocated "$left" python3 -m bench.colocated --steps 20 --timeout $(( left - 20 )) && pack
   ;;
 esac
 echo "done in $(( $(date +%s) - T0 ))s"

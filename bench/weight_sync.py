@@ -1,7 +1,8 @@
 """weight_sync: from the end of the optimizer step to the generator running on the new weights.
 
 For each transport (nccl, shm, zmq) one short learner + generator run; per weights version it reads
-  learner   metrics.jsonl `sync/weights_ms`: gather + serialise + checksum (+ /dev/shm write) + announce;
+  learner   metrics.jsonl `sync/weights_ms`: its critical path (gather, pack, nccl broadcasts), and
+            `sync/broadcast_ms`: the broadcasts alone (learner waiting on NCCL, per version);
   generator "weights vN applied: X ms (Y ms paused), Z ms after the optimizer step": X = fetch + load,
             Y = engine paused, Z = optimizer step end -> generator back on the new weights (the figure).
 Then the raw transfer of the same number of bytes: memcpy in RAM, /dev/shm write + read, and an NCCL
@@ -43,10 +44,13 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, ste
     applied = [dict(version=int(m[1]), total_ms=int(m[2]), paused_ms=int(m[3]), after_step_ms=int(m[4]))
                for m in lines if m]
     steady = [a for a in applied if a["version"] >= 2] or applied  # v1 includes first-use warm-up
-    publish = [r["sync/weights_ms"] for r in records[1:]] or [r["sync/weights_ms"] for r in records]
+    steady_records = records[1:] or records
+    publish = [r["sync/weights_ms"] for r in steady_records]
+    broadcast = [r.get("sync/broadcast_ms", 0.0) for r in steady_records]
     return {
         "transport": transport, "model_size": size, "versions": applied,
         "learner_publish_ms_median": median(publish),
+        "learner_broadcast_ms_median": median(broadcast),
         "generator_fetch_load_ms_median": median([a["total_ms"] for a in steady]),
         "generator_paused_ms_median": median([a["paused_ms"] for a in steady]),
         "step_end_to_applied_ms_median": median([a["after_step_ms"] for a in steady]),
@@ -141,7 +145,12 @@ def main() -> None:
             except Exception as e:  # keep the other measurements
                 entry[transport] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
             print(size, transport, entry[transport], flush=True)
-        entry["raw"] = raw_transfers(nbytes, args.cpu)
+        entry["raw"] = raw = raw_transfers(nbytes, args.cpu)
+        nccl, raw_ms = entry.get("nccl", {}), raw.get("nccl_broadcast_ms")
+        if raw_ms and nccl.get("step_end_to_applied_ms_median"):  # share of the raw bandwidth reached
+            nccl["raw_fraction_end_to_end"] = raw_ms / nccl["step_end_to_applied_ms_median"]
+            if nccl.get("learner_broadcast_ms_median"):
+                nccl["raw_fraction_broadcasts"] = raw_ms / nccl["learner_broadcast_ms_median"]
         results[size] = entry
     write_result(args.name, "python -m bench.weight_sync " + " ".join(sys.argv[1:]),
                  "random-weight Qwen2.5 shapes, bf16 (" + args.sizes + ")", results)

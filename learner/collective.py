@@ -125,9 +125,6 @@ class CollectivePeers:
             except Exception as e:
                 self._fail(peer, f"broadcast failed ({e})")
 
-    def sender(self, peers: list[Peer], manifest: list) -> BucketSender:
-        return BucketSender(self, peers, manifest)
-
 
 # ---- buckets: a version travels as a few flat broadcasts, not one per parameter ---------------------
 
@@ -165,13 +162,13 @@ def unpack(flat: torch.Tensor, manifest: list, idx: list[int], offs: list[int]) 
     return out
 
 
-class BucketSender:
-    """Copies tensors (in manifest order, as they are gathered) into the current bucket and broadcasts each
-    bucket when full; ZeRO-3 may release a parameter as soon as it is added."""
+class Packer:
+    """Copies tensors (in manifest order, as they are gathered) into flat buckets on `device`; each full bucket
+    goes to `emit(flat, idx, offs)` (broadcast, CPU copy). ZeRO-3 may release a parameter once it is added:
+    the copy is queued on the current stream, ahead of any reuse of its memory."""
 
-    def __init__(self, peers: CollectivePeers, targets: list[Peer], manifest: list):
-        self.peers, self.targets, self.plan = peers, targets, buckets(manifest)
-        self.device = peers.device if peers.backend == "nccl" else "cpu"
+    def __init__(self, manifest: list, device, emit):
+        self.plan, self.device, self.emit = buckets(manifest), device, emit
         self.k, self.n, self.flat = 0, 0, None
 
     def add(self, t: torch.Tensor) -> None:
@@ -183,7 +180,7 @@ class BucketSender:
         self.flat[offs[self.n]:offs[self.n] + nbytes].copy_(src, non_blocking=True)
         self.n += 1
         if self.n == len(idx):
-            self.peers.send(self.targets, self.flat)
+            self.emit(self.flat, idx, offs)
             self.k, self.n, self.flat = self.k + 1, 0, None
 
     def finish(self) -> None:

@@ -50,6 +50,7 @@ class GeneratorInfo:
     version: int = -1
     tokens_per_s: float = 0.0
     groups: int = 0
+    tokens: int = 0  # rollout tokens received from it
     joined_at: float = field(default_factory=time.time)
 
 
@@ -386,10 +387,12 @@ class Hub:
                 del self.leases[msg.lease_id]
             self.buffer.append((msg, time.monotonic()))
             self.counters["rollouts"] += 1
-            self.counters["tokens"] += sum(len(s.token_ids) // 4 for s in msg.samples)
+            tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
+            self.counters["tokens"] += tokens
             gen = self.generators.get(msg.generator_id)
             if gen is not None:
                 gen.groups += 1
+                gen.tokens += tokens
             self.lock.notify_all()
 
     def _is_buffered(self, key: Key) -> bool:
@@ -510,7 +513,8 @@ class Hub:
                 {"id": g.generator_id, "host": g.host, "gpus": g.gpus, "version": g.version,
                  "lag": self.version - g.version if g.version >= 0 else None, "tokens_per_s": g.tokens_per_s,
                  "leases": sum(1 for lease in self.leases.values() if lease.generator_id == g.generator_id),
-                 "groups": g.groups, "last_heartbeat_s": round(now - g.last_seen, 2), "transport": g.transport}
+                 "groups": g.groups, "tokens": g.tokens, "last_heartbeat_s": round(now - g.last_seen, 2),
+                 "transport": g.transport}
                 for g in self.generators.values()
             ],
         }

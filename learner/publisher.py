@@ -1,12 +1,13 @@
-"""Publish a weights version: gather (ZeRO-3: one parameter at a time), copy to CPU, announce.
+"""Publish a weights version: gather (ZeRO-3: one parameter at a time), pack, broadcast, copy to CPU, announce.
 
-On the learner's critical path: the gather, the nccl broadcasts to the generators (while gathering),
-and one copy of each parameter into CPU buffers (pinned on GPU machines; two sets, alternating by
-version, so the background thread can still read the previous one). The CPU copy serves generators
-that join later: nccl joiners get it by broadcast (`_send_latest`), file transports (zmq, shm) as a
-safetensors blob, which a background thread serialises, checksums and writes to /dev/shm while the
-next step trains, only while some generator uses a file transport (or none is registered).
-Every rank calls `publish` (ZeRO-3 gathering is collective); only rank 0 announces.
+On the learner's critical path: the gather, packing each parameter into flat buckets of about 256 MB on
+the learner's device (learner.collective.Packer), and the nccl broadcast of each full bucket to the
+generators. Each bucket is then copied into CPU buffers on a side CUDA stream (pinned; two sets,
+alternating by version), which nobody waits for until the copy is read: training goes on meanwhile.
+The CPU copy serves generators that join later: nccl joiners get it by broadcast (`_send_latest`), file
+transports (zmq, shm) as a safetensors blob, which a background thread serialises, checksums and writes
+to /dev/shm while the next step trains, only while some generator uses a file transport (or none is
+registered). Every rank calls `publish` (ZeRO-3 gathering is collective); only rank 0 announces.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from learner.collective import manifest
+from learner.collective import Packer, manifest, unpack
 from learner.model import gathered_weights
 from pipeline import protocol as P
 from pipeline.transports import checksum, serialize, write_shm
+
+INFLIGHT_BYTES = 2 * 2**30  # device buckets whose CPU copy is still running, at most (then wait for the oldest)
 
 
 class WeightPublisher:
@@ -30,7 +33,9 @@ class WeightPublisher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._pending: Future | None = None
         self._buffers: list[dict[str, torch.Tensor]] = [{}, {}]
-        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, its CPU copy)
+        self._latest: tuple | None = None  # (version, its CPU copy, event: copy complete)
+        self._copy = HostCopy()
+        self.broadcast_ms = 0.0  # of the last version: the nccl broadcasts alone
         self._lock = threading.Lock()  # the copy loop vs. sends to joiners and blob requests
         self.serialize_ms = 0.0  # of the last announced blob
         if rank == 0:
@@ -39,40 +44,45 @@ class WeightPublisher:
             hub.on_file_join = self.request_blob
 
     def publish(self, version: int, step_end: float | None = None) -> float:
-        """Returns milliseconds on the learner's critical path: gathering, the nccl broadcasts, CPU copies."""
+        """Returns milliseconds on the learner's critical path: gathering, packing, the nccl broadcasts."""
         start = time.perf_counter()
         step_end = step_end or time.time()
         peers = self.collective.ready() if self.collective is not None and self.rank == 0 else []
-        sender = None
+        plan = manifest(self.engine.module.named_parameters())
         if peers:  # the generators start receiving while the tensors are gathered and sent
-            plan = manifest(self.engine.module.named_parameters())
             self.hub.announce(P.WeightsReady(version, 0, 0, "", step_end, collective=True, manifest=plan),
                               None, to=[p.generator_id for p in peers])
-            sender = self.collective.sender(peers, plan)
+        self.broadcast_ms = 0.0
         with self._lock:
             buffers = self._buffers[version % 2]
-            for name, t in gathered_weights(self.engine, self.cfg.trainer.zero_stage):
+
+            def emit(flat, idx, offs):
+                if peers:
+                    t = time.perf_counter()
+                    self.collective.send(peers, flat)
+                    self.broadcast_ms += (time.perf_counter() - t) * 1000
+                self._copy.store(buffers, unpack(flat, plan, idx, offs), flat)
+
+            device = self.collective.device if self.collective is not None else None
+            packer = Packer(plan, device or _device(self.engine), emit)
+            for _, t in gathered_weights(self.engine, self.cfg.trainer.zero_stage):
                 if self.rank == 0:
-                    if sender is not None:
-                        sender.add(t)
-                    _copy_into(buffers, name, t)
-            if sender is not None:
-                sender.finish()
+                    packer.add(t)
             if self.rank != 0:
                 return 0.0
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the copies are complete before anyone reads them
-            self._latest = (version, buffers)
+            packer.finish()
+            self._latest = (version, buffers, self._copy.seal())
         self.hub.finish_step(version)
         if self._pending is not None:
             self._pending.result()  # surfaces a failure of the previous announcement
             self._pending = None
         if self.hub.wants_blobs():
-            self._pending = self._pool.submit(self._announce, version, buffers, step_end)
+            self._pending = self._pool.submit(self._announce, version, buffers, self._latest[2], step_end)
         return (time.perf_counter() - start) * 1000
 
-    def _announce(self, version: int, buffers: dict, step_end: float) -> None:
+    def _announce(self, version: int, buffers: dict, copied, step_end: float) -> None:
         start = time.perf_counter()
+        _wait(copied)
         blob = serialize(buffers.items())
         shm_path = ""
         if self.cfg.weights.transport == "shm" or self.hub.uses_transport("shm"):
@@ -88,24 +98,26 @@ class WeightPublisher:
         with self._lock:  # holds the buffers of that version against the copy loop
             if self._latest is None:
                 return
-            version, buffers = self._latest
+            version, buffers, copied = self._latest
             last = self.hub.last_ready
             if last is None or last.version < version:
-                self._announce(version, buffers, 0.0)
+                self._announce(version, buffers, copied, 0.0)
 
     def _send_latest(self, peer) -> None:
         """A generator joined its nccl group (rendezvous thread): broadcast it the current version."""
         with self._lock:
             if self._latest is None or self._latest[0] == peer.loaded_version:
                 return
-            version, buffers = self._latest
+            version, buffers, copied = self._latest
+            _wait(copied)
             plan = manifest(buffers.items())
             self.hub.announce(P.WeightsReady(version, 0, 0, "", 0.0, collective=True, manifest=plan), None,
                               to=[peer.generator_id])
-            sender = self.collective.sender([peer], plan)
+            packer = Packer(plan, self.collective.device or "cpu",
+                            lambda flat, idx, offs: self.collective.send([peer], flat))
             for t in buffers.values():
-                sender.add(t)
-            sender.finish()
+                packer.add(t)
+            packer.finish()
 
     def flush(self) -> None:
         """Wait until the last version is announced."""
@@ -114,8 +126,45 @@ class WeightPublisher:
         self._pool.shutdown(wait=True)
 
 
-def _copy_into(buffers: dict, name: str, t: torch.Tensor) -> None:
+class HostCopy:
+    """Copies of device buckets into per-parameter CPU buffers. On a GPU the copies run on a side stream and
+    the buffers are pinned: `seal` returns an event that readers wait for, the learner does not."""
+
+    def __init__(self):
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.inflight: list[tuple[torch.cuda.Event, int]] = []
+
+    def store(self, buffers: dict, named: list, flat: torch.Tensor) -> None:
+        if not flat.is_cuda:
+            for name, t in named:
+                _buffer(buffers, name, t).copy_(t)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # the bucket is packed
+        with torch.cuda.stream(self.stream):
+            for name, t in named:
+                _buffer(buffers, name, t).copy_(t, non_blocking=True)
+        flat.record_stream(self.stream)  # its memory is not reused before the copies are done
+        self.inflight.append((self.stream.record_event(), flat.numel()))
+        while sum(n for _, n in self.inflight) > INFLIGHT_BYTES:
+            self.inflight.pop(0)[0].synchronize()
+
+    def seal(self):
+        """An event for the copies stored so far (None on CPU, where they are done)."""
+        self.inflight = []
+        return self.stream.record_event() if self.stream is not None else None
+
+
+def _wait(copied) -> None:
+    if copied is not None:
+        copied.synchronize()
+
+
+def _device(engine):
+    return engine.device if torch.cuda.is_available() else "cpu"
+
+
+def _buffer(buffers: dict, name: str, t: torch.Tensor) -> torch.Tensor:
     buf = buffers.get(name)
     if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
         buf = buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    buf.copy_(t, non_blocking=True)
+    return buf

@@ -73,23 +73,17 @@ def test_nccl_buckets_carry_every_tensor_bit_exact(monkeypatch):
     assert [g[0] for g in groups] == [[0, 1, 2], [3, 4]]  # "big" (1600 bytes) closes the first bucket
     assert all(off % C.ALIGN == 0 for _, offs, _ in groups for off in offs)
 
-    class Peers:  # stands in for CollectivePeers: records what would be broadcast
-        backend, device, sent = "gloo", None, []
-
-        def send(self, targets, flat):
-            self.sent.append(flat.clone())
-
-    peers = Peers()
-    sender = C.BucketSender(peers, [], plan)
+    sent = []
+    packer = C.Packer(plan, "cpu", lambda flat, idx, offs: sent.append(flat.clone()))
     for _, t in named:
-        sender.add(t)
-    sender.finish()
-    assert len(peers.sent) == 2
-    got = [x for flat, (idx, offs, _) in zip(peers.sent, groups, strict=True) for x in C.unpack(flat, plan, idx, offs)]
+        packer.add(t)
+    packer.finish()
+    assert len(sent) == 2
+    got = [x for flat, (idx, offs, _) in zip(sent, groups, strict=True) for x in C.unpack(flat, plan, idx, offs)]
     assert [n for n, _ in got] == [n for n, _ in named]
     for (_, want), (_, t) in zip(named, got, strict=True):
         assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
-    short = C.BucketSender(peers, [], plan)
+    short = C.Packer(plan, "cpu", sent.append)
     short.add(named[0][1])
     with pytest.raises(RuntimeError, match="0 of 2 buckets"):
         short.finish()
