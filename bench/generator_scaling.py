@@ -84,7 +84,9 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     data = write_dataset(run_dir.parent / "scaling.jsonl", rows=8192)
     cfg_dict = run_config(model, str(data), sampling={"max_tokens": args.max_tokens},
-                          trainer={"total_steps": 10**6, "batch_size": 32, "group_size": 8, "max_staleness": 8},
+                          # the version stays 0, so staleness never drops anything; but the hub leases at most
+                          # (max_staleness + 1) x batch_size groups, and 8 (288) capped 3 generators x 96
+                          trainer={"total_steps": 10**6, "batch_size": 32, "group_size": 8, "max_staleness": 64},
                           generator={"max_inflight_groups": 96, "lease_size": 16, "max_num_seqs": 512,
                                      "gpu_memory_utilization": 0.85, "enforce_eager": bool(args.enforce_eager)})
     if args.model_size == "tiny":  # CPU smoke run: the embedded task fits the tiny model's vocabulary

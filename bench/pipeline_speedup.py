@@ -2,8 +2,8 @@
 
 One run, one learner GPU (0) and one generator GPU (1); `trainer.max_staleness` is changed while the
 run goes on (`pipeline set`), so the three phases share one start. The workload is sized so that
-generating a batch and training on it take about as long: 448-token prompts (training pays for them,
-generation hardly: one prefill), 192 generated tokens, 32 groups x 8. Steps/min of a phase is measured between
+generating a batch and training on it take about as long: 704-token prompts (training pays for them,
+generation hardly: one prefill per group), 192 generated tokens, 32 groups x 8. Steps/min of a phase is measured between
 its steps' end times, skipping the first `--skip` steps after each change (the pipeline refills).
 GPU busy fraction: NVML utilisation sampled every 0.1 s, averaged over each phase. Target: k=1 >= 1.8x k=0.
 
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--prompt-tokens", type=int, default=448,
+    p.add_argument("--prompt-tokens", type=int, default=704,
                    help="long prompts cost training time, little generation time: this balances the two")
     p.add_argument("--transport", default="shm")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")

@@ -4,6 +4,7 @@
 #   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2 and 4 GPUs)
 #   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs)
 #   bash bench/run_gpu.sh C   join_latency, weight_sync nccl (1.5B) and shm/zmq (0.5B), generator_overhead, colocated
+#   bash bench/run_gpu.sh D   pipeline_speedup and generator_scaling only, shorter (a pass's last minutes)
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A and B run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -51,6 +52,11 @@ B)
   step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 210 --steps 5 --transport nccl; pack
   scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
   step generator_scaling 260 python3 -m bench.generator_scaling --gpus "$scale" --window 30; pack
+  ;;
+D)  # the two re-runs after the pass of 2026-11-22: balanced speedup workload, uncapped leases for scaling
+  step pipeline_speedup 150 python3 -m bench.pipeline_speedup --timeout 130 --steps 4 --transport nccl; pack
+  scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
+  step generator_scaling 200 python3 -m bench.generator_scaling --gpus "$scale" --window 20; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
