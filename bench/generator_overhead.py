@@ -119,7 +119,7 @@ def cli() -> None:
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     args = p.parse_args()

@@ -49,9 +49,9 @@ A)
   step pytest_gpu 330 python3 -m pytest -x -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
   ;;
 B)
-  step pipeline_speedup 230 python3 -m bench.pipeline_speedup --timeout 210 --steps 5 --transport nccl; pack
+  step pipeline_speedup 200 python3 -m bench.pipeline_speedup --timeout 180 --steps 4 --transport nccl; pack
   scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
-  step generator_scaling 260 python3 -m bench.generator_scaling --gpus "$scale" --window 30; pack
+  step generator_scaling 330 python3 -m bench.generator_scaling --gpus "$scale" --window 60; pack
   ;;
 D)  # the two re-runs after the pass of 2026-11-22: balanced speedup workload, uncapped leases for scaling
   step pipeline_speedup 150 python3 -m bench.pipeline_speedup --timeout 130 --steps 4 --transport nccl; pack
@@ -66,9 +66,9 @@ single)  # one GPU (an H100): the embedded default colocated as shipped, then th
 C)
   step join_latency 120 python3 -m bench.join_latency; pack
   step weight_sync_1.5b 150 python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b; pack
-  step weight_sync_files 150 python3 -m bench.weight_sync --sizes 0.5b --transports shm,zmq --name weight_sync_files; pack
+  step weight_sync_files 200 python3 -m bench.weight_sync --sizes 0.5b --transports shm,zmq --name weight_sync_files; pack
   left=$(( 560 - ($(date +%s) - T0) ))
-  [ "$left" -gt 100 ] && step generator_overhead 100 python3 -m bench.generator_overhead --gpus 1 && pack
+  [ "$left" -gt 130 ] && step generator_overhead 130 python3 -m bench.generator_overhead --gpus 1 && pack
   left=$(( 560 - ($(date +%s) - T0) ))
   [ "$left" -gt 100 ] && step colocated "$left" python3 -m bench.colocated --steps 20 --timeout $(( left - 20 )) && pack
   ;;

@@ -61,6 +61,7 @@ class Engine:
         self._gate = asyncio.Event()
         self._gate.set()
         self._update_lock = asyncio.Lock()
+        self.last_swap_ms: dict[str, float] = {}  # of the last weights swap: entering the pause, the load rpc
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: dict,
                        seed: int | None = None) -> list[Completion]:
@@ -110,9 +111,12 @@ class Engine:
             start = time.perf_counter()
             try:
                 await self.llm.pause_generation(mode="keep" if self.mode == "inflight" else "wait", clear_cache=False)
+                paused = time.perf_counter()
                 try:
                     await self.llm.collective_rpc(method, args=args)
+                    loaded = time.perf_counter()
                     await self.llm.reset_prefix_cache()
+                    self.last_swap_ms = {"pause": (paused - start) * 1000, "load": (loaded - paused) * 1000}
                     self.version = version
                     if self.mode == "inflight":  # drain: every request finished before the swap
                         for a in self._active.values():

@@ -201,8 +201,11 @@ class Generator:
         except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
             raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
         total_ms = (time.perf_counter() - start) * 1000
-        log.info("weights v%d applied: %.0f ms (%.0f ms paused), %.0f ms after the optimizer step", ready.version,
-                 total_ms, paused_ms, (time.time() - ready.published_at) * 1000 if ready.published_at else 0)
+        swap = self.engine.last_swap_ms
+        log.info("weights v%d applied: %.0f ms (%.0f ms paused), %.0f ms after the optimizer step; pausing took "
+                 "%.0f ms, the load rpc %.0f ms", ready.version, total_ms, paused_ms,
+                 (time.time() - ready.published_at) * 1000 if ready.published_at else 0,
+                 swap.get("pause", 0), swap.get("load", 0))
         async with self.version_changed:
             self.version_changed.notify_all()
         await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.name))

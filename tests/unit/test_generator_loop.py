@@ -23,6 +23,7 @@ class FakeEngine:
     def __init__(self):
         self.version = 0
         self.loaded: list[tuple[int, int]] = []
+        self.last_swap_ms: dict[str, float] = {}
 
     async def generate(self, prompt_ids, n, sampling, seed=None):
         await asyncio.sleep(0.01)
