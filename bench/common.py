@@ -162,10 +162,13 @@ def run_config(model: str, data: str, **sections) -> dict:
         "hub": {"heartbeat_timeout_s": 60.0},
         "weights": {"transport": "auto"},
     }
-    if "tiny" in Path(model).name:  # CPU smoke runs: the builtin model has 256 positions
-        cfg["generator"]["max_model_len"] = 256
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
+    if "tiny" in Path(model).name:  # CPU smoke runs: 256 positions, a vocabulary for the embedded task only
+        cfg["generator"]["max_model_len"] = 256
+        cfg["model"]["dtype"] = "float32"
+        cfg["data"] = {"path": "builtin:echo"}
+        cfg.pop("rewards")
     return cfg
 
 

@@ -89,10 +89,6 @@ def main() -> None:
                           trainer={"total_steps": 10**6, "batch_size": 32, "group_size": 8, "max_staleness": 64},
                           generator={"max_inflight_groups": 96, "lease_size": 16, "max_num_seqs": 512,
                                      "gpu_memory_utilization": 0.85, "enforce_eager": bool(args.enforce_eager)})
-    if args.model_size == "tiny":  # CPU smoke run: the embedded task fits the tiny model's vocabulary
-        cfg_dict["data"] = {"path": "builtin:echo"}
-        cfg_dict.pop("rewards")
-        cfg_dict["model"]["dtype"] = "float32"
     cfg = config_from_dict(cfg_dict)
     run_dir.mkdir(parents=True, exist_ok=True)
     hub = Hub(cfg, load_rows(cfg.data), run_dir, "scaling")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark pass on a machine with 4 GPUs (learner GPU 0, generators on 1..3), in three
-# parts so that each fits one 10-minute device call (results are packed after every step):
-#   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2 and 4 GPUs)
+# The whole GPU benchmark pass on a machine with 4 GPUs (learner GPU 0, generators on 1..3), in
+# parts that each fit one 10-minute device call (results are packed after every step):
+#   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2, 3 and 4 GPUs)
 #   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs)
 #   bash bench/run_gpu.sh C   join_latency, weight_sync nccl (1.5B) and shm/zmq (0.5B), generator_overhead, colocated
 #   bash bench/run_gpu.sh D   pipeline_speedup and generator_scaling only, shorter (a pass's last minutes)
+#   bash bench/run_gpu.sh E   the 7B shape: weight_sync over nccl, learner ZeRO-3 on GPUs 0,1, generator on GPU 2
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A and B run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -46,7 +47,7 @@ case "$PART" in
 A)
   step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
   step weight_sync 150 python3 -m bench.weight_sync --sizes 0.5b --transports nccl; pack
-  step pytest_gpu 330 python3 -m pytest -x -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
+  step pytest_gpu 450 python3 -m pytest -x -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
   ;;
 B)
   step pipeline_speedup 200 python3 -m bench.pipeline_speedup --timeout 180 --steps 4 --transport nccl; pack
@@ -57,6 +58,11 @@ D)  # the two re-runs after the pass of 2026-11-22: balanced speedup workload, u
   step pipeline_speedup 150 python3 -m bench.pipeline_speedup --timeout 130 --steps 4 --transport nccl; pack
   scale=$( [ "$GPUS" -ge 4 ] && echo 1,2,3 || echo 1 )
   step generator_scaling 200 python3 -m bench.generator_scaling --gpus "$scale" --window 20; pack
+  ;;
+E)  # 7B: the learner's fp32 AdamW states need ZeRO-3 over two GPUs
+  step build_7b 240 python3 -c "from bench.common import build_model as b; b('7b', '/tmp/bench-models/q-7b')"
+  step weight_sync_7b 330 python3 -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 \
+    --generator-gpus 2 --zero-stage 3 --steps 4 --name weight_sync_7b; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \

@@ -9,6 +9,7 @@ Then the raw transfer of the same number of bytes: memcpy in RAM, /dev/shm write
 broadcast GPU 0 -> GPU 1 (reference for a GPU-to-GPU transport).
 
     python -m bench.weight_sync --sizes 0.5b --transports nccl,shm,zmq
+    python -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 --generator-gpus 2 --zero-stage 3
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from bench.common import Services, build_model, log_times, median, run_config, w
 APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms paused\), (\d+) ms after the optimizer step")
 
 
-def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, steps: int, cpu: bool) -> dict:
+def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, args) -> dict:
+    steps = args.steps
     cfg = run_config(model, data, sampling={"max_tokens": 32},
-                     trainer={"total_steps": steps + 3, "batch_size": 8, "group_size": 4, "max_staleness": 1},
+                     trainer={"total_steps": steps + 3, "batch_size": 8, "group_size": 4, "max_staleness": 1,
+                              "zero_stage": args.zero_stage},
                      weights={"transport": transport})
-    if cpu:
+    if args.cpu:
         cfg["model"]["dtype"] = "float32"
-    with Services(run_dir, cfg, use_gpus=not cpu) as svc:
-        svc.start_learner()
-        svc.start_generator()
+    with Services(run_dir, cfg, use_gpus=not args.cpu) as svc:
+        svc.start_learner(gpus=args.learner_gpus, timeout=600)
+        svc.start_generator(gpus=args.generator_gpus)
         svc.wait_steps(steps, timeout=300)
         deadline = time.monotonic() + 30  # let the last versions be applied
         while time.monotonic() < deadline and not any(
@@ -130,6 +133,9 @@ def main() -> None:
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--runs", default="/tmp/bench-runs")
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--learner-gpus", default="0", help="several: one learner rank each (7B: 0,1 with ZeRO-3)")
+    p.add_argument("--generator-gpus", default="1")
+    p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--name", default="weight_sync", help="result file name")
     args = p.parse_args()
     data = str(write_dataset(Path(args.runs) / "sync.jsonl", rows=2048))
@@ -141,7 +147,7 @@ def main() -> None:
         for transport in args.transports.split(","):
             try:
                 entry[transport] = one_run(size, str(model), data, transport,
-                                           Path(args.runs) / f"sync-{size}-{transport}", args.steps, args.cpu)
+                                           Path(args.runs) / f"sync-{size}-{transport}", args)
             except Exception as e:  # keep the other measurements
                 entry[transport] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
             print(size, transport, entry[transport], flush=True)

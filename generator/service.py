@@ -255,6 +255,8 @@ class Generator:
     async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
         try:
             prompt_ids = self._encode(item.prompt)
+            if not prompt_ids:
+                raise ValueError("the prompt is empty after tokenising")
             outs = await self.engine.generate(prompt_ids, self.welcome.group_size, lease.sampling)
             # decode, score and encode off the event loop, which keeps feeding the engine meanwhile
             data = await asyncio.to_thread(self._rollout_message, lease, item, prompt_ids, outs)
@@ -262,9 +264,16 @@ class Generator:
             await self.push.send(data, copy=False)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("group for prompt %d failed; its lease will be re-queued by the hub", item.prompt_id)
-            raise
+        except Exception as e:
+            rejected = _prompt_at_fault(e)
+            log.log(logging.WARNING if rejected else logging.ERROR, "group for prompt %d failed (%s: %s); %s",
+                    item.prompt_id, type(e).__name__, e, "the prompt is rejected" if rejected else "leased again",
+                    exc_info=not rejected)
+            try:
+                await self.client.request(P.GroupFailed(self.id, lease.lease_id, item.epoch, item.prompt_id,
+                                                        f"{type(e).__name__}: {e}"[:1000], retry=not rejected))
+            except P.PeerLost:  # the hub re-queues the lease when it drops this generator
+                pass
 
     def _rollout_message(self, lease: P.Lease, item: P.PromptItem, prompt_ids: list[int], outs) -> bytes:
         texts = [self.tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
@@ -307,3 +316,9 @@ async def main(cfg: Config, address: str, gpus: str = "") -> None:
     finally:
         with contextlib.suppress(Exception):
             engine.shutdown()
+
+
+def _prompt_at_fault(e: Exception) -> bool:
+    """vLLM refused the request itself (an empty prompt, one longer than max_model_len: VLLMClientError,
+    ValueError in older releases): leasing the prompt again would fail the same way."""
+    return isinstance(e, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)

@@ -62,7 +62,10 @@ class LeaseState:
 
 
 class HubStopped(RuntimeError):
-    """The hub was stopped while the learner waited on it."""
+    """The hub was stopped while the learner waited on it, or the run cannot go on (the message says why)."""
+
+
+MAX_ATTEMPTS = 3  # a prompt whose group failed this often in engines is rejected like an invalid one
 
 
 class Hub:
@@ -81,7 +84,9 @@ class Hub:
         self.trained: set[Key] = set()
         self.next_epoch = 0
         self.counters = dict(bad_messages=0, unknown_lease=0, duplicates=0, stale_dropped=0, requeued=0,
-                             rollouts=0, tokens=0)
+                             rollouts=0, tokens=0, rejected_prompts=0)
+        self.attempts: dict[Key, int] = {}  # engine failures per prompt (leased again up to MAX_ATTEMPTS)
+        self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
         self.last_ready: P.WeightsReady | None = None
         self.blobs: dict[int, bytes] = {}  # zmq transport: the latest safetensors blobs by version
         # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
@@ -395,6 +400,35 @@ class Hub:
                 gen.tokens += tokens
             self.lock.notify_all()
 
+    def _on_group_failed(self, msg: P.GroupFailed) -> P.Message:
+        """A generator could not generate a leased prompt: lease it again (an engine failure, a few times) or
+        reject it (vLLM refused the prompt); too many rejections stop the run with the reason."""
+        key = (msg.epoch, msg.prompt_id)
+        lease = self.leases.get(msg.lease_id)
+        if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
+            return P.Ack({"known": False})
+        del lease.items[key]
+        if not lease.items:
+            del self.leases[msg.lease_id]
+        self.attempts[key] = self.attempts.get(key, 0) + 1
+        if msg.retry and self.attempts[key] < MAX_ATTEMPTS:
+            self.pending.appendleft(key)
+            self.counters["requeued"] += 1
+            log.warning("hub: prompt %s failed on %s (%s); leased again", key, msg.generator_id, msg.reason)
+        else:
+            self.counters["rejected_prompts"] += 1
+            self._event("prompt_rejected", generator=msg.generator_id, epoch=msg.epoch, prompt_id=msg.prompt_id,
+                        reason=msg.reason)
+            log.warning("hub: prompt %s rejected by %s: %s", key, msg.generator_id, msg.reason)
+            limit = self.cfg.hub.max_rejected_prompts
+            if self.counters["rejected_prompts"] >= limit and not self.failure:
+                self.failure = (f"{limit} prompts were rejected by the generators (hub.max_rejected_prompts), the "
+                                f"last, prompt {msg.prompt_id}: {msg.reason}. Check data.prompt_column, the "
+                                "tokenizer and generator.max_model_len")
+                log.error("hub: %s", self.failure)
+        self.lock.notify_all()
+        return P.Ack({"known": True})
+
     def _is_buffered(self, key: Key) -> bool:
         return any((g.epoch, g.prompt_id) == key for g, _ in self.buffer) or any(
             (g.epoch, g.prompt_id) == key for g in self.in_step)
@@ -442,6 +476,8 @@ class Hub:
             while True:
                 if self._stopped.is_set():
                     raise HubStopped("hub stopped while the learner waited for rollouts")
+                if self.failure:
+                    raise HubStopped(self.failure)
                 k = self.cfg.trainer.max_staleness
                 stale = [(g, t) for g, t in self.buffer if step - behaviour_version(g) > k]
                 if stale:

@@ -158,13 +158,17 @@ class HubConfig:
     """A generator silent this long is dropped and its leases re-queued."""
     max_message_mb: int = 64
     """Largest message the hub decodes; bigger ones get an error reply."""
+    max_rejected_prompts: int = 32
+    """The run stops with an error once generators rejected this many prompts (empty after tokenising, longer
+    than generator.max_model_len): a wrong prompt column or tokenizer would otherwise starve it silently."""
 
 
 @dataclass
 class WeightsConfig:
     transport: Literal["auto", "zmq", "shm", "nccl"] = "auto"
-    """auto: shm for generators on the learner's host, zmq otherwise. nccl: broadcast from the learner's GPU
-    to each generator's GPUs (one process group per generator, made when it registers; gloo on CPU)."""
+    """auto: nccl for generators on GPUs other than the learner's, else shm on the learner's host, zmq
+    across hosts. nccl: broadcast from the learner's GPU to each generator's GPUs (one process group per
+    generator, made when it registers; gloo on CPU)."""
     chunk_mb: int = 16
     """Chunk size of the zmq transport."""
     collective_timeout_s: float = 120.0

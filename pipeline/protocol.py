@@ -108,6 +108,20 @@ class WeightsApplied(Message):
 
 
 @dataclass
+class GroupFailed(Message):
+    """A leased prompt's group could not be generated. `retry`: the failure was the engine's, lease the
+    prompt again; otherwise vLLM rejected the prompt itself (empty, longer than max_model_len)."""
+
+    tag: ClassVar[str] = "group_failed"
+    generator_id: str
+    lease_id: int
+    epoch: int
+    prompt_id: int
+    reason: str = ""
+    retry: bool = True
+
+
+@dataclass
 class WeightsFetch(Message):
     tag: ClassVar[str] = "weights_fetch"
     version: int

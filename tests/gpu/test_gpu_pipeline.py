@@ -6,7 +6,9 @@ tokenizer covering its 151936 ids.
   generator acknowledges every version it received by broadcast.
 - 4 GPUs: a second generator with tensor_parallel_size 2 (GPUs 2 and 3) joins mid-run: it gets the
   current version by broadcast into both workers, then every new one, and its rollouts are trained on.
-Both check strict device isolation: nvidia-smi's compute apps, sampled while the run goes on, never show
+- 3 GPUs: the learner on GPUs 0 and 1 (two ranks, ZeRO-3: each version gathered parameter by parameter
+  on rank 0 while it is broadcast), the generator on GPU 2.
+All check strict device isolation: nvidia-smi's compute apps, sampled while the run goes on, never show
 a process of one service on a GPU it was not given. Processes are stopped by process group, never by name.
 """
 
@@ -229,3 +231,42 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, len(records) + 1))
     watch.check({"learner": [0], "first": [1], "joiner": [2, 3]})
+
+
+@pytest.mark.skipif(_gpus() < 3, reason="needs 3 GPUs (learner ranks on 0 and 1, generator on 2)")
+def test_zero3_learner_on_two_gpus(model_dir: Path, tmp_path: Path) -> None:
+    cfg_path, run_dir = _config(model_dir, tmp_path, zero_stage=3), tmp_path / "run"
+    watch = GpuWatch()
+    try:
+        deadline = time.monotonic() + 360  # seconds: two DeepSpeed ranks, vLLM start, a few steps
+        learner = watch.add("learner", _start(CLI + ["learner", "-c", str(cfg_path), "--run-dir", str(run_dir),
+                                                     "--gpus", "0,1"], tmp_path / "learner.log"))
+        address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
+        generator = watch.add("generator", _start(CLI + ["generator", "-c", str(cfg_path), "--learner", address,
+                                                         "--gpus", "2"], tmp_path / "generator.log"))
+        while learner.proc.poll() is None:
+            assert time.monotonic() < deadline, "run did not finish: " + _tail(tmp_path / "learner.log")
+            assert generator.proc.poll() in (None, 0), _tail(tmp_path / "generator.log")
+            watch.sample()
+            time.sleep(0.5)
+        assert learner.proc.returncode == 0, _tail(tmp_path / "learner.log")
+    finally:
+        watch.stop()
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["grad_norm"] > 0 for r in records)
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["transport"] for e in events if e["event"] == "register"] == ["nccl"]
+    applied = [(e["version"], e["via"]) for e in events if e["event"] == "weights_applied"]
+    assert [v for v, _ in applied] == list(range(applied[0][0], STEPS + 1)), applied
+    assert {via for _, via in applied} == {"nccl"}
+    # the final weights are whole parameters (gathered, not rank shards) and moved from the initial ones
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
+    initial = load_file(str(model_dir / "model.safetensors"))
+    assert all(final[name].shape == t.shape for name, t in initial.items() if name in final)
+    assert sum(float((final[name].float() - t.float()).abs().sum()) for name, t in initial.items() if name in final) > 0
+    watch.check({"learner": [0, 1], "generator": [2]})

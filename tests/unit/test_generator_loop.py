@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
+import pytest
 import torch
 
 from generator.engine import Completion
 from generator.service import Generator
-from learner.hub import Hub
+from learner.hub import GeneratorInfo, Hub, HubStopped
 from pipeline import protocol as P
 from pipeline.config import config_from_dict
 from pipeline.tasks import echo_rows
@@ -54,9 +56,9 @@ async def _until(pred, timeout=10.0):
 
 
 @contextlib.asynccontextmanager
-async def running(cfg, run_dir, engine):
+async def running(cfg, run_dir, engine, rows=None):
     """A hub in its thread and a generator on this loop; the generator leaves and the hub stops afterwards."""
-    hub = Hub(cfg, echo_rows(32, 0), run_dir, "unit")
+    hub = Hub(cfg, rows or echo_rows(32, 0), run_dir, "unit")
     hub.start()
     gen = Generator(cfg, engine, FakeTokenizer(), hub.address)
     task = asyncio.create_task(gen.run(handle_signals=False))
@@ -101,3 +103,53 @@ async def test_generator_reregisters_when_the_hub_forgets_it(tmp_path):
         await _until(lambda: gen.id in hub.generators)  # told "register again", it did
         registers = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if '"register"' in line]
         assert len(registers) == 2
+
+
+class FlakyEngine(FakeEngine):
+    """Fails the first request for prompts starting with `bad_first` (an engine failure, not the prompt's)."""
+
+    def __init__(self, bad_first: int):
+        super().__init__()
+        self.bad_first, self.failed = bad_first, 0
+
+    async def generate(self, prompt_ids, n, sampling, seed=None):
+        if prompt_ids[0] == self.bad_first and not self.failed:
+            self.failed += 1
+            raise RuntimeError("engine hiccup")
+        return await super().generate(prompt_ids, n, sampling, seed)
+
+
+async def test_failed_groups_are_leased_again_or_rejected_never_lost(tmp_path):
+    """An engine failure leases the prompt again; a prompt vLLM cannot take (here: empty after tokenising) is
+    rejected with its reason; neither holds a place in the staleness window, so every valid prompt arrives."""
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 1, "total_steps": 100},
+                            "hub": {"heartbeat_s": 0.2}})
+    rows = echo_rows(32, 0)
+    for pid in (3, 7):
+        rows[pid] = {**rows[pid], "prompt": "="}  # no digit: the fake tokenizer gives no ids
+    engine = FlakyEngine(bad_first=4 + int(rows[0]["prompt"][0]))  # the fake tokenizer: digit d -> id 4 + d
+    trained = set()
+    async with running(cfg, tmp_path, engine, rows) as (hub, gen):
+        while len(trained) < 30:  # every valid prompt of the epoch, despite the failures
+            batch, _ = await asyncio.wait_for(asyncio.to_thread(hub.take_batch, 0), 10)
+            trained |= {(g.epoch, g.prompt_id) for g in batch}
+            hub.finish_step(0)
+    assert {pid for e, pid in trained if e == 0} == set(range(32)) - {3, 7}
+    assert engine.failed == 1 and hub.counters["requeued"] >= 1
+    assert hub.counters["rejected_prompts"] >= 2
+    rejected = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
+                if '"prompt_rejected"' in line]
+    assert {e["prompt_id"] for e in rejected if e["epoch"] == 0} == {3, 7}
+    assert all("empty after tokenising" in e["reason"] for e in rejected)
+
+
+def test_too_many_rejected_prompts_stop_the_run_with_the_reason(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2}, "hub": {"max_rejected_prompts": 2}})
+    hub = Hub(cfg, echo_rows(8, 0), tmp_path, "unit")
+    with hub.lock:
+        hub.generators["g"] = GeneratorInfo("g", "h", "", 1, 0, "zmq", time.monotonic())
+        lease = hub._on_lease_request(P.LeaseRequest("g", 4))
+        for item in lease.groups[:2]:
+            hub._handle(P.GroupFailed("g", lease.lease_id, item.epoch, item.prompt_id, "prompt too long", retry=False))
+    with pytest.raises(HubStopped, match="2 prompts were rejected.*prompt too long"):
+        hub.take_batch(0)
