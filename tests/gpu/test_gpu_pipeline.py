@@ -156,25 +156,29 @@ def model_dir(tmp_path_factory) -> Path:
     return build_model("0.5b", root / "model")
 
 
-def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path) -> None:
-    cfg_path, run_dir = _config(model_dir, tmp_path), tmp_path / "run"
+def _run_to_end(cfg_path: Path, run_dir: Path, tmp_path: Path, learner_gpus: str, generator_gpus: str,
+                timeout: float) -> GpuWatch:
+    """A learner and one generator on the given GPUs until the learner finishes; returns what was seen."""
     watch = GpuWatch()
     try:
-        deadline = time.monotonic() + 300  # seconds: DeepSpeed start, vLLM start, a few steps
+        deadline = time.monotonic() + timeout
         learner = watch.add("learner", _start(CLI + ["learner", "-c", str(cfg_path), "--run-dir", str(run_dir),
-                                                     "--gpus", "0"], tmp_path / "learner.log"))
+                                                     "--gpus", learner_gpus], tmp_path / "learner.log"))
         address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
         generator = watch.add("generator", _start(CLI + ["generator", "-c", str(cfg_path), "--learner", address,
-                                                         "--gpus", "1"], tmp_path / "generator.log"))
+                                                         "--gpus", generator_gpus], tmp_path / "generator.log"))
         while learner.proc.poll() is None:
-            assert time.monotonic() < deadline, "run did not finish: " + (tmp_path / "learner.log").read_text()[-3000:]
-            assert generator.proc.poll() in (None, 0), (tmp_path / "generator.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "run did not finish: " + _tail(tmp_path / "learner.log")
+            assert generator.proc.poll() in (None, 0), _tail(tmp_path / "generator.log")
             watch.sample()
             time.sleep(0.5)
-        assert learner.proc.returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
+        assert learner.proc.returncode == 0, _tail(tmp_path / "learner.log")
     finally:
         watch.stop()
+    return watch
 
+
+def _check_every_version_by_broadcast(run_dir: Path) -> None:
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
     events = read_jsonl(run_dir / "events.jsonl")
@@ -183,6 +187,13 @@ def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path)
     # every version after the first goes out by broadcast to a joined generator, in order
     assert [v for v, _ in applied] == list(range(applied[0][0], STEPS + 1)), applied
     assert {via for _, via in applied} == {"nccl"}
+
+
+def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    # seconds: DeepSpeed start, vLLM start, a few steps
+    watch = _run_to_end(_config(model_dir, tmp_path), run_dir, tmp_path, "0", "1", timeout=300)
+    _check_every_version_by_broadcast(run_dir)
     watch.check({"learner": [0], "generator": [1]})
 
 
@@ -235,32 +246,10 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
 
 @pytest.mark.skipif(_gpus() < 3, reason="needs 3 GPUs (learner ranks on 0 and 1, generator on 2)")
 def test_zero3_learner_on_two_gpus(model_dir: Path, tmp_path: Path) -> None:
-    cfg_path, run_dir = _config(model_dir, tmp_path, zero_stage=3), tmp_path / "run"
-    watch = GpuWatch()
-    try:
-        deadline = time.monotonic() + 360  # seconds: two DeepSpeed ranks, vLLM start, a few steps
-        learner = watch.add("learner", _start(CLI + ["learner", "-c", str(cfg_path), "--run-dir", str(run_dir),
-                                                     "--gpus", "0,1"], tmp_path / "learner.log"))
-        address = _hub_address(run_dir, learner, tmp_path / "learner.log", deadline)
-        generator = watch.add("generator", _start(CLI + ["generator", "-c", str(cfg_path), "--learner", address,
-                                                         "--gpus", "2"], tmp_path / "generator.log"))
-        while learner.proc.poll() is None:
-            assert time.monotonic() < deadline, "run did not finish: " + _tail(tmp_path / "learner.log")
-            assert generator.proc.poll() in (None, 0), _tail(tmp_path / "generator.log")
-            watch.sample()
-            time.sleep(0.5)
-        assert learner.proc.returncode == 0, _tail(tmp_path / "learner.log")
-    finally:
-        watch.stop()
-
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
-    assert all(r["grad_norm"] > 0 for r in records)
-    events = read_jsonl(run_dir / "events.jsonl")
-    assert [e["transport"] for e in events if e["event"] == "register"] == ["nccl"]
-    applied = [(e["version"], e["via"]) for e in events if e["event"] == "weights_applied"]
-    assert [v for v, _ in applied] == list(range(applied[0][0], STEPS + 1)), applied
-    assert {via for _, via in applied} == {"nccl"}
+    run_dir = tmp_path / "run"
+    watch = _run_to_end(_config(model_dir, tmp_path, zero_stage=3), run_dir, tmp_path, "0,1", "2", timeout=360)
+    _check_every_version_by_broadcast(run_dir)
+    assert all(r["grad_norm"] > 0 for r in read_jsonl(run_dir / "metrics.jsonl"))
     # the final weights are whole parameters (gathered, not rank shards) and moved from the initial ones
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
