@@ -9,7 +9,7 @@ def render(s: dict) -> str:
         f"run {s['run_id']}  version {s['version']}  max_staleness {s['max_staleness']}  batch {s['batch_size']}",
         f"buffer {s['buffer']}  in flight {s['in_flight']}  pending {s['pending']}  trained {s['trained']}  "
         f"re-queued {c['requeued']}  stale dropped {c['stale_dropped']}  duplicates {c['duplicates']}  "
-        f"bad messages {c['bad_messages']}",
+        f"bad messages {c['bad_messages']}  rejected prompts {c.get('rejected_prompts', 0)}",
         "",
         f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} "
         f"{'heartbeat':>9}",
