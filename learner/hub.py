@@ -387,9 +387,7 @@ class Hub:
                 log.warning("hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
                             "a known" if lease else "an unknown", msg.lease_id, name)
                 return
-            del lease.items[key]
-            if not lease.items:
-                del self.leases[msg.lease_id]
+            self._release(msg.lease_id, key)
             self.buffer.append((msg, time.monotonic()))
             self.counters["rollouts"] += 1
             tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
@@ -400,6 +398,13 @@ class Hub:
                 gen.tokens += tokens
             self.lock.notify_all()
 
+    def _release(self, lease_id: int, key: Key) -> None:
+        """A leased prompt is settled (its group arrived, or failed): off its lease, and the lease once empty."""
+        lease = self.leases[lease_id]
+        del lease.items[key]
+        if not lease.items:
+            del self.leases[lease_id]
+
     def _on_group_failed(self, msg: P.GroupFailed) -> P.Message:
         """A generator could not generate a leased prompt: lease it again (an engine failure, a few times) or
         reject it (vLLM refused the prompt); too many rejections stop the run with the reason."""
@@ -407,9 +412,7 @@ class Hub:
         lease = self.leases.get(msg.lease_id)
         if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
             return P.Ack({"known": False})
-        del lease.items[key]
-        if not lease.items:
-            del self.leases[msg.lease_id]
+        self._release(msg.lease_id, key)
         self.attempts[key] = self.attempts.get(key, 0) + 1
         if msg.retry and self.attempts[key] < MAX_ATTEMPTS:
             self.pending.appendleft(key)
