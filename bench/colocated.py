@@ -12,9 +12,7 @@ and whether the run completed.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import ROOT, add_model_args, model_from_args, write_dataset, write_result
+from bench.common import ROOT, add_model_args, model_from_args, start_child, write_dataset, write_result
 from pipeline.metrics import read_jsonl
 
 
@@ -64,20 +62,17 @@ def main() -> None:
     cfg_path.write_text(yaml.safe_dump(cfg))
     stop, peak = threading.Event(), [0]
     threading.Thread(target=_memory_peak, args=(stop, peak), daemon=True).start()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if x))
     t0 = time.time()
-    log = (run_dir.parent / "colocated.log").open("wb")
     argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", str(cfg_path), "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log_path = run_dir.parent / "colocated.log"
+    log_path.unlink(missing_ok=True)  # this run's alone
+    child = start_child("colocated", argv, log_path)
     try:
-        rc = proc.wait(args.timeout)
+        rc = child.proc.wait(args.timeout)
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(5)
-            os.killpg(proc.pid, signal.SIGKILL)
+        child.stop(grace=5)
         stop.set()
     wall = time.time() - t0
     records, events = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl")

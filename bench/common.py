@@ -199,8 +199,8 @@ class Services:
     def start_learner(self, gpus: str = "0", timeout: float = 300) -> str:
         argv = self._argv("learner", gpus=gpus) + ["--run-dir", str(self.run_dir)]
         self.started["learner"] = time.time()
-        learner = Child("learner", argv, self.run_dir / "logs" / "learner.log", env=_env())
-        self._track(learner)
+        learner = start_child("learner", argv, self.run_dir / "logs" / "learner.log")
+        self.children.append(learner)
         deadline = time.monotonic() + timeout  # seconds; DeepSpeed's first start may build an op
         while time.monotonic() < deadline:
             if (self.run_dir / "hub.json").exists():
@@ -214,14 +214,9 @@ class Services:
     def start_generator(self, name: str = "generator-0", gpus: str = "1", overrides: tuple[str, ...] = ()) -> Child:
         argv = self._argv("generator", gpus=gpus, overrides=overrides) + ["--learner", self.address]
         self.started[name] = time.time()
-        child = Child(name, argv, self.run_dir / "logs" / f"{name}.log", env=_env())
-        self._track(child)
-        return child
-
-    def _track(self, child: Child) -> None:
+        child = start_child(name, argv, self.run_dir / "logs" / f"{name}.log")
         self.children.append(child)
-        with PGIDS.open("a") as f:  # run_gpu.sh stops leftovers by these ids (children run in new sessions)
-            f.write(f"{child.pid}\n")
+        return child
 
     @property
     def learner(self) -> Child:
@@ -273,6 +268,14 @@ class Services:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_child(name: str, argv: list[str], log_path: Path) -> Child:
+    """A benchmark's child process (own session, repository on PYTHONPATH), tracked for run_gpu.sh."""
+    child = Child(name, argv, log_path, env=_env())
+    with PGIDS.open("a") as f:  # run_gpu.sh stops leftovers by these ids (children run in new sessions)
+        f.write(f"{child.pid}\n")
+    return child
 
 
 def _exit_on_term(signum, frame) -> None:
