@@ -1,7 +1,8 @@
 """generator_overhead: tokens/s of our generator loop ÷ tokens/s of bare vLLM AsyncLLM, same engine and GPU.
 
 One AsyncLLM engine, built by our `Engine` wrapper (same engine args as the service). Two ways of
-driving it, alternated round by round with the same prompts, n and fixed output lengths (ignore_eos):
+driving it, alternated round by round (which goes first alternates too) with the same prompts, n and
+fixed output lengths (ignore_eos):
   bare  `llm.generate` directly with the same SamplingParams, prompts pre-tokenised;
   ours  the service's per-group path, `Generator._group`: tokenise, `Engine.generate` (version gate and
         bookkeeping), decode, reward functions in a thread, pack a RolloutGroup and encode it (the
@@ -74,7 +75,7 @@ async def main(args) -> dict:
     data = write_dataset(model_dir.parent / "overhead.jsonl", rows=args.prompts, prompt_tokens=32)
     cfg = config_from_dict(run_config(model, str(data), generator={
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": args.max_num_seqs,
-        "enforce_eager": True}))
+        "enforce_eager": bool(args.enforce_eager)}))
     tok = AutoTokenizer.from_pretrained(model)
     t0 = time.perf_counter()
     engine = Engine(cfg, model, seed=0, eos_id=tok.eos_token_id)
@@ -89,13 +90,16 @@ async def main(args) -> dict:
     await _bare(engine, prompt_ids[:32], args.n, warm, "warm")
     await _ours(gen, prompts[:32], warm, 10_000)
     rounds = []
-    for r in range(args.rounds):
-        t = time.perf_counter()
-        bare_tok = await _bare(engine, prompt_ids, args.n, sampling, f"b{r}")
-        bare_s = time.perf_counter() - t
-        t = time.perf_counter()
-        ours_tok = await _ours(gen, prompts, sampling, r)
-        ours_s = time.perf_counter() - t
+    for r in range(args.rounds):  # alternating which goes first, so a drift over time favours neither
+        timed = {}
+        for way in (("bare", "ours") if r % 2 == 0 else ("ours", "bare")):
+            t = time.perf_counter()
+            if way == "bare":
+                tokens = await _bare(engine, prompt_ids, args.n, sampling, f"b{r}")
+            else:
+                tokens = await _ours(gen, prompts, sampling, r)
+            timed[way] = (tokens, time.perf_counter() - t)
+        (bare_tok, bare_s), (ours_tok, ours_s) = timed["bare"], timed["ours"]
         rounds.append({"bare_tokens": bare_tok, "bare_s": bare_s, "bare_tok_s": bare_tok / bare_s,
                        "ours_tokens": ours_tok, "ours_s": ours_s, "ours_tok_s": ours_tok / ours_s,
                        "ratio": (ours_tok / ours_s) / (bare_tok / bare_s)})
@@ -106,7 +110,8 @@ async def main(args) -> dict:
     ours = sum(x["ours_tokens"] for x in rounds) / sum(x["ours_s"] for x in rounds)
     return {"bare_tok_s": bare, "ours_tok_s": ours, "ratio": ours / bare, "target": 0.95,
             "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "prompt_tokens": 32,
-            "max_num_seqs": args.max_num_seqs, "engine_start_s": engine_start_s, "rounds": rounds,
+            "max_num_seqs": args.max_num_seqs, "enforce_eager": bool(args.enforce_eager),
+            "engine_start_s": engine_start_s, "rounds": rounds,
             "rollout_bytes_per_round": gen.push.bytes // max(1, args.rounds + 1)}
 
 
@@ -122,15 +127,17 @@ def cli() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs")
     args = p.parse_args()
     from pipeline.config import apply_environment, load_config
 
-    apply_environment(load_config(None, ["generator.enforce_eager=true"]), args.gpus)
+    apply_environment(load_config(None, [f"generator.enforce_eager={bool(args.enforce_eager)}"]), args.gpus)
     metrics = asyncio.run(main(args))
     from bench.common import write_result
 
     write_result("generator_overhead", "python -m bench.generator_overhead " + " ".join(sys.argv[1:]),
-                 f"random-weight Qwen2.5-{args.model_size} shape, bf16, enforce_eager", metrics,
+                 f"random-weight Qwen2.5-{args.model_size} shape, bf16, enforce_eager={bool(args.enforce_eager)}",
+                 metrics,
                  gpus=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
 

@@ -6,8 +6,10 @@ generating a batch and training on it take about as long: 704-token prompts (tra
 generation hardly: one prefill per group), 192 generated tokens, 32 groups x 8. Steps/min of a phase is measured between
 its steps' end times, skipping the first `--skip` steps after each change (the pipeline refills).
 GPU busy fraction: NVML utilisation sampled every 0.1 s, averaged over each phase. Target: k=1 >= 1.8x k=0.
+CUDA graphs (`--enforce-eager 0`) make generation cheaper per token: longer completions balance it again.
 
     python -m bench.pipeline_speedup --model-size 0.5b
+    python -m bench.pipeline_speedup --enforce-eager 0 --max-tokens 512 --phases 0,1
     python -m bench.pipeline_speedup --from-run RUN_DIR --skip 1   # re-read a run's metrics.jsonl
 """
 
@@ -35,15 +37,17 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=704,
                    help="long prompts cost training time, little generation time: this balances the two")
     p.add_argument("--transport", default="shm")
+    p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs in the generator")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--from-run", type=Path, default=None,
                    help="summarise the metrics of an earlier run instead (no GPU busy figures)")
     p.add_argument("--run-machine", default="", help="with --from-run: the machine the run was made on")
+    p.add_argument("--name", default="pipeline_speedup", help="result file name")
     args = p.parse_args()
     if args.from_run is not None:
         out = summarize(args.from_run, args.skip)
-        write_result("pipeline_speedup", "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
+        write_result(args.name, "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
                      f"random-weight Qwen2.5-{args.model_size} shape, bf16", out, run_dir=str(args.from_run),
                      machine={"run": args.run_machine, "summarised_on": machine()})
         return
@@ -58,6 +62,7 @@ def main() -> None:
                      trainer={"total_steps": per_phase * len(phases) + 2, "batch_size": args.batch_size,
                               "group_size": args.group_size, "max_staleness": phases[0]},
                      generator={"max_inflight_groups": args.batch_size, "lease_size": 8,
+                                "enforce_eager": bool(args.enforce_eager),
                                 "max_model_len": args.prompt_tokens + args.max_tokens + 64},
                      weights={"transport": args.transport})
     if args.cpu:
@@ -77,10 +82,12 @@ def main() -> None:
             error = str(e).splitlines()[0]
         sampler.stop()
     out = summarize(svc.run_dir, args.skip, sampler)
-    out["workload"] = {"batch_size": args.batch_size, "group_size": args.group_size, "max_tokens": args.max_tokens,
-                       "prompt_tokens": args.prompt_tokens, "transport": args.transport}
+    out["workload"] = {"batch_size": args.batch_size, "group_size": args.group_size,
+                       "max_tokens": args.max_tokens,
+                       "prompt_tokens": args.prompt_tokens, "transport": args.transport,
+                       "enforce_eager": bool(args.enforce_eager)}
     out["sampler_error"], out["error"] = sampler.error, error
-    write_result("pipeline_speedup", "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
+    write_result(args.name, "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", out, run_dir=str(args.run_dir))
 
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark pass on a machine with 4 GPUs (learner GPU 0, generators on 1..3), in
 # parts that each fit one 10-minute device call (results are packed after every step):
-#   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B), the GPU tests (2, 3 and 4 GPUs)
+#   bash bench/run_gpu.sh A   model build, weight_sync over nccl (0.5B) staged and not, the GPU tests (2, 3, 4 GPUs)
 #   bash bench/run_gpu.sh B   pipeline_speedup (nccl), generator_scaling (1, 2, 3 GPUs)
 #   bash bench/run_gpu.sh C   join_latency, weight_sync nccl (1.5B) and shm/zmq (0.5B), generator_overhead, colocated
 #   bash bench/run_gpu.sh D   pipeline_speedup and generator_scaling only, shorter (a pass's last minutes)
 #   bash bench/run_gpu.sh E   the 7B shape: weight_sync over nccl, learner ZeRO-3 on GPUs 0,1, generator on GPU 2
+#   bash bench/run_gpu.sh G   pipeline_speedup (k=0, 1) and generator_overhead with CUDA graphs (0.5B, 1.5B)
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
-# With 2 GPUs: A and B run all but the 4-GPU test and generator_scaling beyond 1 GPU.
+# With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
 # Expects vLLM 0.26 + DeepSpeed in /tmp/site (../shared/gpu-kit), or installed.
 set -u
@@ -46,8 +47,8 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv >"$OUT/nvidia-smi-$PA
 case "$PART" in
 A)
   step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
-  step weight_sync 150 python3 -m bench.weight_sync --sizes 0.5b --transports nccl; pack
-  step pytest_gpu 450 python3 -m pytest -x -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
+  step weight_sync 200 python3 -m bench.weight_sync --sizes 0.5b --transports nccl,nccl:unstaged; pack
+  step pytest_gpu 400 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
   ;;
 B)
   step pipeline_speedup 200 python3 -m bench.pipeline_speedup --timeout 180 --steps 4 --transport nccl; pack
@@ -64,6 +65,13 @@ E)  # 7B: the learner's fp32 AdamW states need ZeRO-3 over two GPUs
   step weight_sync_7b 330 python3 -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 \
     --generator-gpus 2 --zero-stage 3 --steps 4 --name weight_sync_7b; pack
   ;;
+G)  # 2026-11-22, second pass (2 x H200): CUDA graphs in the generators
+  step pipeline_speedup_graphs 280 python3 -m bench.pipeline_speedup --timeout 260 --steps 5 --transport nccl \
+    --enforce-eager 0 --max-tokens 512 --phases 0,1 --name pipeline_speedup_graphs_g512; pack
+  step pipeline_speedup_1.5b 290 python3 -m bench.pipeline_speedup --model-size 1.5b --timeout 270 --steps 3 \
+    --transport nccl --enforce-eager 0 --max-tokens 512 --phases 0,1 --name pipeline_speedup_graphs_1.5b; pack
+  step generator_overhead 200 python3 -m bench.generator_overhead --gpus 1 --enforce-eager 0; pack
+  ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
     --run-dir /tmp/bench-runs/single-tiny; pack
@@ -72,7 +80,8 @@ single)  # one GPU (an H100): the embedded default colocated as shipped, then th
 C)
   step join_latency 120 python3 -m bench.join_latency; pack
   step weight_sync_1.5b 150 python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b; pack
-  step weight_sync_files 200 python3 -m bench.weight_sync --sizes 0.5b --transports shm,zmq --name weight_sync_files; pack
+  step weight_sync_files 230 python3 -m bench.weight_sync --sizes 0.5b --transports shm,zmq --steps 5 --name weight_sync_files
+  pack
   left=$(( 560 - ($(date +%s) - T0) ))
   [ "$left" -gt 130 ] && step generator_overhead 130 python3 -m bench.generator_overhead --gpus 1 && pack
   left=$(( 560 - ($(date +%s) - T0) ))

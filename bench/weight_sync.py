@@ -3,12 +3,13 @@
 For each transport (nccl, shm, zmq) one short learner + generator run; per weights version it reads
   learner   metrics.jsonl `sync/weights_ms`: its critical path (gather, pack, nccl broadcasts), and
             `sync/broadcast_ms`: the broadcasts alone (learner waiting on NCCL, per version);
-  generator "weights vN applied: X ms (Y ms paused), Z ms after the optimizer step": X = fetch + load,
-            Y = engine paused, Z = optimizer step end -> generator back on the new weights (the figure).
+  generator "weights vN applied: X ms (Y ms stopped), Z ms after the optimizer step": X = fetch + load,
+            Y = engine not generating, Z = optimizer step end -> generator on the new weights (the figure).
 Then the raw transfer of the same number of bytes: memcpy in RAM, /dev/shm write + read, and an NCCL
 broadcast GPU 0 -> GPU 1 (reference for a GPU-to-GPU transport).
 
     python -m bench.weight_sync --sizes 0.5b --transports nccl,shm,zmq
+    python -m bench.weight_sync --sizes 0.5b --transports nccl,nccl:unstaged   # weights.staging on, off
     python -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 --generator-gpus 2 --zero-stage 3
 """
 
@@ -23,15 +24,16 @@ from pathlib import Path
 
 from bench.common import Services, build_model, log_times, median, run_config, write_dataset, write_result
 
-APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms paused\), (\d+) ms after the optimizer step")
+APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms stopped\), (\d+) ms after the optimizer step")
 
 
 def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, args) -> dict:
     steps = args.steps
+    name, _, variant = transport.partition(":")  # nccl:unstaged: weights.staging off
     cfg = run_config(model, data, sampling={"max_tokens": 32},
                      trainer={"total_steps": steps + 3, "batch_size": 8, "group_size": 4, "max_staleness": 1,
                               "zero_stage": args.zero_stage},
-                     weights={"transport": transport})
+                     weights={"transport": name, "staging": variant != "unstaged"})
     if args.cpu:
         cfg["model"]["dtype"] = "float32"
     with Services(run_dir, cfg, use_gpus=not args.cpu) as svc:
@@ -44,7 +46,7 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
             time.sleep(0.1)
         records = svc.metrics()
     lines = [APPLIED.search(line) for _, line in log_times(run_dir / "logs" / "generator-0.log", "applied:")]
-    applied = [dict(version=int(m[1]), total_ms=int(m[2]), paused_ms=int(m[3]), after_step_ms=int(m[4]))
+    applied = [dict(version=int(m[1]), total_ms=int(m[2]), stopped_ms=int(m[3]), after_step_ms=int(m[4]))
                for m in lines if m]
     steady = [a for a in applied if a["version"] >= 2] or applied  # v1 includes first-use warm-up
     steady_records = records[1:] or records
@@ -55,7 +57,7 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
         "learner_publish_ms_median": median(publish),
         "learner_broadcast_ms_median": median(broadcast),
         "generator_fetch_load_ms_median": median([a["total_ms"] for a in steady]),
-        "generator_paused_ms_median": median([a["paused_ms"] for a in steady]),
+        "generator_stopped_ms_median": median([a["stopped_ms"] for a in steady]),
         "step_end_to_applied_ms_median": median([a["after_step_ms"] for a in steady]),
         "step_end_to_applied_ms_min": min((a["after_step_ms"] for a in steady), default=None),
         "acks": len(svc.events("weights_applied")),
@@ -147,7 +149,7 @@ def main() -> None:
         for transport in args.transports.split(","):
             try:
                 entry[transport] = one_run(size, str(model), data, transport,
-                                           Path(args.runs) / f"sync-{size}-{transport}", args)
+                                           Path(args.runs) / f"sync-{size}-{transport.replace(':', '-')}", args)
             except Exception as e:  # keep the other measurements
                 entry[transport] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
             print(size, transport, entry[transport], flush=True)

@@ -6,8 +6,13 @@ temperature), which is what the learner recomputes.
 
 Versions: `version` is the weights version loaded. Each request records the version it started on
 (first) and the newest version loaded while it was still running (last). Updates close a gate so
-no request starts mid-update; `inflight` mode pauses with mode="keep" (running requests continue
-on the new weights: first < last), `drain` mode pauses with mode="wait" (they finish first).
+no request starts mid-update. `inflight` mode loads between two engine steps without pausing (the
+worker call runs in the engine's loop; it waits for the kernels in flight): running requests continue
+on the new weights (first < last) and keep their KV cache, and vLLM cannot reset the prefix cache while
+requests run, so a prompt's cached KV may come from the previous weights. `drain` mode pauses with
+mode="wait" (running requests finish first), loads, resets the prefix cache and resumes.
+With the nccl transport the receive is staged when there is room (`weights.staging`): the workers post
+the receives and the engine keeps generating until the swap copies the version in.
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ class Engine:
         self._gate = asyncio.Event()
         self._gate.set()
         self._update_lock = asyncio.Lock()
-        self.last_swap_ms: dict[str, float] = {}  # of the last weights swap: entering the pause, the load rpc
+        self.staging = cfg.weights.staging  # nccl: receive while generating (off when the workers lack the room)
+        self._staged = False  # the workers hold staging buffers
+        self.last_swap_ms: dict[str, float] = {}  # of the last swap: the pause (drain), the load call, in the workers
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: dict,
                        seed: int | None = None) -> list[Completion]:
@@ -94,38 +101,60 @@ class Engine:
 
     async def load(self, source: bytes | str, crc32: int | None, version: int) -> float:
         """Swap in weights `version` (a blob, or the path of a file; crc32=None: already verified);
-        returns milliseconds spent paused."""
+        returns milliseconds the engine stopped generating."""
         return await self._swap(version, "load_weights_blob", (source, crc32))
 
     async def load_collective(self, version: int, manifest: list) -> float:
         """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
-        return await self._swap(version, "load_weights_collective", (manifest,))
+        from learner.collective import buckets
+
+        if self.staging and not self._staged:  # the first version: room on every worker?
+            self._staged = self.staging = all(await self.llm.collective_rpc("prepare_staging", args=(manifest,)))
+            if not self.staging:
+                await self.llm.collective_rpc("drop_staging")
+                log.warning("no GPU memory for the staging buffers (%.2f GB): receiving each version inside the "
+                            "swap; lower generator.gpu_memory_utilization to stage it",
+                            sum(size for *_, size in buckets(manifest)) / 1e9)
+        if not self.staging:
+            return await self._swap(version, "load_weights_collective", (manifest,))
+        await self.llm.collective_rpc("receive_collective", args=(manifest,))  # returns once the receives are posted
+        return await self._swap(version, "apply_collective", ())
 
     async def init_collective(self, host: str, info: dict) -> None:
         await self.llm.collective_rpc("init_collective", args=(host, info["port"], info["world_size"],
                                                                 info["backend"], info["timeout_s"]))
 
     async def _swap(self, version: int, method: str, args: tuple) -> float:
+        """Load through the workers' `method`; returns milliseconds the engine stopped generating (drain: the
+        pause; inflight: the slowest worker's call)."""
+        drain = self.mode == "drain"
         async with self._update_lock:
             self._gate.clear()
             start = time.perf_counter()
             try:
-                await self.llm.pause_generation(mode="keep" if self.mode == "inflight" else "wait", clear_cache=False)
+                if drain:
+                    await self.llm.pause_generation(mode="wait", clear_cache=False)
                 paused = time.perf_counter()
                 try:
-                    await self.llm.collective_rpc(method, args=args)
+                    results = await self.llm.collective_rpc(method, args=args)
                     loaded = time.perf_counter()
-                    await self.llm.reset_prefix_cache()
-                    self.last_swap_ms = {"pause": (paused - start) * 1000, "load": (loaded - paused) * 1000}
+                    if drain or not self._active:  # with requests running vLLM refuses (and warns)
+                        await self.llm.reset_prefix_cache()
                     self.version = version
-                    if self.mode == "inflight":  # drain: every request finished before the swap
+                    if not drain:  # drain: every request finished before the swap
                         for a in self._active.values():
                             a.last = version
                 finally:
-                    await self.llm.resume_generation()
+                    if drain:
+                        await self.llm.resume_generation()
             finally:
                 self._gate.set()
-            return (time.perf_counter() - start) * 1000
+            worker_ms = max(ms for ms, _ in results)
+            self.last_swap_ms = {"pause": (paused - start) * 1000, "load": (loaded - paused) * 1000,
+                                 "worker": worker_ms}
+            for note in sorted({n for _, n in results if n}):
+                log.info("%s", note)
+            return (time.perf_counter() - start) * 1000 if drain else worker_ms
 
     async def weights_checksum(self) -> float:
         return (await self.llm.collective_rpc("weights_checksum"))[0]

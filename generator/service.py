@@ -192,20 +192,20 @@ class Generator:
         start = time.perf_counter()
         try:
             if ready.collective:
-                paused_ms = await self.engine.load_collective(ready.version, ready.manifest)
+                stopped_ms = await self.engine.load_collective(ready.version, ready.manifest)
             else:
                 path = await self.receiver.fetch(ready)  # verified against the announced checksum
-                paused_ms = await self.engine.load(path, None, ready.version)
+                stopped_ms = await self.engine.load(path, None, ready.version)
         except (P.ProtocolError, asyncio.CancelledError):
             raise
         except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
             raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
         total_ms = (time.perf_counter() - start) * 1000
         swap = self.engine.last_swap_ms
-        log.info("weights v%d applied: %.0f ms (%.0f ms paused), %.0f ms after the optimizer step; pausing took "
-                 "%.0f ms, the load rpc %.0f ms", ready.version, total_ms, paused_ms,
+        log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; pausing took "
+                 "%.0f ms, the load call %.0f ms, of which %.0f ms in the workers", ready.version, total_ms, stopped_ms,
                  (time.time() - ready.published_at) * 1000 if ready.published_at else 0,
-                 swap.get("pause", 0), swap.get("load", 0))
+                 swap.get("pause", 0), swap.get("load", 0), swap.get("worker", 0))
         async with self.version_changed:
             self.version_changed.notify_all()
         await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.name))

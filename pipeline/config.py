@@ -121,7 +121,8 @@ class TrainerConfig:
 @dataclass
 class GeneratorConfig:
     update_mode: Literal["inflight", "drain"] = "inflight"
-    """inflight: pause keeping requests, swap weights, resume; drain: let requests finish first."""
+    """inflight: swap weights between two engine steps, running requests continue on the new weights; drain:
+    pause, let running requests finish, swap, resume."""
     lease_size: int = runtime(4)
     """Prompt groups asked for per lease."""
     max_inflight_groups: int = 32
@@ -173,6 +174,11 @@ class WeightsConfig:
     """Chunk size of the zmq transport."""
     collective_timeout_s: float = 120.0
     """nccl transport: rendezvous and broadcast timeout; a generator that misses it is dropped from the group."""
+    staging: bool = True
+    """nccl transport: receive each version into buffers of the model's size on the generator's GPUs (outside
+    generator.gpu_memory_utilization) while the engine keeps generating; the engine then stops only for the
+    copy into its weights. false, or no room for them: receive bucket by bucket inside the swap (one bucket,
+    about 256 MB, of extra memory)."""
 
 
 @dataclass
