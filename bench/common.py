@@ -251,6 +251,16 @@ class Services:
             time.sleep(0.1)
         raise RuntimeError(f"{len(self.metrics())} of {n} steps after {timeout} s\n{self.tails()}")
 
+    def wait_registered(self, n: int, timeout: float) -> None:
+        """Until `n` generators have registered (their engines are up)."""
+        deadline = time.monotonic() + timeout
+        while len(self.events("register")) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(self.events('register'))} of {n} generators registered after {timeout} s\n"
+                                   f"{self.tails()}")
+            self.check_alive()
+            time.sleep(0.2)
+
     def check_alive(self) -> None:
         for c in self.children:
             if c.proc.poll() is not None and c.proc.returncode != 0:

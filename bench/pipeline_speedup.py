@@ -7,9 +7,12 @@ generation hardly: one prefill per group), 192 generated tokens, 32 groups x 8. 
 its steps' end times, skipping the first `--skip` steps after each change (the pipeline refills).
 GPU busy fraction: NVML utilisation sampled every 0.1 s, averaged over each phase. Target: k=1 >= 1.8x k=0.
 CUDA graphs (`--enforce-eager 0`) make generation cheaper per token: longer completions balance it again.
+`--engines-per-gpu N` starts N generators on the generator GPU (one after the other, each with 0.9/N of its
+memory): a small model's vLLM step is host-bound, and one engine leaves most of the GPU idle.
 
     python -m bench.pipeline_speedup --model-size 0.5b
     python -m bench.pipeline_speedup --enforce-eager 0 --max-tokens 512 --phases 0,1
+    python -m bench.pipeline_speedup --enforce-eager 0 --engines-per-gpu 2 --prompt-tokens 192 --phases 0,1
     python -m bench.pipeline_speedup --from-run RUN_DIR --skip 1   # re-read a run's metrics.jsonl
 """
 
@@ -38,6 +41,7 @@ def main() -> None:
                    help="long prompts cost training time, little generation time: this balances the two")
     p.add_argument("--transport", default="shm")
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs in the generator")
+    p.add_argument("--engines-per-gpu", type=int, default=1, help="generators sharing the generator GPU")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--from-run", type=Path, default=None,
@@ -57,49 +61,55 @@ def main() -> None:
     data = write_dataset(Path(args.run_dir).parent / "speedup.jsonl", rows=4096,
                          prompt_tokens=(args.prompt_tokens + 1) // 2)
     per_phase = args.steps + args.skip
+    engines = args.engines_per_gpu
     cfg = run_config(model, str(data),
                      sampling={"max_tokens": args.max_tokens},
-                     trainer={"total_steps": per_phase * len(phases) + 2, "batch_size": args.batch_size,
+                     trainer={"total_steps": per_phase * len(phases) + 2 + 20 * (engines - 1), "batch_size": args.batch_size,
                               "group_size": args.group_size, "max_staleness": phases[0]},
                      generator={"max_inflight_groups": args.batch_size, "lease_size": 8,
                                 "enforce_eager": bool(args.enforce_eager),
-                                "max_model_len": args.prompt_tokens + args.max_tokens + 64},
+                                "max_model_len": args.prompt_tokens + args.max_tokens + 64,
+                                **({"gpu_memory_utilization": round(0.9 / engines, 2)} if engines > 1 else {})},
                      weights={"transport": args.transport})
     if args.cpu:
         cfg["model"]["dtype"] = "float32"
     sampler = GpuSampler().start()
     deadline = time.monotonic() + args.timeout
-    error = ""
+    error, warmup = "", 0
     with Services(Path(args.run_dir), cfg, use_gpus=not args.cpu) as svc:
         svc.start_learner()
-        svc.start_generator()
         try:
+            for i in range(engines):  # one vLLM start at a time: each sizes its KV cache from the free memory
+                svc.start_generator(f"generator-{i}")
+                svc.wait_registered(i + 1, timeout=max(10, deadline - time.monotonic()))
+            warmup = len(svc.metrics())  # steps trained before every engine was up: not measured
             for i, k in enumerate(phases):
                 if i:
                     svc.set("trainer.max_staleness", k)
-                svc.wait_steps((i + 1) * per_phase, timeout=max(10, deadline - time.monotonic()))
+                svc.wait_steps(warmup + (i + 1) * per_phase, timeout=max(10, deadline - time.monotonic()))
         except RuntimeError as e:  # out of time: the phases measured so far are kept
             error = str(e).splitlines()[0]
         sampler.stop()
-    out = summarize(svc.run_dir, args.skip, sampler)
+    out = summarize(svc.run_dir, args.skip, sampler, warmup)
     out["workload"] = {"batch_size": args.batch_size, "group_size": args.group_size,
                        "max_tokens": args.max_tokens,
                        "prompt_tokens": args.prompt_tokens, "transport": args.transport,
-                       "enforce_eager": bool(args.enforce_eager)}
+                       "enforce_eager": bool(args.enforce_eager), "engines_per_gpu": engines, "warmup_steps": warmup}
     out["sampler_error"], out["error"] = sampler.error, error
     write_result(args.name, "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", out, run_dir=str(args.run_dir))
 
 
-def summarize(run_dir: Path, skip: int, sampler: GpuSampler | None = None) -> dict:
-    """Per phase (consecutive steps with one max_staleness), skipping its first `skip` steps: steps/min
-    between the steps' end times, mean train/wait/sync, and (given the sampler) each GPU's busy fraction."""
+def summarize(run_dir: Path, skip: int, sampler: GpuSampler | None = None, warmup: int = 0) -> dict:
+    """Per phase (consecutive steps with one max_staleness), skipping the first `warmup` steps of the run and
+    the first `skip` of each phase: steps/min between the steps' end times, mean train/wait/sync, and (given
+    the sampler) each GPU's busy fraction."""
     from pipeline.metrics import read_jsonl
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     last_unix = (run_dir / "metrics.jsonl").stat().st_mtime  # the end of its last record
     runs: list[list[dict]] = []
-    for r in records:
+    for r in records[warmup:]:
         if not runs or runs[-1][0]["max_staleness"] != r["max_staleness"]:
             runs.append([])
         runs[-1].append(r)

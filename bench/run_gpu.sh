@@ -7,6 +7,8 @@
 #   bash bench/run_gpu.sh D   pipeline_speedup and generator_scaling only, shorter (a pass's last minutes)
 #   bash bench/run_gpu.sh E   the 7B shape: weight_sync over nccl, learner ZeRO-3 on GPUs 0,1, generator on GPU 2
 #   bash bench/run_gpu.sh G   pipeline_speedup (k=0, 1) and generator_overhead with CUDA graphs (0.5B, 1.5B)
+#   bash bench/run_gpu.sh H   the GPU tests, then pipeline_speedup with 2 generators sharing the generator GPU
+#   bash bench/run_gpu.sh I   pipeline_speedup with 3 generators on the generator GPU, weight_sync nccl (0.5B)
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -71,6 +73,19 @@ G)  # 2026-11-22, second pass (2 x H200): CUDA graphs in the generators
   step pipeline_speedup_1.5b 290 python3 -m bench.pipeline_speedup --model-size 1.5b --timeout 270 --steps 3 \
     --transport nccl --enforce-eager 0 --max-tokens 512 --phases 0,1 --name pipeline_speedup_graphs_1.5b; pack
   step generator_overhead 200 python3 -m bench.generator_overhead --gpus 1 --enforce-eager 0; pack
+  ;;
+H)  # 2026-11-23, third pass (2 x H200): several vLLM engines on the generator GPU (host-bound steps)
+  step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
+  step pytest_gpu 300 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
+  step pipeline_speedup_2engines 250 python3 -m bench.pipeline_speedup --timeout 230 --steps 5 --transport nccl \
+    --enforce-eager 0 --engines-per-gpu 2 --prompt-tokens 192 --max-tokens 512 --phases 0,1 \
+    --name pipeline_speedup_2engines; pack
+  ;;
+I)
+  step pipeline_speedup_3engines 300 python3 -m bench.pipeline_speedup --timeout 280 --steps 5 --transport nccl \
+    --enforce-eager 0 --engines-per-gpu 3 --prompt-tokens ${I_PROMPT:-64} --max-tokens ${I_MAX:-512} --phases 0,1 \
+    --name pipeline_speedup_3engines; pack
+  step weight_sync 200 python3 -m bench.weight_sync --sizes 0.5b --transports nccl --name weight_sync_d997; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
