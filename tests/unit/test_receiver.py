@@ -1,0 +1,107 @@
+"""The staged receive's thread (generator.worker_ext.Receiver) and the generator's end of it
+(generator.engine._Receivers), over a real gloo group and real ZeroMQ sockets in one process: each
+announced version arrives whole while nothing else waits on it, a stale or missing version is refused,
+and a learner that never sends fails the receive with its reason."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from generator.engine import _Receivers
+from generator.worker_ext import WeightLoader
+from learner.collective import Packer, make_group, manifest
+from pipeline.netutil import free_port
+
+TIMEOUT_S = 5.0
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {"embed": torch.randn(40, 8, generator=g).to(torch.bfloat16), "norm": torch.randn(8, generator=g),
+            "step": torch.tensor([version, 2 * version], dtype=torch.int64)}
+
+
+class FakeWorker(WeightLoader):
+    """The worker extension without vLLM: loading records what it was given."""
+
+    def __init__(self, group):
+        self._collective, self._collective_backend = group, "gloo"
+        self.loaded: list[dict[str, torch.Tensor]] = []
+
+    def _load_named(self, named: list) -> None:
+        self.loaded.append({name: t.clone() for name, t in named})
+
+
+@pytest.fixture
+def groups():
+    """A learner (rank 0) and a generator worker (rank 1) in one gloo group."""
+    port = free_port()
+    stores = [dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30),
+                            wait_for_workers=False) for rank in (0, 1)]
+    out = {}
+
+    def make(rank: int) -> None:
+        out[rank] = make_group(stores[rank], rank, 2, "gloo", TIMEOUT_S)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out[0], out[1]
+
+
+def _send(learner_group, weights: dict) -> None:
+    packer = Packer(manifest(weights.items()), "cpu", lambda flat, idx, offs: learner_group.broadcast(flat, 0).wait())
+    for t in weights.values():
+        packer.add(t)
+    packer.finish()
+
+
+async def test_each_announced_version_is_received_whole_then_applied(groups) -> None:
+    learner, gen = groups
+    worker = FakeWorker(gen)
+    plan = manifest(_weights(1).items())
+    receivers = _Receivers([worker.prepare_staging(plan, TIMEOUT_S)], plan)
+    try:
+        for version in (1, 2, 3):
+            sent = _weights(version)
+            sending = asyncio.create_task(asyncio.to_thread(_send, learner, sent))
+            ms = await receivers.receive(version, TIMEOUT_S)
+            await sending
+            assert ms >= 0
+            stale = f"weights v{version + 1} to apply, but the receiver holds v{version}"
+            with pytest.raises(RuntimeError, match=stale):
+                worker.apply_collective(version + 1)
+            ms, note = worker.apply_collective(version)
+            assert note == ""
+            got = worker.loaded[-1]
+            assert list(got) == list(sent)
+            for name, t in sent.items():
+                assert torch.equal(got[name], t), (version, name)
+        assert len(worker.loaded) == 3
+        with pytest.raises(RuntimeError, match="weights v3 to apply, but the receiver holds vNone"):
+            worker.apply_collective(3)  # applied once already
+    finally:
+        receivers.close()
+        worker.drop_staging()
+
+
+async def test_a_learner_that_never_sends_fails_the_receive(groups) -> None:
+    _, gen = groups
+    worker = FakeWorker(gen)
+    plan = manifest(_weights(1).items())
+    receivers = _Receivers([worker.prepare_staging(plan, 1.0)], plan)
+    try:
+        with pytest.raises(RuntimeError, match="weights v1 not received: .*"):
+            await receivers.receive(1, 1.0)
+        assert worker.loaded == []
+    finally:
+        receivers.close()
+        worker.drop_staging()
