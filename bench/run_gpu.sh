@@ -9,6 +9,8 @@
 #   bash bench/run_gpu.sh G   pipeline_speedup (k=0, 1) and generator_overhead with CUDA graphs (0.5B, 1.5B)
 #   bash bench/run_gpu.sh H   the GPU tests, then pipeline_speedup with 2 generators sharing the generator GPU
 #   bash bench/run_gpu.sh I   pipeline_speedup with 3 generators on the generator GPU, weight_sync nccl (0.5B)
+#   bash bench/run_gpu.sh J   the receiver thread: GPU tests, weight_sync nccl (0.5B), pipeline_speedup 2 engines again
+#   bash bench/run_gpu.sh K   weight_sync nccl (1.5B), pipeline_speedup with 3 engines
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -86,6 +88,20 @@ I)
     --enforce-eager 0 --engines-per-gpu 3 --prompt-tokens ${I_PROMPT:-64} --max-tokens ${I_MAX:-512} --phases 0,1 \
     --name pipeline_speedup_3engines; pack
   step weight_sync 200 python3 -m bench.weight_sync --sizes 0.5b --transports nccl --name weight_sync_d997; pack
+  ;;
+J)  # 2026-11-22, third pass: the staged receive in a thread of each worker
+  step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
+  step pytest_gpu 260 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
+  step weight_sync 130 python3 -m bench.weight_sync --sizes 0.5b --transports nccl; pack
+  step pipeline_speedup_2engines 200 python3 -m bench.pipeline_speedup --timeout 185 --steps 5 --transport nccl \
+    --enforce-eager 0 --engines-per-gpu 2 --prompt-tokens 192 --max-tokens 512 --phases 0,1 \
+    --name pipeline_speedup_2engines_thread; pack
+  ;;
+K)
+  step weight_sync_1.5b 170 python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b; pack
+  step pipeline_speedup_3engines 280 python3 -m bench.pipeline_speedup --timeout 260 --steps 5 --transport nccl \
+    --enforce-eager 0 --engines-per-gpu 3 --prompt-tokens 192 --max-tokens 512 --phases 0,1 \
+    --name pipeline_speedup_3engines; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \

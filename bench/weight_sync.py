@@ -4,7 +4,8 @@ For each transport (nccl, shm, zmq) one short learner + generator run; per weigh
   learner   metrics.jsonl `sync/weights_ms`: its critical path (gather, pack, nccl broadcasts), and
             `sync/broadcast_ms`: the broadcasts alone (learner waiting on NCCL, per version);
   generator "weights vN applied: X ms (Y ms stopped), Z ms after the optimizer step": X = fetch + load,
-            Y = engine not generating, Z = optimizer step end -> generator on the new weights (the figure).
+            Y = engine not generating, Z = optimizer step end -> generator on the new weights (the figure);
+            staged nccl adds "received in R ms": announcement -> every worker's receiver thread has the bytes.
 Then the raw transfer of the same number of bytes: memcpy in RAM, /dev/shm write + read, and an NCCL
 broadcast GPU 0 -> GPU 1 (reference for a GPU-to-GPU transport).
 
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from bench.common import Services, build_model, log_times, median, run_config, write_dataset, write_result
 
-APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms stopped\), (\d+) ms after the optimizer step")
+APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms stopped\), (\d+) ms after the optimizer step"
+                     r"(?:; received in (\d+) ms)?")
 
 
 def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, args) -> dict:
@@ -46,8 +48,8 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
             time.sleep(0.1)
         records = svc.metrics()
     lines = [APPLIED.search(line) for _, line in log_times(run_dir / "logs" / "generator-0.log", "applied:")]
-    applied = [dict(version=int(m[1]), total_ms=int(m[2]), stopped_ms=int(m[3]), after_step_ms=int(m[4]))
-               for m in lines if m]
+    applied = [dict(version=int(m[1]), total_ms=int(m[2]), stopped_ms=int(m[3]), after_step_ms=int(m[4]),
+                    **({"received_ms": int(m[5])} if m[5] else {})) for m in lines if m]
     steady = [a for a in applied if a["version"] >= 2] or applied  # v1 includes first-use warm-up
     steady_records = records[1:] or records
     publish = [r["sync/weights_ms"] for r in steady_records]
@@ -58,6 +60,7 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
         "learner_broadcast_ms_median": median(broadcast),
         "generator_fetch_load_ms_median": median([a["total_ms"] for a in steady]),
         "generator_stopped_ms_median": median([a["stopped_ms"] for a in steady]),
+        "generator_received_ms_median": median([a["received_ms"] for a in steady if "received_ms" in a]),
         "step_end_to_applied_ms_median": median([a["after_step_ms"] for a in steady]),
         "step_end_to_applied_ms_min": min((a["after_step_ms"] for a in steady), default=None),
         "acks": len(svc.events("weights_applied")),
