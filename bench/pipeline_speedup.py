@@ -7,7 +7,7 @@ generation hardly: one prefill per group), 192 generated tokens, 32 groups x 8. 
 its steps' end times, skipping the first `--skip` steps after each change (the pipeline refills).
 GPU busy fraction: NVML utilisation sampled every 0.1 s, averaged over each phase. Target: k=1 >= 1.8x k=0.
 CUDA graphs (`--enforce-eager 0`) make generation cheaper per token: longer completions balance it again.
-`--engines-per-gpu N` starts N generators on the generator GPU (one after the other, each with 0.9/N of its
+`--engines-per-gpu N` starts N generators on the generator GPU (one after the other, each with 0.85/N of its
 memory): a small model's vLLM step is host-bound, and one engine leaves most of the GPU idle.
 
     python -m bench.pipeline_speedup --model-size 0.5b
@@ -70,7 +70,7 @@ def main() -> None:
                      generator={"max_inflight_groups": args.batch_size, "lease_size": 8,
                                 "enforce_eager": bool(args.enforce_eager),
                                 "max_model_len": args.prompt_tokens + args.max_tokens + 64,
-                                **({"gpu_memory_utilization": round(0.9 / engines, 2)} if engines > 1 else {})},
+                                **({"gpu_memory_utilization": round(0.85 / engines, 2)} if engines > 1 else {})},
                      weights={"transport": args.transport})
     if args.cpu:
         cfg["model"]["dtype"] = "float32"

@@ -11,6 +11,7 @@
 #   bash bench/run_gpu.sh I   pipeline_speedup with 3 generators on the generator GPU, weight_sync nccl (0.5B)
 #   bash bench/run_gpu.sh J   the receiver thread: GPU tests, weight_sync nccl (0.5B), pipeline_speedup 2 engines again
 #   bash bench/run_gpu.sh K   weight_sync nccl (1.5B), pipeline_speedup with 3 engines
+#   bash bench/run_gpu.sh L   pipeline_speedup with 4 engines on the generator GPU, longer prompts (balance)
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -102,6 +103,11 @@ K)
   step pipeline_speedup_3engines 280 python3 -m bench.pipeline_speedup --timeout 260 --steps 5 --transport nccl \
     --enforce-eager 0 --engines-per-gpu 3 --prompt-tokens 192 --max-tokens 512 --phases 0,1 \
     --name pipeline_speedup_3engines; pack
+  ;;
+L)
+  step pipeline_speedup_4engines 345 python3 -m bench.pipeline_speedup --timeout 330 --steps 4 --transport nccl \
+    --enforce-eager 0 --engines-per-gpu 4 --prompt-tokens 320 --max-tokens 512 --phases 0,1 \
+    --name pipeline_speedup_4engines; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \

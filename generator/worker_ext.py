@@ -239,9 +239,8 @@ class Receiver:
                 try:
                     self.received = (version, self._receive(stream))
                     reply = [version, (time.perf_counter() - start) * 1000, ""]
-                except Exception as e:  # a dead learner, a timeout: the generator registers again
+                except Exception as e:  # a dead learner, a timeout: the generator registers again (new group)
                     reply = [version, 0.0, f"{type(e).__name__}: {e}"]
-                    self._stop.set()
                 self._sock.send(msgpack.packb(reply))
         finally:
             self._sock.close(linger=0)
