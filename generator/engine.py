@@ -67,9 +67,10 @@ class Engine:
         self._gate = asyncio.Event()
         self._gate.set()
         self._update_lock = asyncio.Lock()
-        # nccl: receive while generating; None until the first version finds room on every worker, or not
+        # nccl: receive while generating, through the workers' receiver threads (None: unstaged). Whether there
+        # is room for them is asked with the first version of each process group.
         self._want_staging = cfg.weights.staging
-        self.staging: bool | None = None if cfg.weights.staging else False
+        self._ask_staging = cfg.weights.staging
         self._receivers: _Receivers | None = None
         self._timeout_s = cfg.weights.collective_timeout_s
         # of the last swap: the pause (drain), the load call, in the workers; staged: the receive before it
@@ -113,17 +114,17 @@ class Engine:
         """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
         from learner.collective import buckets
 
-        if self.staging is None:  # the first version of this process group: room on every worker?
+        if self._ask_staging:  # the first version of this process group: room on every worker?
             addresses = await self.llm.collective_rpc("prepare_staging", args=(manifest, self._timeout_s))
-            self.staging = all(addresses)
-            if self.staging:
+            self._ask_staging = False
+            if all(addresses):
                 self._receivers = _Receivers(addresses, manifest)
             else:
                 await self.llm.collective_rpc("drop_staging")
                 log.warning("no GPU memory for the staging buffers (%.2f GB): receiving each version inside the "
                             "swap; lower generator.gpu_memory_utilization to stage it",
                             sum(size for *_, size in buckets(manifest)) / 1e9)
-        if not self.staging:
+        if self._receivers is None:
             return await self._swap(version, "load_weights_collective", (manifest,))
         if manifest != self._receivers.manifest:
             raise RuntimeError("nccl transport: the manifest changed after the staging buffers were made")
@@ -134,10 +135,8 @@ class Engine:
 
     async def init_collective(self, host: str, info: dict) -> None:
         """Join a (new) process group with the learner; a receiver of the previous group is dropped."""
-        if self._receivers is not None:
-            self._receivers.close()
-            self._receivers = None
-        self.staging = None if self._want_staging else False
+        self._drop_receivers()
+        self._ask_staging = self._want_staging
         self._timeout_s = info["timeout_s"]
         await self.llm.collective_rpc("init_collective", args=(host, info["port"], info["world_size"],
                                                                 info["backend"], info["timeout_s"]))
@@ -177,10 +176,13 @@ class Engine:
     async def weights_checksum(self) -> float:
         return (await self.llm.collective_rpc("weights_checksum"))[0]
 
-    def shutdown(self) -> None:
+    def _drop_receivers(self) -> None:
         if self._receivers is not None:
             self._receivers.close()
             self._receivers = None
+
+    def shutdown(self) -> None:
+        self._drop_receivers()
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter teardown (AsyncLLM.__del__ fails there)
