@@ -12,6 +12,8 @@
 #   bash bench/run_gpu.sh J   the receiver thread: GPU tests, weight_sync nccl (0.5B), pipeline_speedup 2 engines again
 #   bash bench/run_gpu.sh K   weight_sync nccl (1.5B), pipeline_speedup with 3 engines
 #   bash bench/run_gpu.sh L   pipeline_speedup with 4 engines on the generator GPU, longer prompts (balance)
+#   bash bench/run_gpu.sh M   4 GPUs: model build, all three GPU tests (the tensor-parallel joiner on the receiver thread)
+#   bash bench/run_gpu.sh N   4 GPUs: generator_scaling (1, 2, 3 GPUs) with 60 s windows
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -108,6 +110,13 @@ L)
   step pipeline_speedup_4engines 345 python3 -m bench.pipeline_speedup --timeout 330 --steps 4 --transport nccl \
     --enforce-eager 0 --engines-per-gpu 4 --prompt-tokens 320 --max-tokens 512 --phases 0,1 \
     --name pipeline_speedup_4engines; pack
+  ;;
+M)  # 2026-11-22, fourth pass (4 x H200)
+  step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
+  step pytest_gpu 450 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
+  ;;
+N)
+  step generator_scaling 480 python3 -m bench.generator_scaling --gpus 1,2,3 --window 60 --warmup 10; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
