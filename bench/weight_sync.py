@@ -2,7 +2,9 @@
 
 For each transport (nccl, shm, zmq) one short learner + generator run; per weights version it reads
   learner   metrics.jsonl `sync/weights_ms`: its critical path (gather, pack, nccl broadcasts), and
-            `sync/broadcast_ms`: the broadcasts alone (learner waiting on NCCL, per version);
+            `sync/broadcast_ms`: the broadcasts alone (learner waiting on NCCL, per version), and
+            `sync/copy_wait_ms`: waiting for the CPU copies of sent buckets to free device memory;
+            the rest is gathering (ZeRO-3) and packing;
   generator "weights vN applied: X ms (Y ms stopped), Z ms after the optimizer step": X = fetch + load,
             Y = engine not generating, Z = optimizer step end -> generator on the new weights (the figure);
             staged nccl adds "received in R ms": announcement -> every worker's receiver thread has the bytes.
@@ -58,6 +60,7 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
         "transport": transport, "model_size": size, "versions": applied,
         "learner_publish_ms_median": median(publish),
         "learner_broadcast_ms_median": median(broadcast),
+        "learner_copy_wait_ms_median": median([r.get("sync/copy_wait_ms", 0.0) for r in steady_records]),
         "generator_fetch_load_ms_median": median([a["total_ms"] for a in steady]),
         "generator_stopped_ms_median": median([a["stopped_ms"] for a in steady]),
         "generator_received_ms_median": median([a["received_ms"] for a in steady if "received_ms" in a]),

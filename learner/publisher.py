@@ -23,7 +23,8 @@ from learner.model import gathered_weights
 from pipeline import protocol as P
 from pipeline.transports import checksum, serialize, write_shm
 
-INFLIGHT_BYTES = 2 * 2**30  # device buckets whose CPU copy is still running, at most (then wait for the oldest)
+INFLIGHT_BYTES = 2 * 2**30  # device buckets whose CPU copy is still running: at least this much, and up to half
+# the device memory free at the version's start (then the learner waits for the oldest copy)
 
 
 class WeightPublisher:
@@ -36,6 +37,7 @@ class WeightPublisher:
         self._latest: tuple | None = None  # (version, its CPU copy, event: copy complete)
         self._copy = HostCopy()
         self.broadcast_ms = 0.0  # of the last version: the nccl broadcasts alone
+        self.copy_wait_ms = 0.0  # of the last version: waiting for CPU copies to free device buckets
         self._lock = threading.Lock()  # the copy loop vs. sends to joiners and blob requests
         self.serialize_ms = 0.0  # of the last announced blob
         if rank == 0:
@@ -63,8 +65,9 @@ class WeightPublisher:
                     self.broadcast_ms += (time.perf_counter() - t) * 1000
                 self._copy.store(buffers, unpack(flat, plan, idx, offs), flat)
 
-            device = self.collective.device if self.collective is not None else None
-            packer = Packer(plan, device or _device(self.engine), emit)
+            device = (self.collective.device if self.collective is not None else None) or _device(self.engine)
+            self._copy.begin(device)
+            packer = Packer(plan, device, emit)
             for _, t in gathered_weights(self.engine, self.cfg.trainer.zero_stage):
                 if self.rank == 0:
                     packer.add(t)
@@ -72,6 +75,7 @@ class WeightPublisher:
                 return 0.0
             packer.finish()
             self._latest = (version, buffers, self._copy.seal())
+            self.copy_wait_ms = self._copy.waited_ms
         self.hub.finish_step(version)
         if self._pending is not None:
             self._pending.result()  # surfaces a failure of the previous announcement
@@ -133,6 +137,19 @@ class HostCopy:
     def __init__(self):
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.inflight: list[tuple[torch.cuda.Event, int]] = []
+        self.limit, self.waited_ms = INFLIGHT_BYTES, 0.0
+
+    def begin(self, device) -> None:
+        """A version starts: let in-flight copies hold up to half the free device memory (the caching
+        allocator's unused blocks included). A 7B model's 15 GB then no longer wait on the PCIe copy
+        2 GiB at a time; a later allocation that needs the memory waits for the copies (the allocator
+        synchronizes their events before it reports out of memory)."""
+        self.waited_ms = 0.0
+        if self.stream is None or torch.device(device).type != "cuda":
+            return
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
+        self.limit = max(INFLIGHT_BYTES, free // 2)
 
     def store(self, buffers: dict, named: list, flat: torch.Tensor) -> None:
         if not flat.is_cuda:
@@ -145,8 +162,10 @@ class HostCopy:
                 _buffer(buffers, name, t).copy_(t, non_blocking=True)
         flat.record_stream(self.stream)  # its memory is not reused before the copies are done
         self.inflight.append((self.stream.record_event(), flat.numel()))
-        while sum(n for _, n in self.inflight) > INFLIGHT_BYTES:
+        while sum(n for _, n in self.inflight) > self.limit:
+            t = time.perf_counter()
             self.inflight.pop(0)[0].synchronize()
+            self.waited_ms += (time.perf_counter() - t) * 1000
 
     def seal(self):
         """An event for the copies stored so far (None on CPU, where they are done)."""

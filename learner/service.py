@@ -97,6 +97,7 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
             "step": step, "version": step + 1, **stats, **drop_stats, "time/wait_s": waited,
             "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
             "sync/serialize_ms": publisher.serialize_ms, "sync/broadcast_ms": publisher.broadcast_ms,
+            "sync/copy_wait_ms": publisher.copy_wait_ms,
             "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
             "generators": len(hub.generators), "max_staleness": cfg.trainer.max_staleness,
             "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
