@@ -4,7 +4,7 @@ At registration the hub opens a TCPStore for the generator and tells it the port
 of that group) and the generator's workers (ranks 1..tensor_parallel) meet there, so generators can
 join at any time. Joining ends with a one-element broadcast (the communicator really exists), then the
 joiner is sent the current version from the learner's CPU copy (`on_join`), and from then on every new
-version is broadcast while it is gathered (ZeRO-3: one parameter at a time), straight from the learner's
+version is broadcast while it is gathered (ZeRO-3: in groups of up to 256 MB), straight from the learner's
 GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
 one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the
 same groups run over gloo, which is how the tests exercise this path.

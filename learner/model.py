@@ -60,18 +60,38 @@ def build_engine(cfg: Config, model_path: str):
     return engine
 
 
-def gathered_weights(engine, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full parameter on the learner's device) one at a time. Under ZeRO-3 each is gathered for
-    the time the consumer holds it, then released, so the extra device memory stays near one parameter.
-    The tensors are the live parameters: copy what must outlive the next optimizer step."""
+GATHER_BYTES = 256 * 2**20  # ZeRO-3: parameters gathered together, up to this many bytes (or one larger one)
+
+
+def gathered_weights(engine, zero_stage: int, group_bytes: int = GATHER_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full parameter on the learner's device) in order. Under ZeRO-3 consecutive parameters are
+    gathered together (one coalesced all-gather) up to `group_bytes`, for the time the consumer holds them,
+    then released: the extra device memory stays under max(group_bytes, the largest parameter), which for
+    1.5B and larger shapes is the embedding alone. The tensors are the live parameters: copy what must
+    outlive the next optimizer step."""
+    named = engine.module.named_parameters()
+    if zero_stage != 3:
+        yield from ((name, p.data.detach()) for name, p in named)
+        return
     import deepspeed
 
-    for name, p in engine.module.named_parameters():
-        if zero_stage == 3:
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                yield name, p.data.detach()
-        else:
-            yield name, p.data.detach()
+    for group in _groups(named, group_bytes):
+        with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+            yield from ((name, p.data.detach()) for name, p in group)
+
+
+def _groups(named, limit: int) -> Iterator[list]:
+    """Consecutive (name, ZeRO-3 parameter) pairs, in lists of at most `limit` full bytes (or one pair)."""
+    group, size = [], 0
+    for name, p in named:
+        n = p.ds_numel * p.element_size()
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append((name, p))
+        size += n
+    if group:
+        yield group
 
 
 def save_hf(engine, cfg: Config, tokenizer, out_dir, rank: int) -> None:

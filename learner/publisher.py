@@ -1,4 +1,4 @@
-"""Publish a weights version: gather (ZeRO-3: one parameter at a time), pack, broadcast, copy to CPU, announce.
+"""Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, broadcast, copy to CPU, announce.
 
 On the learner's critical path: the gather, packing each parameter into flat buckets of about 256 MB on
 the learner's device (learner.collective.Packer), and the nccl broadcast of each full bucket to the

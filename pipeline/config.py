@@ -192,7 +192,8 @@ class RunConfig:
     learner_gpus: str | None = None
     """`pipeline run`: --gpus of the learner, e.g. "0" (None: no restriction)."""
     generator_gpus: list[str] = field(default_factory=list)
-    """`pipeline run`: --gpus of each generator, e.g. ["1", "2,3"]; the same GPU as the learner's is the
+    """`pipeline run`: --gpus of each generator, e.g. ["1", "2,3"] (generator i gets entry i modulo its
+    length; those sharing an entry start one after another); the same GPU as the learner's is the
     colocated placement (split its memory with generator.gpu_memory_utilization)."""
     log_level: str = "INFO"
     """Python logging level."""

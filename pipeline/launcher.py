@@ -72,10 +72,16 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
     try:
         address = _wait_for_hub(run_dir, learner)
         gpus = cfg.run.generator_gpus
+        started: dict[str | None, list[Child]] = {}  # GPU set -> its generators so far
         for i in range(cfg.run.generators):
-            argv = cli + ["generator", "-c", str(resolved), "--learner", address]
-            argv += _gpus(gpus[i % len(gpus)] if gpus else None)
-            children.append(Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log"))
+            mine = gpus[i % len(gpus)] if gpus else None
+            argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
+            # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (or a
+            # machine, without --gpus) start one after another, or two would count the same free memory
+            _wait_registered(run_dir, started.get(mine, []), learner)
+            child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log")
+            started.setdefault(mine, []).append(child)
+            children.append(child)
         rc = _follow(cfg, run_dir, learner, children[1:])
     except KeyboardInterrupt:
         print("\nstopping (Ctrl-C)...", flush=True)
@@ -107,6 +113,20 @@ def _wait_for_hub(run_dir: Path, learner: Child, timeout: float = 600) -> str:
             raise RuntimeError(f"the learner exited with {learner.proc.returncode}:\n{learner.tail()}")
         time.sleep(0.2)
     raise RuntimeError(f"the learner did not start its hub within {timeout} s:\n{learner.tail()}")
+
+
+def _wait_registered(run_dir: Path, generators: list[Child], learner: Child, timeout: float = 900) -> None:
+    """Until each of `generators` has registered at the hub (its engine is up) or exited."""
+    from pipeline.metrics import read_jsonl
+
+    deadline = time.monotonic() + timeout
+    while generators and time.monotonic() < deadline:
+        ids = [e["generator"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
+        if all(g.proc.poll() is not None or any(f"-{g.pid}-" in i for i in ids) for g in generators):
+            return
+        if learner.proc.poll() is not None:
+            raise RuntimeError(f"the learner exited with {learner.proc.returncode}:\n{learner.tail()}")
+        time.sleep(0.5)
 
 
 def _follow(cfg: Config, run_dir: Path, learner: Child, generators: list[Child]) -> int:

@@ -7,7 +7,7 @@ tokenizer covering its 151936 ids.
   were checked equal to vLLM's load_weights.
 - 4 GPUs: a second generator with tensor_parallel_size 2 (GPUs 2 and 3) joins mid-run: it gets the
   current version by broadcast into both workers, then every new one, and its rollouts are trained on.
-- The learner on GPUs 0 and 1 (two ranks, ZeRO-3: each version gathered parameter by parameter on rank 0
+- The learner on GPUs 0 and 1 (two ranks, ZeRO-3: each version gathered in groups of parameters on rank 0
   while it is broadcast), the generator on GPU 2 (with 2 GPUs: on GPU 1, beside learner rank 1).
 All check strict device isolation: nvidia-smi's compute apps, sampled while the run goes on, never show
 a process of one service on a GPU it was not given. Processes are stopped by process group, never by name.

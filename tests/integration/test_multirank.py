@@ -1,4 +1,4 @@
-"""Two learner ranks (gloo on CPU) with ZeRO-3: batches are split, weights gathered parameter by parameter."""
+"""Two learner ranks (gloo on CPU) with ZeRO-3: batches are split, weights gathered in groups (one all-gather each)."""
 
 from __future__ import annotations
 

@@ -48,3 +48,18 @@ def test_each_version_blob_holds_that_version():
         assert set(got) == set(want[version])
         for name, t in want[version].items():
             assert torch.equal(got[name], t), (version, name)
+
+
+def test_zero3_gather_groups_stay_under_the_limit_in_order():
+    from learner.model import _groups
+
+    def param(numel):  # a ZeRO-3 parameter: an empty local tensor, full size in ds_numel
+        p = torch.empty(0, dtype=torch.bfloat16)
+        p.ds_numel = numel
+        return p
+
+    sizes = [10, 20, 30, 100, 5, 5, 40]  # 2 bytes each: a limit of 60 bytes holds 30 elements
+    named = [(f"p{i}", param(n)) for i, n in enumerate(sizes)]
+    groups = [[name for name, _ in g] for g in _groups(named, 60)]
+    assert groups == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5"], ["p6"]]  # p3 alone: larger than the limit
+    assert [[name for name, _ in g] for g in _groups(named, 0)] == [[f"p{i}"] for i in range(len(sizes))]

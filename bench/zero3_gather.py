@@ -1,0 +1,100 @@
+"""zero3_gather: the learner's ZeRO-3 gather of a full weights version, parameter by parameter vs. in groups.
+
+Two learner ranks (gloo on CPU, nccl on GPUs) hold a random-weight model of a Qwen2.5 shape under ZeRO-3;
+rank 0 walks `learner.model.gathered_weights` and copies every parameter into flat buckets as the
+publisher does (learner.collective.Packer, nothing sent). Per pass: milliseconds, for `--group-bytes`
+0 (one parameter per all-gather) and the default (learner.model.GATHER_BYTES).
+
+    python -m bench.zero3_gather --model-size 0.5b              # CPU: two gloo ranks
+    python -m bench.zero3_gather --model-size 7b --gpus 0,1     # two GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def rank_main(args) -> None:
+    import deepspeed
+
+    from learner.collective import Packer, manifest
+    from learner.model import GATHER_BYTES, gathered_weights, init_distributed
+    from pipeline.tinymodel import qwen_shaped_config
+
+    rank, _ = init_distributed()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    from transformers import Qwen2ForCausalLM
+
+    with deepspeed.zero.Init(config_dict_or_path=_ds_config(), dtype=torch.bfloat16):
+        model = Qwen2ForCausalLM(qwen_shaped_config(args.model_size))
+    engine, *_ = deepspeed.initialize(model=model, config=_ds_config())
+    plan = manifest(engine.module.named_parameters())
+    nbytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
+    out = {"bytes": nbytes, "parameters": len(plan)}
+    for limit in (0, GATHER_BYTES):
+        times = []
+        for _ in range(args.passes):
+            _sync(cuda)
+            t = time.perf_counter()
+            packer = Packer(plan, device, lambda flat, idx, offs: None)
+            for _, tensor in gathered_weights(engine, 3, limit):
+                if rank == 0:
+                    packer.add(tensor)
+            _sync(cuda)
+            times.append((time.perf_counter() - t) * 1000)
+        out[f"group_bytes_{limit}"] = {"ms_per_pass": times, "ms_median": sorted(times)[len(times) // 2]}
+    if rank == 0:
+        from bench.common import write_result
+
+        a, b = out["group_bytes_0"]["ms_median"], out[f"group_bytes_{GATHER_BYTES}"]["ms_median"]
+        out["speedup"] = a / b
+        print(out, flush=True)
+        write_result(args.name, "python -m bench.zero3_gather " + " ".join(args.argv),
+                     f"random-weight Qwen2.5-{args.model_size} shape, bf16, ZeRO-3 over 2 ranks", out)
+
+
+def _ds_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-size", default="0.5b")
+    p.add_argument("--gpus", default=None, help="two GPUs, e.g. 0,1 (default: CPU, gloo)")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--name", default="zero3_gather")
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.rank:
+        rank_main(args)
+        return 0
+    from pipeline.netutil import free_port
+
+    port, devices = str(free_port()), args.gpus.split(",") if args.gpus else None
+    children = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0" if devices else str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env["CUDA_VISIBLE_DEVICES"] = devices[rank] if devices else ""
+        children.append(subprocess.Popen([sys.executable, "-m", "bench.zero3_gather", *args.argv, "--rank"], env=env))
+    codes = [c.wait() for c in children]
+    return max(codes, key=abs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
