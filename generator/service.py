@@ -209,7 +209,7 @@ class Generator:
                  swap.get("pause", 0), swap.get("load", 0), swap.get("worker", 0))
         async with self.version_changed:
             self.version_changed.notify_all()
-        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.name))
+        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.via))
 
     async def _leases(self) -> None:
         room = asyncio.Event()

@@ -87,6 +87,11 @@ class Receiver:
     name = ""
     collective = False  # True: versions arrive as broadcasts into the workers, not as files
 
+    @property
+    def via(self) -> str:
+        """The transport that delivered the last version fetched (shm may have fallen back to zmq)."""
+        return self.name
+
     async def fetch(self, ready: P.WeightsReady) -> str:
         raise NotImplementedError
 
@@ -135,11 +140,18 @@ class ShmReceiver(Receiver):
 
     def __init__(self, fallback: Receiver):
         self.fallback = fallback
+        self._via = self.name
 
     async def fetch(self, ready: P.WeightsReady) -> str:
         if not ready.shm_path or not Path(ready.shm_path).exists():
+            self._via = self.fallback.name
             return await self.fallback.fetch(ready)
+        self._via = self.name
         return await verify_file(ready.shm_path, ready)
+
+    @property
+    def via(self) -> str:
+        return self._via
 
 
 async def verify_file(path: str, ready: P.WeightsReady) -> str:

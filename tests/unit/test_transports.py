@@ -11,6 +11,8 @@ from pipeline.transports import ChecksumMismatch, ShmReceiver, checksum, remove_
 
 
 class FakeZmq:
+    name = "zmq"
+
     def __init__(self):
         self.calls = 0
 
@@ -25,7 +27,7 @@ async def test_shm_file_is_verified_and_corruption_refused():
     try:
         receiver = ShmReceiver(FakeZmq())
         ready = P.WeightsReady(3, len(blob), checksum(blob), path)
-        assert await receiver.fetch(ready) == path
+        assert await receiver.fetch(ready) == path and receiver.via == "shm"
         assert torch.equal(load_file(path)["w"], torch.arange(1000, dtype=torch.float32))
         with pytest.raises(ChecksumMismatch, match="announced"):
             await receiver.fetch(P.WeightsReady(3, len(blob), checksum(blob) ^ 1, path))
@@ -44,6 +46,7 @@ async def test_shm_falls_back_to_zmq_for_versions_not_in_shared_memory():
     assert await receiver.fetch(P.WeightsReady(1, 10, 0, "")) == "via-zmq"
     assert await receiver.fetch(P.WeightsReady(2, 10, 0, "/dev/shm/pipeline-gone/weights-v2.safetensors")) == "via-zmq"
     assert fallback.calls == 2
+    assert receiver.via == "zmq"  # what the generator reports in its weights_applied event
 
 
 def test_old_versions_are_removed_from_shared_memory():
