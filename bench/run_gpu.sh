@@ -15,6 +15,7 @@
 #   bash bench/run_gpu.sh M   4 GPUs: model build, all three GPU tests (the tensor-parallel joiner on the receiver thread)
 #   bash bench/run_gpu.sh N   4 GPUs: generator_scaling (1, 2, 3 GPUs) with 60 s windows
 #   bash bench/run_gpu.sh O   4 GPUs: weight_sync 7B (ZeRO-3 on 0,1) and 1.5B with in-flight CPU copies up to half the free memory
+#   bash bench/run_gpu.sh P   4 GPUs: zero3_gather 7B (per parameter vs groups) and weight_sync 7B with grouped gathers
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -124,6 +125,12 @@ O)
   step weight_sync_7b 300 python3 -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 \
     --generator-gpus 2 --zero-stage 3 --steps 4 --name weight_sync_7b_inflight; pack
   step weight_sync_1.5b 170 python3 -m bench.weight_sync --sizes 1.5b --transports nccl --name weight_sync_1.5b_inflight; pack
+  ;;
+P)  # next pass: the grouped ZeRO-3 gather (learner/model.py) on GPUs; then `bash bench/run_gpu.sh M` for the tests
+  step zero3_gather_7b 150 python3 -m bench.zero3_gather --model-size 7b --gpus 0,1 --name zero3_gather_7b; pack
+  step build_7b 240 python3 -c "from bench.common import build_model as b; b('7b', '/tmp/bench-models/q-7b')"
+  step weight_sync_7b 300 python3 -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 \
+    --generator-gpus 2 --zero-stage 3 --steps 4 --name weight_sync_7b_grouped; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \
