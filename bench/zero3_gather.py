@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -79,22 +78,15 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="zero3_gather")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else argv
+    args.argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--rank"]
     if args.rank:
         rank_main(args)
         return 0
-    from pipeline.netutil import free_port
+    from learner.launch import spawn_ranks  # as the learner's ranks: one failing stops the other
 
-    port, devices = str(free_port()), args.gpus.split(",") if args.gpus else None
-    children = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0" if devices else str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        env["CUDA_VISIBLE_DEVICES"] = devices[rank] if devices else ""
-        children.append(subprocess.Popen([sys.executable, "-m", "bench.zero3_gather", *args.argv, "--rank"], env=env))
-    codes = [c.wait() for c in children]
-    return max(codes, key=abs)
-
+    if not args.gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo) even on a machine with GPUs
+    return spawn_ranks([*args.argv, "--rank"], 2, args.gpus, module="bench.zero3_gather")
 
 if __name__ == "__main__":
     sys.exit(main())

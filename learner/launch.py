@@ -22,7 +22,8 @@ def world_size(ranks: int, gpus: str | None) -> int:
     return len(gpus.split(",")) if gpus else 1
 
 
-def spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
+def spawn_ranks(argv: list[str], world: int, gpus: str | None, module: str = "pipeline.cli") -> int:
+    """Run `python -m module *argv` once per rank; returns the exit code (a failed rank's, if any)."""
     devices = gpus.split(",") if gpus else None
     port = str(free_port())
     children = []
@@ -31,7 +32,7 @@ def spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
                "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
-        children.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], env=env))
+        children.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
 
     def forward(sig, _frame):
         for c in children:
