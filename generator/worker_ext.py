@@ -109,14 +109,14 @@ class WeightLoader:
 
         self.drop_staging()
         self._copies = None
-        staging = None
+        plan, staging = buckets(manifest), None
         if self._collective_backend == "nccl":
             try:
                 staging = [torch.empty(size, dtype=torch.uint8, device=self._collective_device())
-                           for _, _, size in buckets(manifest)]
+                           for _, _, size in plan]
             except torch.OutOfMemoryError:
                 return ""
-        self._receiver = Receiver(self._collective, manifest, staging, self._collective_device(), timeout_s)
+        self._receiver = Receiver(self._collective, manifest, plan, staging, self._collective_device(), timeout_s)
         return self._receiver.address
 
     def drop_staging(self) -> None:
@@ -201,16 +201,14 @@ class Receiver:
     It answers [version, milliseconds, error] once the bytes have landed; the generator then asks for the
     swap (`apply_collective`). Bound here, in the worker: the address is ready before the generator connects."""
 
-    def __init__(self, group, manifest: list, staging: list | None, device: str, timeout_s: float):
+    def __init__(self, group, manifest: list, plan: list, staging: list | None, device: str, timeout_s: float):
         import os
         import tempfile
         import threading
 
         import zmq
 
-        from learner.collective import buckets
-
-        self.group, self.manifest, self.plan, self.staging = group, manifest, buckets(manifest), staging
+        self.group, self.manifest, self.plan, self.staging = group, manifest, plan, staging  # plan: buckets()
         self.device, self.timeout_s = device, timeout_s
         self.received: tuple[int, list] | None = None  # (version, its buffers), until applied
         self._ctx = zmq.Context()
