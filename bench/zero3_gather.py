@@ -2,8 +2,11 @@
 
 Two learner ranks (gloo on CPU, nccl on GPUs) hold a random-weight model of a Qwen2.5 shape under ZeRO-3;
 rank 0 walks `learner.model.gathered_weights` and copies every parameter into flat buckets as the
-publisher does (learner.collective.Packer, nothing sent). Per pass: milliseconds, for `--group-bytes`
-0 (one parameter per all-gather) and the default (learner.model.GATHER_BYTES).
+publisher does (learner.collective.Packer, nothing sent). Per pass, milliseconds until the loop returns
+(`returned`: the learner's time) and until the device is done (`ms`), for group bytes 0 (one parameter per
+all-gather), the default (learner.model.GATHER_BYTES), and the default plus the publisher's CPU copy of each
+bucket (learner.publisher.HostCopy, into pinned buffers; a warm-up pass allocates them). On GPUs that last
+variant is also profiled once: `profile` lists the calls that took the most CPU time.
 
     python -m bench.zero3_gather --model-size 0.5b              # CPU: two gloo ranks
     python -m bench.zero3_gather --model-size 7b --gpus 0,1     # two GPUs
@@ -22,8 +25,10 @@ import torch
 def rank_main(args) -> None:
     import deepspeed
 
-    from learner.collective import Packer, manifest
+    from bench.common import median
+    from learner.collective import Packer, manifest, unpack
     from learner.model import GATHER_BYTES, gathered_weights, init_distributed
+    from learner.publisher import HostCopy
     from pipeline.tinymodel import qwen_shaped_config
 
     rank, _ = init_distributed()
@@ -39,18 +44,32 @@ def rank_main(args) -> None:
     plan = manifest(engine.module.named_parameters())
     nbytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
     out = {"bytes": nbytes, "parameters": len(plan)}
-    for limit in (0, GATHER_BYTES):
-        times = []
-        for _ in range(args.passes):
-            _sync(cuda)
-            t = time.perf_counter()
-            packer = Packer(plan, device, lambda flat, idx, offs: None)
-            for _, tensor in gathered_weights(engine, 3, limit):
-                if rank == 0:
-                    packer.add(tensor)
-            _sync(cuda)
-            times.append((time.perf_counter() - t) * 1000)
-        out[f"group_bytes_{limit}"] = {"ms_per_pass": times, "ms_median": sorted(times)[len(times) // 2]}
+    copy, buffers = HostCopy(), {}
+
+    def one_pass(limit: int, host_copy: bool) -> tuple[float, float]:
+        _sync(cuda)
+        t = time.perf_counter()
+        emit = (lambda flat, idx, offs: copy.store(buffers, unpack(flat, plan, idx, offs), flat)) if host_copy \
+            else (lambda flat, idx, offs: None)
+        copy.begin(device)
+        packer = Packer(plan, device, emit)
+        for _, tensor in gathered_weights(engine, 3, limit):
+            if rank == 0:
+                packer.add(tensor)
+        copy.seal()
+        returned = (time.perf_counter() - t) * 1000
+        _sync(cuda)
+        return returned, (time.perf_counter() - t) * 1000
+
+    for name, limit, host_copy in (("group_bytes_0", 0, False), (f"group_bytes_{GATHER_BYTES}", GATHER_BYTES, False),
+                                   ("groups_and_cpu_copy", GATHER_BYTES, True)):
+        if host_copy:
+            one_pass(limit, host_copy)  # allocates the pinned buffers
+        runs = [one_pass(limit, host_copy) for _ in range(args.passes)]
+        out[name] = {"ms_per_pass": [b for _, b in runs], "ms_median": median([b for _, b in runs]),
+                     "returned_ms_median": median([a for a, _ in runs])}
+    if cuda:
+        out["profile"] = _profile(lambda: one_pass(GATHER_BYTES, True), rank)
     if rank == 0:
         from bench.common import write_result
 
@@ -63,6 +82,16 @@ def rank_main(args) -> None:
 
 def _ds_config() -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+
+
+def _profile(fn, rank: int) -> list:
+    """[name, self CPU ms, calls] of the 15 calls that took the most CPU time in one run of `fn` (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return [[e.key, round(e.self_cpu_time_total / 1000, 2), e.count] for e in rows] if rank == 0 else []
 
 
 def _sync(cuda: bool) -> None:

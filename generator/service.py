@@ -5,8 +5,9 @@
              weights     WeightsReady announcements -> fetch -> engine.load -> WeightsApplied
              leases      LeaseRequest while there is room in the engine -> one task per prompt group
 A lost hub (no reply within the timeout) tears the session down and re-registers with back-off;
-the engine stays warm. The first SIGTERM/SIGINT drains (finish groups, return leases, Leave, exit 0),
-a second one leaves at once.
+the engine stays warm. The first SIGTERM/SIGINT drains: a heartbeat tells the hub at once (an nccl
+generator takes no more broadcasts: its engine may be stopping too), then finish groups, return leases,
+Leave, exit 0. A second one leaves at once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Generator:
         self.rewards = load_reward_fns(cfg.rewards)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
+        self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
         self.tokens = 0
         self.started = time.monotonic()
@@ -70,6 +72,7 @@ class Generator:
 
     def _on_signal(self) -> None:
         self.stopping += 1
+        self.draining.set()
         log.info("generator %s: %s", self.id, "draining (Ctrl-C again to leave now)" if self.stopping == 1 else
                  "leaving now")
         if self.stopping >= 2:
@@ -132,9 +135,10 @@ class Generator:
 
     async def _heartbeats(self) -> None:
         while True:
+            draining = self.draining.is_set()
             reply = await self.client.request(P.Heartbeat(
                 self.id, self.engine.version, self.tokens / max(1e-6, time.monotonic() - self.started),
-                len(self.groups), sorted(set(self.groups.values()))))
+                len(self.groups), sorted(set(self.groups.values())), draining))
             if isinstance(reply, P.Error):
                 if reply.fatal:
                     raise Reregister(reply.message)
@@ -147,7 +151,11 @@ class Generator:
                 latest = reply.info.get("latest")
                 if latest and latest["version"] > self.engine.version:
                     self.announced.put_nowait(P.from_dict(P.WeightsReady, latest))
-            await asyncio.sleep(self.welcome.heartbeat_s)
+            if draining:
+                await asyncio.sleep(self.welcome.heartbeat_s)
+            else:  # a drain is reported at once
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
 
     async def _subscribe(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -178,6 +186,8 @@ class Generator:
             ready = await self.announced.get()
             if ready.collective != self.receiver.collective:
                 continue  # announcements of the other kind of transport
+            if ready.collective and self.draining.is_set():
+                continue  # the hub closes a draining generator's group: it sends no more broadcasts
             if ready.collective:  # every broadcast must be received, in order: the learner is sending it
                 await self._apply(ready)
                 continue
@@ -199,6 +209,9 @@ class Generator:
         except (P.ProtocolError, asyncio.CancelledError):
             raise
         except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
+            if ready.collective and self.draining.is_set():  # the hub aborted the group of a draining generator
+                log.info("generator %s: weights v%d not received while draining (%s)", self.id, ready.version, e)
+                return
             raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
         total_ms = (time.perf_counter() - start) * 1000
         swap = self.engine.last_swap_ms

@@ -88,7 +88,8 @@ class CollectivePeers:
         except Exception as e:  # the generator never came: it re-registers (auto: with a file transport)
             self._fail(peer, f"did not join its process group: {e}")
             return
-        if peer.failed:
+        if peer.failed:  # closed while it joined
+            abort(peer.group)
             return
         peer.ready = True
         log.info("nccl transport: %s joined (%s, %d ranks)", peer.generator_id, self.backend, peer.world)
@@ -102,8 +103,16 @@ class CollectivePeers:
         self.close(peer.generator_id)
 
     def close(self, generator_id: str) -> None:
+        """Forget a generator's group (it drains, left, went silent or registers again) and abort the group in
+        a thread of its own: a broadcast already sent to a peer that stopped receiving ends, instead of
+        holding the learner until that generator's process exits."""
         with self.lock:
-            self.peers.pop(generator_id, None)
+            peer = self.peers.pop(generator_id, None)
+        if peer is None or peer.failed:
+            return
+        peer.failed = True  # send() skips it from the next bucket on
+        if peer.group is not None:
+            threading.Thread(target=abort, args=(peer.group,), daemon=True, name=f"abort-{generator_id}").start()
 
     def is_ready(self, generator_id: str) -> bool:
         with self.lock:
@@ -123,7 +132,8 @@ class CollectivePeers:
             try:
                 peer.group.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
             except Exception as e:
-                self._fail(peer, f"broadcast failed ({e})")
+                if not peer.failed:  # not closed meanwhile (a closed group's broadcasts fail by design)
+                    self._fail(peer, f"broadcast failed ({e})")
 
 
 # ---- buckets: a version travels as a few flat broadcasts, not one per parameter ---------------------

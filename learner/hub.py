@@ -51,6 +51,7 @@ class GeneratorInfo:
     tokens_per_s: float = 0.0
     groups: int = 0
     tokens: int = 0  # rollout tokens received from it
+    draining: bool = False  # told us it is finishing its groups before it leaves
     joined_at: float = field(default_factory=time.time)
 
 
@@ -283,6 +284,11 @@ class Hub:
     def _on_heartbeat(self, msg: P.Heartbeat) -> P.Message:
         gen = self.generators[msg.generator_id]
         gen.version, gen.tokens_per_s = msg.version, msg.tokens_per_s
+        if msg.draining and not gen.draining:  # no more broadcasts to it: its engine may already be stopping
+            gen.draining = True
+            if self.collective is not None:
+                self.collective.close(msg.generator_id)
+            self._event("drain", generator=msg.generator_id)
         dead = [i for i in msg.lease_ids if i not in self.leases]
         return P.Ack({"version": self.version, "dead_leases": dead, "latest": self._latest()})
 
@@ -553,7 +559,7 @@ class Hub:
                  "lag": self.version - g.version if g.version >= 0 else None, "tokens_per_s": g.tokens_per_s,
                  "leases": sum(1 for lease in self.leases.values() if lease.generator_id == g.generator_id),
                  "groups": g.groups, "tokens": g.tokens, "last_heartbeat_s": round(now - g.last_seen, 2),
-                 "transport": g.transport}
+                 "transport": g.transport, "draining": g.draining}
                 for g in self.generators.values()
             ],
         }

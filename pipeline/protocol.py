@@ -89,6 +89,7 @@ class Heartbeat(Message):
     tokens_per_s: float = 0.0
     inflight_groups: int = 0
     lease_ids: list[int] = field(default_factory=list)
+    draining: bool = False  # finishing its groups before it leaves: it takes no more broadcasts
 
 
 @dataclass

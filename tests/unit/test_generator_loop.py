@@ -105,6 +105,37 @@ async def test_generator_reregisters_when_the_hub_forgets_it(tmp_path):
         assert len(registers) == 2
 
 
+async def test_a_drain_is_reported_at_once_and_takes_no_more_broadcasts(tmp_path):
+    """The first SIGTERM: the hub hears of the drain before the generator leaves, long before the next periodic
+    heartbeat, so the learner stops broadcasting to it; a broadcast announced meanwhile is not received."""
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 50},
+                            "hub": {"heartbeat_s": 30}})
+    engine = FakeEngine()
+    engine.collective_loads = []
+    fast = engine.generate
+
+    async def generate(*args, **kw):  # groups stay in flight long enough to drain
+        await asyncio.sleep(1.0)
+        return await fast(*args, **kw)
+
+    async def load_collective(version, manifest):
+        engine.collective_loads.append(version)
+        return 1.0
+
+    engine.generate, engine.load_collective = generate, load_collective
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: gen.groups)
+        gen.receiver.collective = True  # as an nccl generator
+        gen._on_signal()
+        await _until(lambda: hub.generators.get(gen.id) is None or hub.generators[gen.id].draining)
+        gen.announced.put_nowait(P.WeightsReady(7, 0, 0, "", 0.0, collective=True, manifest=[]))
+        await _until(lambda: gen.id not in hub.generators)  # it finished its groups and left
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    mine = [e["event"] for e in events if e.get("generator") == gen.id and e["event"] in ("drain", "leave")]
+    assert mine == ["drain", "leave"]
+    assert engine.collective_loads == []
+
+
 class FlakyEngine(FakeEngine):
     """Fails the first request for prompts starting with `bad_first` (an engine failure, not the prompt's)."""
 

@@ -1,5 +1,6 @@
 """The hub over real ZeroMQ sockets, in process (no engines): admission, staleness, bad input, liveness."""
 
+import json
 import threading
 import time
 
@@ -257,7 +258,7 @@ class FakeCollective:
     """What the hub asks of learner.collective.CollectivePeers, without process groups."""
 
     def __init__(self):
-        self.failed, self.opened, self.joined = set(), [], set()
+        self.failed, self.opened, self.joined, self.closed = set(), [], set(), []
 
     def open(self, generator_id, world, loaded_version=-1):
         self.opened.append((generator_id, world, loaded_version))
@@ -267,7 +268,7 @@ class FakeCollective:
         return generator_id in self.joined
 
     def close(self, generator_id):
-        pass
+        self.closed.append(generator_id)
 
 
 def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub, monkeypatch):
@@ -313,4 +314,24 @@ def test_explicit_transport_is_kept(make_hub):
     hub.collective = FakeCollective()
     peer = Peer(hub)
     assert peer.ask(P.Register("x", "h", hub._boot_id, "1")).transport == "zmq"
+    peer.close()
+
+
+def test_a_draining_generator_gets_no_more_broadcasts_but_keeps_its_leases(make_hub, tmp_path):
+    hub = make_hub()
+    hub.collective = FakeCollective()
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(2)
+    assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id])).info["dead_leases"] == []
+    assert hub.collective.closed == []
+    for _ in range(2):  # reported once, acted on once
+        assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id], draining=True)), P.Ack)
+    assert hub.collective.closed == [peer.id]  # its process group: out of the next broadcasts, aborted
+    assert hub.status()["generators"][0]["draining"] is True
+    peer.send_groups(lease)  # the groups it finishes while draining still count
+    _wait_buffer(hub, 2)
+    assert isinstance(peer.ask(P.Leave(peer.id)), P.Ack)
+    events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events.count("drain") == 1 and events.index("drain") < events.index("leave")
     peer.close()

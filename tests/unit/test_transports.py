@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -90,3 +92,56 @@ def test_nccl_buckets_carry_every_tensor_bit_exact(monkeypatch):
     short.add(named[0][1])
     with pytest.raises(RuntimeError, match="0 of 2 buckets"):
         short.finish()
+
+
+class FakeGroup:
+    """A process group that records broadcasts and aborts; `on_broadcast` runs inside a broadcast."""
+
+    def __init__(self, on_broadcast=None):
+        self.sent, self.aborted, self.on_broadcast = 0, threading.Event(), on_broadcast
+
+    def broadcast(self, t, root):
+        if self.on_broadcast is not None:
+            self.on_broadcast()
+        self.sent += 1
+        return self
+
+    def wait(self, timeout):
+        return True
+
+    def abort(self):
+        self.aborted.set()
+
+
+def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts():
+    """A generator that drains or leaves: its group is aborted (a broadcast stuck on it ends), later buckets skip
+    it, and a broadcast that fails because of the close does not mark it as a failed nccl peer."""
+    import torch
+
+    from learner import collective as C
+
+    peers = C.CollectivePeers("127.0.0.1", timeout_s=5.0)
+
+    def add(gen_id, group):
+        peer = C.Peer(gen_id, None, 2, -1)
+        peer.group, peer.ready = group, True
+        peers.peers[gen_id] = peer
+        return peer
+
+    def failing():
+        raise RuntimeError("connection reset")
+
+    a, b = add("a", FakeGroup()), add("b", FakeGroup())
+    bucket = torch.zeros(4)
+    peers.send(peers.ready(), bucket)
+    assert (a.group.sent, b.group.sent) == (1, 1)
+    snapshot = peers.ready()  # what a publish in progress holds
+    peers.close("a")
+    assert a.group.aborted.wait(5) and peers.ready() == [b]
+    peers.send(snapshot, bucket)
+    assert (a.group.sent, b.group.sent) == (1, 2)  # the closed one is skipped from the next bucket on
+    c = add("c", FakeGroup(on_broadcast=lambda: (peers.close("c"), failing())))  # closed while it sends
+    d = add("d", FakeGroup(on_broadcast=failing))  # a real failure
+    peers.send(peers.ready(), bucket)
+    assert b.group.sent == 3 and c.group.aborted.wait(5) and d.group.aborted.is_set()
+    assert peers.failed == {"d"} and peers.ready() == [b]  # auto gives "d" a file transport next time; not "c"
