@@ -18,6 +18,7 @@
 #   bash bench/run_gpu.sh P   4 GPUs: zero3_gather 7B (per parameter vs groups) and weight_sync 7B with grouped gathers
 #   bash bench/run_gpu.sh Q   4 GPUs: model build, the GPU tests, zero3_gather 7B with the publisher's CPU copy (profiled)
 #   bash bench/run_gpu.sh R   pipeline_speedup with 4 engines again: generators that drain while the learner publishes
+#   bash bench/run_gpu.sh S   4 GPUs: zero3_gather 7B with the CPU copies started after the gathers, then the GPU tests
 #   bash bench/run_gpu.sh single   on a one-GPU machine: `pipeline run -c configs/gpu-single.yaml`, colocated
 # With 2 GPUs: A, B and G run all but the 4-GPU test and generator_scaling beyond 1 GPU.
 # Results: bench/results/*.json; logs and run records (no weights) are packed into $OUT/part-X.tgz.
@@ -143,6 +144,11 @@ R)
   step pipeline_speedup_4engines 345 python3 -m bench.pipeline_speedup --timeout 330 --steps 4 --transport nccl \
     --enforce-eager 0 --engines-per-gpu 4 --prompt-tokens 320 --max-tokens 512 --phases 0,1 \
     --name pipeline_speedup_4engines_drain; pack
+  ;;
+S)
+  step zero3_gather_7b 120 python3 -m bench.zero3_gather --model-size 7b --gpus 0,1 --name zero3_gather_7b_deferred; pack
+  step build 120 python3 -c "from bench.common import build_model as b; b('0.5b', '/tmp/bench-models/q-0.5b')"
+  step pytest_gpu 420 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
   ;;
 single)  # one GPU (an H100): the embedded default colocated as shipped, then the 0.5B shape
   step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml --set trainer.total_steps=20 \

@@ -23,8 +23,8 @@ from learner.model import gathered_weights
 from pipeline import protocol as P
 from pipeline.transports import checksum, serialize, write_shm
 
-INFLIGHT_BYTES = 2 * 2**30  # device buckets whose CPU copy is still running: at least this much, and up to half
-# the device memory free at the version's start (then the learner waits for the oldest copy)
+INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least this much, and up to half the
+# device memory free at the version's start (past it they are copied at once, and the learner waits)
 
 
 class WeightPublisher:
@@ -131,19 +131,21 @@ class WeightPublisher:
 
 
 class HostCopy:
-    """Copies of device buckets into per-parameter CPU buffers. On a GPU the copies run on a side stream and
-    the buffers are pinned: `seal` returns an event that readers wait for, the learner does not."""
+    """Copies of a version's buckets into per-parameter CPU buffers, started once its gathers are done: under
+    ZeRO-3 every gather ends in a device-wide synchronize (DeepSpeed's), which would wait for copies already
+    running (7B: 15 GB over PCIe, about 260 ms of each version on the learner's path). On a GPU the copies
+    run on a side stream into pinned buffers: `seal` returns an event that readers wait for, the learner
+    does not. Buckets are held on the device until then, up to `limit` bytes (past it: copied at once,
+    and waited for)."""
 
     def __init__(self):
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self.inflight: list[tuple[torch.cuda.Event, int]] = []
+        self.held: list[tuple[dict, list, torch.Tensor]] = []  # (buffers, [(name, view)], bucket): not copied yet
         self.limit, self.waited_ms = INFLIGHT_BYTES, 0.0
 
     def begin(self, device) -> None:
-        """A version starts: let in-flight copies hold up to half the free device memory (the caching
-        allocator's unused blocks included). A 7B model's 15 GB then no longer wait on the PCIe copy
-        2 GiB at a time; a later allocation that needs the memory waits for the copies (the allocator
-        synchronizes their events before it reports out of memory)."""
+        """A version starts: buckets may hold up to half the free device memory (the caching allocator's
+        unused blocks included), at least INFLIGHT_BYTES."""
         self.waited_ms = 0.0
         if self.stream is None or torch.device(device).type != "cuda":
             return
@@ -152,25 +154,32 @@ class HostCopy:
         self.limit = max(INFLIGHT_BYTES, free // 2)
 
     def store(self, buffers: dict, named: list, flat: torch.Tensor) -> None:
-        if not flat.is_cuda:
-            for name, t in named:
-                _buffer(buffers, name, t).copy_(t)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())  # the bucket is packed
-        with torch.cuda.stream(self.stream):
-            for name, t in named:
-                _buffer(buffers, name, t).copy_(t, non_blocking=True)
-        flat.record_stream(self.stream)  # its memory is not reused before the copies are done
-        self.inflight.append((self.stream.record_event(), flat.numel()))
-        while sum(n for _, n in self.inflight) > self.limit:
+        self.held.append((buffers, named, flat))
+        if sum(f.numel() * f.element_size() for *_, f in self.held) > self.limit:
             t = time.perf_counter()
-            self.inflight.pop(0)[0].synchronize()
+            self._copy()
+            if self.stream is not None:
+                self.stream.synchronize()
             self.waited_ms += (time.perf_counter() - t) * 1000
 
     def seal(self):
-        """An event for the copies stored so far (None on CPU, where they are done)."""
-        self.inflight = []
+        """Start the copies of the buckets held; an event for all copies (None on CPU, where they are done)."""
+        self._copy()
         return self.stream.record_event() if self.stream is not None else None
+
+    def _copy(self) -> None:
+        held, self.held = self.held, []
+        if self.stream is None or not held or not held[0][2].is_cuda:
+            for buffers, named, _ in held:
+                for name, t in named:
+                    _buffer(buffers, name, t).copy_(t)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # the buckets are packed
+        with torch.cuda.stream(self.stream):
+            for buffers, named, flat in held:
+                for name, t in named:
+                    _buffer(buffers, name, t).copy_(t, non_blocking=True)
+                flat.record_stream(self.stream)  # its memory is not reused before the copies are done
 
 
 def _wait(copied) -> None:

@@ -63,3 +63,31 @@ def test_zero3_gather_groups_stay_under_the_limit_in_order():
     groups = [[name for name, _ in g] for g in _groups(named, 60)]
     assert groups == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5"], ["p6"]]  # p3 alone: larger than the limit
     assert [[name for name, _ in g] for g in _groups(named, 0)] == [[f"p{i}"] for i in range(len(sizes))]
+
+
+def test_cpu_copies_start_after_the_gathers_unless_the_held_buckets_pass_the_limit():
+    """Buckets are held until `seal` (under ZeRO-3 each gather synchronizes the device, which would wait for copies
+    already running); past the limit they are copied at once. Either way every buffer ends bit-exact."""
+    from learner.collective import unpack
+    from learner.publisher import HostCopy
+
+    copy = HostCopy()
+    copy.stream = None  # the CPU path (on a GPU the same, on a side stream)
+    copy.limit = 80  # bytes
+    plan = [["a", "float32", [8]], ["b", "float32", [8]], ["c", "float32", [8]]]
+    flats = [torch.arange(32, dtype=torch.uint8) + 32 * i for i in range(3)]  # 32 bytes: one tensor each
+
+    def want(i):
+        return flats[i].view(torch.float32)
+
+    buffers = {}
+    for i in range(2):
+        copy.store(buffers, unpack(flats[i], plan, [i], [0]), flats[i])
+    assert buffers == {}  # 64 bytes held: nothing copied while the gathers go on
+    assert copy.seal() is None and copy.held == []
+    assert torch.equal(buffers["a"], want(0)) and torch.equal(buffers["b"], want(1))
+
+    buffers = {}
+    for i in range(3):
+        copy.store(buffers, unpack(flats[i], plan, [i], [0]), flats[i])
+    assert copy.held == [] and all(torch.equal(buffers[n], want(i)) for i, n in enumerate("abc"))  # 96 > 80
