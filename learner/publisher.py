@@ -133,7 +133,7 @@ class WeightPublisher:
 class HostCopy:
     """Copies of a version's buckets into per-parameter CPU buffers, started once its gathers are done: under
     ZeRO-3 every gather ends in a device-wide synchronize (DeepSpeed's), which would wait for copies already
-    running (7B: 15 GB over PCIe, about 260 ms of each version on the learner's path). On a GPU the copies
+    running (7B: 15 GB over PCIe, about 280 ms of each version on the learner's path). On a GPU the copies
     run on a side stream into pinned buffers: `seal` returns an event that readers wait for, the learner
     does not. Buckets are held on the device until then, up to `limit` bytes (past it: copied at once,
     and waited for)."""

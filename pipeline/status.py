@@ -17,7 +17,8 @@ def render(s: dict) -> str:
     for g in s["generators"]:
         lag = "-" if g["lag"] is None else g["lag"]
         lines.append(f"{g['id']:<34} {g['host'][:16]:<16} {g['gpus'] or '-':<6} {g['version']:>7} {lag:>4} "
-                     f"{g['tokens_per_s']:>8.0f} {g['leases']:>6} {g['last_heartbeat_s']:>8.1f}s")
+                     f"{g['tokens_per_s']:>8.0f} {g['leases']:>6} {g['last_heartbeat_s']:>8.1f}s"
+                     + ("  draining" if g.get("draining") else ""))
     if not s["generators"]:
         lines.append("(no generators)")
     return "\n".join(lines)

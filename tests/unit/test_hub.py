@@ -12,6 +12,7 @@ import zmq
 from learner.hub import Hub, HubStopped
 from pipeline import protocol as P
 from pipeline.config import config_from_dict
+from pipeline.status import render
 from pipeline.tasks import echo_rows
 
 
@@ -329,6 +330,7 @@ def test_a_draining_generator_gets_no_more_broadcasts_but_keeps_its_leases(make_
         assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id], draining=True)), P.Ack)
     assert hub.collective.closed == [peer.id]  # its process group: out of the next broadcasts, aborted
     assert hub.status()["generators"][0]["draining"] is True
+    assert render(hub.status()).splitlines()[-1].endswith("draining")  # `pipeline status` shows it
     peer.send_groups(lease)  # the groups it finishes while draining still count
     _wait_buffer(hub, 2)
     assert isinstance(peer.ask(P.Leave(peer.id)), P.Ack)
