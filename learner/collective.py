@@ -96,23 +96,27 @@ class CollectivePeers:
 
     def _fail(self, peer: Peer, why: str) -> None:
         log.warning("nccl transport: %s %s; dropped", peer.generator_id, why)
-        peer.failed = True
         self.failed.add(peer.generator_id)
+        self._drop(peer)
         if peer.group is not None:
             abort(peer.group)
-        self.close(peer.generator_id)
 
     def close(self, generator_id: str) -> None:
         """Forget a generator's group (it drains, left, went silent or registers again) and abort the group in
         a thread of its own: a broadcast already sent to a peer that stopped receiving ends, instead of
         holding the learner until that generator's process exits."""
         with self.lock:
-            peer = self.peers.pop(generator_id, None)
-        if peer is None or peer.failed:
-            return
-        peer.failed = True  # send() skips it from the next bucket on
-        if peer.group is not None:
+            peer = self.peers.get(generator_id)
+        if peer is not None and self._drop(peer) and peer.group is not None:
             threading.Thread(target=abort, args=(peer.group,), daemon=True, name=f"abort-{generator_id}").start()
+
+    def _drop(self, peer: Peer) -> bool:
+        """Take `peer` (not a newer one under its id) out of the broadcasts; False if it already was."""
+        with self.lock:
+            if self.peers.get(peer.generator_id) is peer:
+                del self.peers[peer.generator_id]
+            was_live, peer.failed = not peer.failed, True  # send() skips it from the next bucket on
+        return was_live
 
     def is_ready(self, generator_id: str) -> bool:
         with self.lock:

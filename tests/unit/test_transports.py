@@ -145,3 +145,6 @@ def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts()
     peers.send(peers.ready(), bucket)
     assert b.group.sent == 3 and c.group.aborted.wait(5) and d.group.aborted.is_set()
     assert peers.failed == {"d"} and peers.ready() == [b]  # auto gives "d" a file transport next time; not "c"
+    again = add("a", FakeGroup())  # "a" registered again: its old group failing late leaves the new one alone
+    peers._fail(a, "did not join its process group")
+    assert peers.ready() == [b, again] and not again.group.aborted.is_set()
