@@ -124,6 +124,25 @@ def write_dataset(path: Path, rows: int = 4096, prompt_tokens: int = 32, vocab: 
     return path
 
 
+def standalone_hub(cfg, run_dir: Path, run_id: str, model: str):
+    """A hub without a learner (generator benchmarks): it tokenises prompts with the model's tokenizer and announces
+    the model's own weights as version 0, which generators load before they generate (a run's weights)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from learner.hub import Hub
+    from pipeline.tasks import encode_prompt, load_rows
+    from pipeline.transports import checksum, serialize, write_shm
+
+    tok = AutoTokenizer.from_pretrained(model)
+    hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, encode=lambda text: encode_prompt(tok, cfg.data, text),
+              vocab_size=AutoConfig.from_pretrained(model).vocab_size)
+    tensors = {k: v for f in sorted(Path(model).glob("*.safetensors")) for k, v in load_file(f).items()}
+    blob = serialize(tensors.items())
+    hub.announce(P.WeightsReady(0, len(blob), checksum(blob), write_shm(run_id, 0, blob)), blob)
+    return hub
+
+
 def parity_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
     """Fraction of odd token ids: random-weight models get rewards with variance, so no group is skipped."""
     return [sum(t & 1 for t in ids) / max(1, len(ids)) for ids in completion_ids]

@@ -19,7 +19,15 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import Services, add_model_args, model_from_args, run_config, write_dataset, write_result
+from bench.common import (
+    Services,
+    add_model_args,
+    model_from_args,
+    run_config,
+    standalone_hub,
+    write_dataset,
+    write_result,
+)
 
 
 class Consumer:
@@ -76,9 +84,8 @@ def main() -> None:
     p.add_argument("--window", type=float, default=40.0)
     p.add_argument("--enforce-eager", type=int, default=1)
     args = p.parse_args()
-    from learner.hub import Hub
     from pipeline.config import config_from_dict
-    from pipeline.tasks import load_rows
+    from pipeline.transports import remove_shm
 
     model = str(model_from_args(args))
     run_dir = Path(args.run_dir)
@@ -91,7 +98,7 @@ def main() -> None:
                                      "gpu_memory_utilization": 0.85, "enforce_eager": bool(args.enforce_eager)})
     cfg = config_from_dict(cfg_dict)
     run_dir.mkdir(parents=True, exist_ok=True)
-    hub = Hub(cfg, load_rows(cfg.data), run_dir, "scaling")
+    hub = standalone_hub(cfg, run_dir, "scaling", model)
     hub.start()
     consumer = Consumer(hub)
     for t in consumer.threads:
@@ -120,6 +127,7 @@ def main() -> None:
                 print(json.dumps(windows[-1]), flush=True)
     finally:
         hub.stop()
+        remove_shm("scaling")
     one = windows[0]["tokens_per_s"] if windows else 0
     for w in windows:
         w["speedup_vs_1"] = w["tokens_per_s"] / one if one else None

@@ -62,6 +62,7 @@ class Engine:
         self.mode = g.update_mode
         self.eos_id = eos_id
         self.version = 0
+        self.run_id = ""  # the run whose weights are loaded ("": the model as loaded from disk)
         self._ids = itertools.count()
         self._active: dict[str, _Active] = {}
         self._gate = asyncio.Event()
@@ -180,6 +181,16 @@ class Engine:
         if self._receivers is not None:
             self._receivers.close()
             self._receivers = None
+
+    def dead(self) -> bool:
+        """The engine core died (crashed, killed): every request fails from now on."""
+        return self.llm is not None and self.llm.errored
+
+    def death(self) -> str:
+        """What is known of a dead engine: its core processes' exit codes (a signal is negative)."""
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        codes = [p.exitcode for p in getattr(manager, "processes", [])]
+        return f"; engine core exit codes {codes}" if codes else ""
 
     def shutdown(self) -> None:
         self._drop_receivers()

@@ -1,13 +1,19 @@
 """The generator service: register with the hub, take leases, generate groups, push rollouts.
 
-    register -> Welcome (version, transport, endpoints)
-    tasks:   heartbeat   every heartbeat_s; the reply lists dead leases and the latest weights
+    register -> Welcome (run id, version, transport, endpoints, session)
+    tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists dead leases and the latest
+                         weights
              weights     WeightsReady announcements -> fetch -> engine.load -> WeightsApplied
              leases      LeaseRequest while there is room in the engine -> one task per prompt group
-A lost hub (no reply within the timeout) tears the session down and re-registers with back-off;
-the engine stays warm. The first SIGTERM/SIGINT drains: a heartbeat tells the hub at once (an nccl
-generator takes no more broadcasts: its engine may be stopping too), then finish groups, return leases,
-Leave, exit 0. A second one leaves at once.
+             engine      watches the vLLM engine: a dead one ends the generator (below)
+Nothing is generated before the engine holds weights of this run (the run id and version of the Welcome):
+a generator that reconnects to a restarted learner, or to another run on the same port, loads them first.
+A lost hub (no reply within the timeout) tears the session down and re-registers with back-off under the
+same id, showing its last session; the engine stays warm. The first SIGTERM/SIGINT drains: a heartbeat
+tells the hub at once (an nccl generator takes no more broadcasts: its engine may be stopping too), then
+finish groups, return leases, Leave, exit 0. A second one leaves at once. A dead engine leaves at once
+with the engine's error (the hub re-queues the leases) and exits 1; so does a generator the hub refuses.
+A reward function that raises is reported as an error of the run (GroupFailed kind "reward").
 """
 
 from __future__ import annotations
@@ -26,14 +32,23 @@ import zmq.asyncio
 from pipeline import protocol as P
 from pipeline.client import HubClient
 from pipeline.config import Config
-from pipeline.tasks import load_reward_fns, score
-from pipeline.transports import host_identity, make_receiver
+from pipeline.security import client_keys, secure_client
+from pipeline.tasks import RewardError, encode_prompt, load_reward_fns, score
+from pipeline.transports import host_identity, make_receiver, remove_receiver_dir
 
 log = logging.getLogger(__name__)
 
 
 class Reregister(Exception):
     """The hub does not know this generator (it restarted or dropped us): register again."""
+
+
+class Refused(Exception):
+    """The hub refuses this generator or the run failed (Error.stop): leave and exit."""
+
+
+class EngineDied(Exception):
+    """The vLLM engine is dead: leave at once (the hub re-queues the leases) and exit."""
 
 
 class Generator:
@@ -44,17 +59,23 @@ class Generator:
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rewards = load_reward_fns(cfg.rewards)
+        self.keys = client_keys(cfg.auth.keys, cfg.auth.identity)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
+        self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
+        self.session = ""  # of the last registration: shown when registering again under the same id
+        self.pushed = 0  # rollouts sent in this session (heartbeats report it)
+        self.exit_code = 0
         self.tokens = 0
         self.started = time.monotonic()
-        self.leases_seen: set[int] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    async def run(self, handle_signals: bool = True) -> None:
+    async def run(self, handle_signals: bool = True) -> int:
+        """Returns the exit code: 0 when it drained or the run completed, 1 when its engine died or the hub
+        refused it."""
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, self._on_signal)
@@ -62,13 +83,17 @@ class Generator:
         while self.stopping < 2:
             try:
                 await self._session()
-                return
+                return self.exit_code
+            except (EngineDied, Refused) as e:
+                log.error("generator %s: %s", self.id, e)
+                return 1
             except (P.PeerLost, Reregister, P.ProtocolError) as e:
                 if self.stopping:
-                    return
+                    return self.exit_code
                 log.warning("generator %s: %s; reconnecting in %.1f s (engine stays warm)", self.id, e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
+        return self.exit_code
 
     def _on_signal(self) -> None:
         self.stopping += 1
@@ -80,46 +105,72 @@ class Generator:
                 t.cancel()
 
     async def _session(self) -> None:
-        client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s))
+        client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s), keys=self.keys)
+        self.client = client
         try:
-            welcome = await client.request(P.Register(self.id, self.host, self.boot_id, self.gpus, os.getpid(),
-                                                      self.engine.version, self.cfg.generator.tensor_parallel_size),
-                                           timeout=10.0)
+            welcome = await self._ask(P.Register(
+                self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
+                self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", "")),
+                timeout=10.0)
             if not isinstance(welcome, P.Welcome):
                 raise P.PeerLost(f"registration refused: {getattr(welcome, 'message', welcome)}")
-            log.info("generator %s registered (learner version %d, transport %s)", self.id, welcome.version,
-                     welcome.transport)
-            self.welcome, self.client = welcome, client
-            self.receiver = make_receiver(welcome.transport, client, self.cfg.weights.chunk_mb)
+            log.info("generator %s registered (run %s, learner version %d, transport %s)", self.id, welcome.run_id,
+                     welcome.version, welcome.transport)
+            self.welcome, self.session, self.pushed = welcome, welcome.session, 0
+            self.receiver = make_receiver(welcome.transport, client, self.cfg.weights.chunk_mb, self.id)
             self.push = self.ctx.socket(zmq.PUSH)
             self.push.setsockopt(zmq.SNDHWM, 1000)
             self.push.setsockopt(zmq.LINGER, 5000)  # ms: flush queued rollouts on the way out
+            secure_client(self.push, self.keys)
             self.push.connect(welcome.rollouts_endpoint)
             self.announced: asyncio.Queue = asyncio.Queue()
             self.version_changed = asyncio.Condition()
-            if welcome.collective:  # nccl: meet the learner in this generator's process group
-                try:
-                    await self.engine.init_collective(_host_of(self.address), welcome.collective)
-                except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
-                    raise Reregister(f"nccl process group not joined: {e}") from e
-            if welcome.latest and welcome.latest["version"] != self.engine.version:
-                await self._apply(P.from_dict(P.WeightsReady, welcome.latest))
-            await self._run_tasks()
-            await client.request(P.Leave(self.id, sorted(set(self.groups.values()))), timeout=5.0)
+            try:
+                if welcome.collective:  # nccl: meet the learner in this generator's process group
+                    try:
+                        await self.engine.init_collective(_host_of(self.address), welcome.collective)
+                    except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
+                        self._raise_if_dead(e)
+                        raise Reregister(f"nccl process group not joined: {e}") from e
+                if welcome.latest and not self._holds(welcome.latest["version"], exactly=True):
+                    await self._apply(P.from_dict(P.WeightsReady, welcome.latest))
+                await self._run_tasks()
+            except EngineDied as e:  # leave at once: the hub re-queues the leases and records why
+                with contextlib.suppress(P.PeerLost):
+                    await client.request(P.Leave(self.id, sorted(self.held), str(e)[:16000]), timeout=5.0)
+                raise
+            await client.request(P.Leave(self.id, sorted(self.held)), timeout=5.0)
             log.info("generator %s left", self.id)
         finally:
             for t in list(self.groups):
                 t.cancel()
             self.groups.clear()
+            self.held.clear()
             client.close()
             if hasattr(self, "push"):
                 self.push.close(linger=2000)
+
+    async def _ask(self, msg: P.Message, timeout: float | None = None) -> P.Message:
+        """A request whose Error reply ends the session: `stop` (refused, or the run failed) or `fatal`
+        (register again); other replies, other errors included, go to the caller."""
+        reply = await self.client.request(msg, timeout)
+        if isinstance(reply, P.Error) and reply.stop:
+            raise Refused(f"the hub refused it: {reply.message}")
+        if isinstance(reply, P.Error) and reply.fatal:
+            raise Reregister(reply.message)
+        return reply
+
+    def _holds(self, version: int, exactly: bool = False) -> bool:
+        """The engine holds weights of this run at `version` (or newer)."""
+        if getattr(self.engine, "run_id", "") != self.welcome.run_id:
+            return False
+        return self.engine.version == version if exactly else self.engine.version >= version
 
     async def _run_tasks(self) -> None:
         """Run until the lease loop ends (drained or run complete); a failing background task ends it too."""
         leases = asyncio.create_task(self._leases())
         tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._subscribe(),
-                                                              self._pushed())]
+                                                              self._pushed(), self._watch_engine())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -136,20 +187,21 @@ class Generator:
     async def _heartbeats(self) -> None:
         while True:
             draining = self.draining.is_set()
-            reply = await self.client.request(P.Heartbeat(
-                self.id, self.engine.version, self.tokens / max(1e-6, time.monotonic() - self.started),
-                len(self.groups), sorted(set(self.groups.values())), draining))
+            reply = await self._ask(P.Heartbeat(
+                self.id, self.engine.version if self._holds(0) else -1,
+                self.tokens / max(1e-6, time.monotonic() - self.started), len(self.groups), sorted(self.held),
+                draining, self.pushed))
             if isinstance(reply, P.Error):
-                if reply.fatal:
-                    raise Reregister(reply.message)
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.Ack):
                 dead = set(reply.info.get("dead_leases", []))
+                for lease_id in dead:
+                    self.held.pop(lease_id, None)
                 for t, lease_id in list(self.groups.items()):
                     if lease_id in dead:
                         t.cancel()
                 latest = reply.info.get("latest")
-                if latest and latest["version"] > self.engine.version:
+                if latest and not self._holds(latest["version"]):
                     self.announced.put_nowait(P.from_dict(P.WeightsReady, latest))
             if draining:
                 await asyncio.sleep(self.welcome.heartbeat_s)
@@ -160,12 +212,13 @@ class Generator:
     async def _subscribe(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        secure_client(sub, self.keys)
         sub.connect(self.welcome.weights_endpoint)
         try:
             while True:
                 data = await sub.recv()
                 try:
-                    msg, _ = P.decode(data)
+                    msg, _ = P.decode(data, limits=P.FROM_HUB)
                 except P.ProtocolError as e:
                     log.warning("bad weights announcement: %s", e)
                     continue
@@ -195,8 +248,27 @@ class Generator:
                 newer = self.announced.get_nowait()
                 if not newer.collective and newer.version > ready.version:
                     ready = newer
-            if ready.version > self.engine.version:
+            if not self._holds(ready.version):
                 await self._apply(ready)
+
+    async def _watch_engine(self) -> None:
+        """A dead vLLM engine (its core process crashed or was killed) ends the generator within seconds, idle
+        or not: every group would fail."""
+        while not self.engine_dead():
+            await asyncio.sleep(1.0)
+        raise EngineDied(self._engine_error())
+
+    def _raise_if_dead(self, e: Exception) -> None:
+        if self.engine_dead():
+            raise EngineDied(self._engine_error(e)) from e
+
+    def engine_dead(self) -> bool:
+        return bool(getattr(self.engine, "dead", lambda: False)())
+
+    def _engine_error(self, e: BaseException | None = None) -> str:
+        detail = getattr(self.engine, "death", lambda: "")()
+        return (f"its vLLM engine died ({type(e).__name__ + ': ' + str(e) if e else 'found dead'}){detail}; the "
+                "engine's traceback, if it printed one, is above in this log")
 
     async def _apply(self, ready: P.WeightsReady) -> None:
         start = time.perf_counter()
@@ -209,10 +281,12 @@ class Generator:
         except (P.ProtocolError, asyncio.CancelledError):
             raise
         except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
+            self._raise_if_dead(e)  # not a failed transfer: nothing to register again for
             if ready.collective and self.draining.is_set():  # the hub aborted the group of a draining generator
                 log.info("generator %s: weights v%d not received while draining (%s)", self.id, ready.version, e)
                 return
             raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
+        self.engine.run_id = self.welcome.run_id
         total_ms = (time.perf_counter() - start) * 1000
         swap = self.engine.last_swap_ms
         log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; %spausing took "
@@ -222,7 +296,7 @@ class Generator:
                  swap.get("pause", 0), swap.get("load", 0), swap.get("worker", 0))
         async with self.version_changed:
             self.version_changed.notify_all()
-        await self.client.request(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.via))
+        await self._ask(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.via))
 
     async def _leases(self) -> None:
         room = asyncio.Event()
@@ -233,7 +307,7 @@ class Generator:
                 room.clear()
                 await room.wait()
                 continue
-            reply = await self.client.request(P.LeaseRequest(self.id, min(free, self.cfg.generator.lease_size)))
+            reply = await self._ask(P.LeaseRequest(self.id, min(free, self.cfg.generator.lease_size)))
             if isinstance(reply, P.Wait):
                 if reply.reason == "run complete":
                     log.info("generator %s: the run is complete at version %d", self.id, reply.version)
@@ -243,21 +317,30 @@ class Generator:
                 await asyncio.sleep(reply.retry_s)
                 continue
             if isinstance(reply, P.Error):
-                if reply.fatal:
-                    raise Reregister(reply.message)
                 raise P.ProtocolError(f"lease refused: {reply.message}")
-            await self._wait_version(reply.min_version)  # k = 0: generate only on the newest weights
+            self.held[reply.lease_id] = len(reply.groups)  # reported from now on, while it waits for weights too
+            # k = 0: generate only on the newest weights; always on weights of this run
+            await self._wait_version(reply.min_version)
+            if reply.lease_id not in self.held:  # the hub took it back meanwhile
+                continue
             for item in reply.groups:
                 task = asyncio.create_task(self._group(reply, item))
                 self.groups[task] = reply.lease_id
-                task.add_done_callback(lambda t: (self.groups.pop(t, None), room.set()))
+                task.add_done_callback(lambda t: (self._settled(self.groups.pop(t, None)), room.set()))
         while self.groups:  # draining: let the groups in flight finish
             await asyncio.sleep(0.05)
+
+    def _settled(self, lease_id: int | None) -> None:
+        """A group of `lease_id` is done (sent, failed or cancelled): the lease is off the books once all are."""
+        if lease_id in self.held:
+            self.held[lease_id] -= 1
+            if self.held[lease_id] <= 0:
+                del self.held[lease_id]
 
     async def _wait_version(self, version: int, timeout: float | None = None) -> None:
         async def loaded() -> None:
             async with self.version_changed:
-                await self.version_changed.wait_for(lambda: self.engine.version >= version)
+                await self.version_changed.wait_for(lambda: self._holds(version))
 
         try:
             await asyncio.wait_for(loaded(), timeout)
@@ -268,7 +351,8 @@ class Generator:
 
     async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
         try:
-            prompt_ids = self._encode(item.prompt)
+            prompt_ids = (P.unpack_ints(item.prompt_ids).tolist() if item.prompt_ids
+                          else encode_prompt(self.tok, self.cfg.data, item.prompt))
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
             outs = await self.engine.generate(prompt_ids, self.welcome.group_size, lease.sampling)
@@ -276,18 +360,26 @@ class Generator:
             data = await asyncio.to_thread(self._rollout_message, lease, item, prompt_ids, outs)
             self.tokens += sum(len(o.token_ids) for o in outs)
             await self.push.send(data, copy=False)
+            self.pushed += 1
         except asyncio.CancelledError:
             raise
+        except RewardError as e:  # the user's function: an error of the run, reported with its traceback
+            log.error("group for prompt %d: %s", item.prompt_id, e)
+            await self._report(lease, item, "reward", str(e))
         except Exception as e:
-            rejected = _prompt_at_fault(e)
-            log.log(logging.WARNING if rejected else logging.ERROR, "group for prompt %d failed (%s: %s); %s",
-                    item.prompt_id, type(e).__name__, e, "the prompt is rejected" if rejected else "leased again",
-                    exc_info=not rejected)
-            try:
-                await self.client.request(P.GroupFailed(self.id, lease.lease_id, item.epoch, item.prompt_id,
-                                                        f"{type(e).__name__}: {e}"[:1000], retry=not rejected))
-            except P.PeerLost:  # the hub re-queues the lease when it drops this generator
-                pass
+            if self.engine_dead():
+                return  # _watch_engine ends the session and leaves; the hub re-queues the lease
+            kind = "prompt" if _prompt_at_fault(e) else "engine"
+            log.log(logging.WARNING if kind == "prompt" else logging.ERROR, "group for prompt %d failed (%s: %s); "
+                    "reported to the hub (%s)", item.prompt_id, type(e).__name__, e, kind, exc_info=kind == "engine")
+            await self._report(lease, item, kind, f"{type(e).__name__}: {e}")
+
+    async def _report(self, lease: P.Lease, item: P.PromptItem, kind: str, reason: str) -> None:
+        try:
+            await self.client.request(P.GroupFailed(self.id, lease.lease_id, item.epoch, item.prompt_id,
+                                                    reason[:16000], kind))
+        except P.PeerLost:  # the hub re-queues the lease when it drops this generator
+            pass
 
     def _rollout_message(self, lease: P.Lease, item: P.PromptItem, prompt_ids: list[int], outs) -> bytes:
         texts = [self.tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
@@ -298,16 +390,7 @@ class Generator:
             for i, o in enumerate(outs)
         ]
         return P.encode(P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch, P.pack_ints(prompt_ids),
-                                       samples, float(lease.sampling["temperature"])))
-
-    def _encode(self, prompt: str) -> list[int]:
-        d = self.cfg.data
-        if d.chat_template:
-            messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else [])
-            messages.append({"role": "user", "content": prompt})
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return self.tok(prompt, add_special_tokens=False)["input_ids"]
+                                       samples, float(lease.sampling["temperature"]), self.session))
 
 
 def _host_of(address: str) -> str:
@@ -315,7 +398,7 @@ def _host_of(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
-async def main(cfg: Config, address: str, gpus: str = "") -> None:
+async def main(cfg: Config, address: str, gpus: str = "") -> int:
     from transformers import AutoTokenizer
 
     from generator.engine import Engine
@@ -326,13 +409,15 @@ async def main(cfg: Config, address: str, gpus: str = "") -> None:
     engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, tok.eos_token_id)
     gen = Generator(cfg, engine, tok, address, gpus)
     try:
-        await gen.run()
+        return await gen.run()
     finally:
         with contextlib.suppress(Exception):
             engine.shutdown()
+        remove_receiver_dir()
 
 
 def _prompt_at_fault(e: Exception) -> bool:
-    """vLLM refused the request itself (an empty prompt, one longer than max_model_len: VLLMClientError,
-    ValueError in older releases): leasing the prompt again would fail the same way."""
-    return isinstance(e, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)
+    """vLLM refused the request itself (VLLMClientError: e.g. a prompt longer than max_model_len, which the hub
+    checks first): leasing the prompt to the same engine again would fail the same way. Any other error,
+    a ValueError of ours included, is the engine's."""
+    return any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)

@@ -214,7 +214,13 @@ class Receiver:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.address = f"ipc://{tempfile.gettempdir()}/pipeline-weights-{os.getpid()}-{id(self):x}"
+        from pathlib import Path
+
+        from pipeline.transports import private_dir
+
+        # in a folder of this user's only: another local user must not trigger receives
+        self._dir = private_dir(Path(tempfile.gettempdir()) / f"pipeline-ipc-{os.getpid()}-{id(self):x}")
+        self.address = f"ipc://{self._dir}/weights"
         self._sock.bind(self.address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="weights-receiver")
@@ -260,8 +266,11 @@ class Receiver:
         return flats
 
     def stop(self) -> None:
+        from pipeline.transports import remove_dir
+
         self._stop.set()
         self._thread.join(timeout=5)
+        remove_dir(self._dir)
 
 
 def _check(got: int, announced: int) -> None:

@@ -1,13 +1,16 @@
 """Checkpoints: the DeepSpeed engine state plus the hub's state (version, ledger, pending prompts).
 
 RUN_DIR/checkpoints/v{N}/ holds DeepSpeed's files and hub.json; RUN_DIR/checkpoints/latest names
-the newest complete one (written last, atomically), so a crash mid-save leaves the previous one.
+the newest complete one (written last, atomically, once every rank has saved), so a crash mid-save
+leaves the previous one. Every rank saves (DeepSpeed's save is collective: each rank writes its own
+shards); rank 0 writes hub.json, `latest`, and removes all but the newest `keep` checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -15,16 +18,26 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int) -> Path:
+def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int, keep: int = 2) -> Path:
+    import torch.distributed as dist
+
     root = run_dir / "checkpoints"
     tag = f"v{version}"
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    if dist.is_initialized():
+        dist.barrier()  # every rank's shards are on disk before `latest` names them
     if rank == 0:
         (root / tag / "hub.json").write_text(json.dumps(hub_state))
         tmp = root / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, root / "latest")
+        for old in sorted(_tags(root), key=lambda t: int(t[1:]))[:-keep]:
+            shutil.rmtree(root / old, ignore_errors=True)
     return root / tag
+
+
+def _tags(root: Path) -> list[str]:
+    return [p.name for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()]
 
 
 def load(engine, run_dir: Path) -> tuple[int, dict]:

@@ -1,4 +1,4 @@
-"""Model loading, the DeepSpeed engine, and full-weight gathering (ZeRO-3 aware)."""
+"""Model loading, the DeepSpeed engine with its finite-step guard, and full-weight gathering (ZeRO-3 aware)."""
 
 from __future__ import annotations
 
@@ -52,12 +52,62 @@ def build_engine(cfg: Config, model_path: str):
         "bf16": {"enabled": dtype == torch.bfloat16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,  # GuardedAdamW is torch's AdamW with a switch to skip a step
     }
     # A torch optimizer instead of DeepSpeed's: no FusedAdam JIT build (slow, and broken on arch 9.0a).
     fused = torch.cuda.is_available()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+    optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+    guard = FiniteGuard(model, optimizer)  # hooks on the parameters: before DeepSpeed wraps them
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.finite_guard = guard
     return engine
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW whose step can be switched off: DeepSpeed's engine.step() still runs its bookkeeping (reductions,
+    zeroing, copying the unchanged master weights back), but neither weights nor optimizer state change."""
+
+    skip = False
+
+    def step(self, closure=None):
+        if self.skip:
+            return None
+        return super().step(closure)
+
+
+class FiniteGuard:
+    """The last line of defence against poisoned weights: a step whose loss or gradient is not finite (NaN,
+    inf, or a norm past float32) on any rank is skipped. Every parameter's gradient of every micro-batch is
+    measured by a hook as it is computed, before DeepSpeed reduces or partitions it (so this holds for ZeRO
+    0-3 alike); `step_is_finite` agrees across ranks (one all-reduce of one number)."""
+
+    def __init__(self, model, optimizer: GuardedAdamW):
+        self.optimizer = optimizer
+        self._sum: torch.Tensor | None = None  # squared gradient norms and losses of this step, float32
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        n = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
+        self._add(n * n)
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self._add(loss.detach().float().abs())
+
+    def _add(self, x: torch.Tensor) -> None:
+        self._sum = x if self._sum is None else self._sum + x.to(self._sum.device)
+
+    def step_is_finite(self, device) -> bool:
+        """Whether every loss and gradient of this step, on every rank, was finite; resets for the next step."""
+        import torch.distributed as dist
+
+        total = (self._sum if self._sum is not None else torch.zeros((), device=device)).to(device).reshape(1)
+        bad = (~torch.isfinite(total)).float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self._sum = None
+        return not bool(bad.item())
 
 
 GATHER_BYTES = 256 * 2**20  # ZeRO-3: parameters gathered together, up to this many bytes (or one larger one)

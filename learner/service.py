@@ -3,9 +3,12 @@
     for step in version .. total_steps:
         groups = hub.take_batch(step)          # waits only when generation is behind
         stats  = train_step(engine, groups)    # GRPO loss with off-policy correction, one optimizer step
+        if the step was not finite: its prompts are leased again, nothing is published (stop after N in a row)
         publisher.publish(step + 1)            # the new weights version goes to every generator
-        metrics, checkpoint
-Rank 0 runs the hub (its own thread) and broadcasts each batch to the other ranks.
+        metrics, checkpoint (every rank: ZeRO's save is collective)
+Rank 0 runs the hub (its own thread) and broadcasts each batch, with the run-time knobs (`pipeline set`),
+to the other ranks. The run ends after total_steps, or early when the dataset is exhausted (trainer.epochs).
+SIGTERM ends it like Ctrl-C: the hub stops and the shared-memory files are removed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,27 +26,34 @@ import msgpack
 import torch
 
 from learner import checkpoint
-from learner.hub import Hub, behaviour_version
+from learner.hub import DatasetExhausted, Hub, behaviour_version
 from learner.model import build_engine, init_distributed, save_hf
 from learner.publisher import WeightPublisher
 from learner.step import train_step
 from pipeline import protocol as P
-from pipeline.config import Config, save_config
-from pipeline.metrics import MetricsWriter, plot, truncate_metrics
-from pipeline.tasks import load_rows
+from pipeline.config import Config, ConfigError, apply_runtime_change, runtime_keys, save_config
+from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
+from pipeline.tasks import encode_prompt, load_rows
 from pipeline.tinymodel import resolve_model_path
-from pipeline.transports import remove_shm
+from pipeline.transports import remove_shm, remove_stale
 
 log = logging.getLogger(__name__)
 
 
+class NotFinite(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
 def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
+    signal.signal(signal.SIGTERM, _terminate)  # finally blocks run: the hub stops, shm files are removed
     rank, world = init_distributed()
     from transformers import AutoTokenizer
 
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if resume:
+        reapply_changes(cfg, run_dir)
     engine = build_engine(cfg, model_path)
     version, hub_state = checkpoint.load(engine, run_dir) if resume else (0, None)
     if resume and rank == 0:
@@ -50,26 +61,31 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
     run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
     hub = collective = None
-    if rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
-        if cfg.weights.transport == "nccl" or (cfg.weights.transport == "auto" and torch.cuda.is_available()):
-            from learner.collective import CollectivePeers
-
-            collective = CollectivePeers(cfg.hub.host, cfg.weights.collective_timeout_s)
-        hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state, collective)
-        hub.start()
-        (run_dir / "hub.json").write_text(json.dumps({"address": hub.address, "pid": os.getpid(), "run_id": run_id}))
-        print(f"learner: hub listening on {hub.address}  (pipeline generator -c CONFIG --learner {hub.address})",
-              flush=True)
-    publisher = WeightPublisher(cfg, engine, hub, run_id, rank, collective)
-    publisher.publish(version)
-    metrics = MetricsWriter(run_dir)
     try:
-        train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id)
+        if rank == 0:
+            for stale in remove_stale():
+                log.info("removed %s, left by a process that no longer runs", stale)
+            save_config(cfg, run_dir / "config.yaml")
+            if cfg.weights.transport == "nccl" or (cfg.weights.transport == "auto" and torch.cuda.is_available()):
+                from learner.collective import CollectivePeers
+
+                collective = CollectivePeers(cfg.hub.host, cfg.weights.collective_timeout_s)
+            hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state, collective,
+                      encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
+                      vocab_size=engine.module.config.vocab_size)
+            hub.start()
+            (run_dir / "hub.json").write_text(json.dumps({"address": hub.address, "pid": os.getpid(),
+                                                          "run_id": run_id, "rollouts": hub.rollouts_address}))
+            print(f"learner: hub listening on {hub.address}  (pipeline generator -c CONFIG --learner {hub.address})",
+                  flush=True)
+        publisher = WeightPublisher(cfg, engine, hub, run_id, rank, collective)
+        publisher.publish(version)
+        version = train(cfg, engine, hub, publisher, MetricsWriter(run_dir), run_dir, version, rank, world, pad_id)
         publisher.flush()
         save_hf(engine, cfg, tokenizer, run_dir / "final", rank)
         if rank == 0:
             plot(run_dir)
+            hub.finish_run()
             hub.wait_generators_gone(timeout=15.0)  # let generators hear "run complete" and leave
     finally:
         if hub is not None:
@@ -78,23 +94,41 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     return run_dir
 
 
-def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id) -> None:
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id) -> int:
+    """Train from `version` to trainer.total_steps (or until the dataset is exhausted); returns the last version."""
     last_tokens, last_time, start = (hub.counters["tokens"] if hub else 0), time.perf_counter(), time.perf_counter()
-    for step in range(version, cfg.trainer.total_steps):
+    step, skipped = version, 0
+    while step < cfg.trainer.total_steps:
         t0 = time.perf_counter()
-        groups, drop_stats = hub.take_batch(step) if rank == 0 else (None, {})
-        groups = broadcast_groups(groups, rank, world, engine.device)
+        groups, drop_stats, end = _take(hub, step) if rank == 0 else (None, {}, "")
+        groups, end = broadcast_batch(groups, cfg, end, rank, world, engine.device)
+        if end:
+            log.warning("%s", end)
+            break
         waited = time.perf_counter() - t0
         stats = train_step(engine, groups, cfg, step, pad_id)
+        if stats["skipped"]:
+            skipped += 1
+            _skipped(hub, step, stats, len(groups), skipped, cfg.trainer.max_skipped_steps)
+            continue
+        skipped = 0
         step_end = time.time()
         trained_at = time.perf_counter()
         sync_ms = publisher.publish(step + 1, step_end)
+        step += 1
+        every = cfg.trainer.checkpoint_every
+        if every and step % every == 0 and step < cfg.trainer.total_steps:
+            checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
         if rank != 0:
             continue
         now = time.perf_counter()
         tokens = hub.counters["tokens"]
         record = {
-            "step": step, "version": step + 1, **stats, **drop_stats, "time/wait_s": waited,
+            "step": step - 1, "version": step, **stats, **drop_stats, "time/wait_s": waited,
             "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
             "sync/serialize_ms": publisher.serialize_ms, "sync/broadcast_ms": publisher.broadcast_ms,
             "sync/copy_wait_ms": publisher.copy_wait_ms,
@@ -106,20 +140,40 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
         }
         last_tokens, last_time = tokens, now
         metrics.write(record)
-        every = cfg.trainer.checkpoint_every
-        if every and (step + 1) % every == 0 and step + 1 < cfg.trainer.total_steps:
-            checkpoint.save(engine, run_dir, step + 1, hub.snapshot(), rank)
-    checkpoint.save(engine, run_dir, cfg.trainer.total_steps, hub.snapshot() if hub else None, rank)
+    checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
+    return step
 
 
-def broadcast_groups(groups, rank: int, world: int, device) -> list[P.RolloutGroup]:
-    """Send rank 0's batch to every rank, encoded with the wire codec (no pickle)."""
+def _take(hub: Hub, step: int) -> tuple[list[P.RolloutGroup] | None, dict, str]:
+    try:
+        groups, stats = hub.take_batch(step)
+    except DatasetExhausted as e:
+        return None, {}, str(e)
+    return groups, stats, ""
+
+
+def _skipped(hub, step: int, stats: dict, n_groups: int, in_a_row: int, limit: int) -> None:
+    """A step that was not finite: nothing changed, nothing is published; its prompts are leased again."""
+    log.warning("step %d skipped: its loss (%s) or gradient (norm %s) is not finite; the weights stay at version "
+                "%d, its %d groups are leased again (%d in a row, trainer.max_skipped_steps=%d)", step, stats["loss"],
+                stats["grad_norm"], step, n_groups, in_a_row, limit)
+    if hub is not None:
+        hub.abandon_step()
+    if in_a_row >= limit:
+        raise NotFinite(f"{in_a_row} steps in a row had a non-finite loss or gradient (trainer.max_skipped_steps); "
+                        f"the weights of version {step} were kept. Check trainer.lr, the rewards and the data")
+
+
+def broadcast_batch(groups, cfg: Config, end: str, rank: int, world: int, device) -> tuple[list, str]:
+    """Send rank 0's batch to every rank, encoded with the wire codec (no pickle), with the run-time knobs as
+    rank 0 has them now (`pipeline set` reaches rank 0's hub) and why the run ends, if it does."""
     if world == 1:
-        return groups
+        return groups, end
     import torch.distributed as dist
 
     if rank == 0:
-        data = msgpack.packb([P.encode(g) for g in groups])
+        knobs = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in runtime_keys()}
+        data = msgpack.packb({"groups": [P.encode(g) for g in groups or []], "knobs": knobs, "end": end})
         size = torch.tensor([len(data)], dtype=torch.long, device=device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=device)
@@ -128,5 +182,25 @@ def broadcast_groups(groups, rank: int, world: int, device) -> list[P.RolloutGro
            else torch.empty(int(size), dtype=torch.uint8, device=device))
     dist.broadcast(buf, 0)
     if rank == 0:
-        return groups
-    return [P.decode(b, limit=2**31)[0] for b in msgpack.unpackb(buf.cpu().numpy().tobytes())]
+        return groups, end
+    body = msgpack.unpackb(buf.cpu().numpy().tobytes())
+    for key, value in body["knobs"].items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != value:
+            value = apply_runtime_change(cfg, key, value)
+            log.info("rank %d: %s = %r (run-time change, from rank 0)", rank, key, value)
+    return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["end"]
+
+
+def reapply_changes(cfg: Config, run_dir: Path) -> None:
+    """`--resume`: the run-time changes of RUN_DIR/changes.jsonl hold again, in order (the operator's last word
+    on each knob, including changes made after the checkpoint the run resumes from)."""
+    applied = {}
+    for change in read_jsonl(run_dir / "changes.jsonl"):
+        try:
+            applied[change["key"]] = apply_runtime_change(cfg, change["key"], change["value"])
+        except (ConfigError, KeyError) as e:
+            log.warning("changes.jsonl: %s not re-applied (%s)", change, e)
+    if applied:
+        log.info("re-applied run-time changes from changes.jsonl: %s",
+                 ", ".join(f"{k}={v!r}" for k, v in applied.items()))

@@ -2,7 +2,9 @@
 
 Every rank runs the same number of micro-batches (padded with empty ones) because ZeRO's
 collectives must line up; the loss is normalised by the step's total completion tokens over all
-ranks, so the gradient is the same however the rows are split.
+ranks, so the gradient is the same however the rows are split. A step whose loss or gradient is not
+finite on any rank is skipped (learner.model.FiniteGuard): `stats["skipped"]` is then True, and the
+weights and optimizer state are those before it.
 """
 
 from __future__ import annotations
@@ -38,16 +40,23 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
         logp = token_logprobs(logits, batch["input_ids"], batch["temperature"])
         loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap)
         loss = masked_sum(loss_tok, batch["mask"]) / total_tokens
+        engine.finite_guard.add_loss(loss)
         engine.backward(loss, scale_wrt_gas=False)
         if i == n_steps - 1:
             grad_norm = _grad_norm(engine, t.zero_stage)
-        engine.step()
-        sums["loss"] += float(loss)
+            finite = engine.finite_guard.step_is_finite(device)
+            engine.finite_guard.optimizer.skip = not finite
+        try:
+            engine.step()
+        finally:
+            engine.finite_guard.optimizer.skip = False
+        sums["loss"] += float(loss.detach())
         for k in ("is_weight", "clipped", "behaviour_kl"):
             sums[k] += float(masked_sum(st[k], batch["mask"]))
     stats.update({
+        "skipped": not finite,
         "loss": sums["loss"], "lr": t.lr, "micro_batches": len(batches),
-        "grad_norm": grad_norm if grad_norm >= 0 else float(engine.get_global_grad_norm() or 0.0),
+        "grad_norm": grad_norm if grad_norm >= 0 or not finite else float(engine.get_global_grad_norm() or 0.0),
         "tokens/trained": total_tokens if rows else 0,
         "correction/is_weight_mean": sums["is_weight"] / total_tokens,
         "correction/clip_frac": sums["clipped"] / total_tokens,

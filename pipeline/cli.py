@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import time
@@ -34,11 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     gen = service("generator", "a generator service (vLLM)", True)
     gen.add_argument("--learner", required=True, help="hub address, e.g. tcp://127.0.0.1:5555")
     st = sub.add_parser("status", help="the learner's version, buffer and generators")
-    st.add_argument("--learner", required=True)
     st.add_argument("--watch", action="store_true")
     se = sub.add_parser("set", help="change run-time knobs of a running learner")
-    se.add_argument("--learner", required=True)
     se.add_argument("items", nargs="+", metavar="KEY=VALUE")
+    for remote in (st, se):
+        remote.add_argument("--learner", required=True)
+        remote.add_argument("--keys", default=None, metavar="DIR", help="auth.keys of the learner (CURVE)")
+        remote.add_argument("--identity", default="operator", help="operator key pair in --keys (DIR/NAME.key_secret)")
+    ks = sub.add_parser("keys", help="make CURVE key pairs for auth.keys: the hub's, generators', operators'")
+    ks.add_argument("dir", type=Path)
+    ks.add_argument("--generator", action="append", default=[], metavar="NAME", help="add a generator key pair")
+    ks.add_argument("--operator", action="append", default=[], metavar="NAME", help="add an operator key pair")
     return p
 
 
@@ -47,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("status", "set"):
             return _remote(args)
+        if args.command == "keys":
+            return _keys(args)
         cfg = load_config(args.config, args.overrides)
+        if args.command in ("learner", "run"):
+            from pipeline.security import check_exposure
+
+            check_exposure(cfg)
     except ConfigError as e:
         print(f"pipeline: config error: {e}", file=sys.stderr)
         return 2
@@ -67,14 +78,23 @@ def main(argv: list[str] | None = None) -> int:
             if args.run_dir is None and args.resume is None:
                 child += ["--run-dir", str(run_dir)]
             return spawn_ranks(child, world, args.gpus)
+        from learner.checkpoint import CheckpointError
+        from learner.hub import HubStopped
+        from learner.service import NotFinite
         from learner.service import main as learner_main
 
-        learner_main(cfg, run_dir, resume=args.resume is not None)
+        try:
+            learner_main(cfg, run_dir, resume=args.resume is not None)
+        except (HubStopped, NotFinite, CheckpointError) as e:  # the run cannot go on: its reason, not a traceback
+            logging.getLogger("pipeline").error("the run failed: %s", e)
+            return 1
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (learner.service turns it into this)
+            logging.getLogger("pipeline").warning("learner stopped by a signal; the hub and its files are gone")
+            return 130
         return 0
     from generator.service import main as generator_main
 
-    asyncio.run(generator_main(cfg, args.learner, args.gpus or ""))
-    return 0
+    return asyncio.run(generator_main(cfg, args.learner, args.gpus or ""))
 
 
 def _without_gpus(argv: list[str]) -> list[str]:
@@ -96,26 +116,48 @@ def make_run_dir(cfg, explicit: Path | None) -> Path:
     return run_dir.resolve()
 
 
+def _keys(args) -> int:
+    from pipeline.security import HUB, make_keys
+
+    new = not (args.dir / f"{HUB}.key_secret").exists()
+    if not new and not (args.generator or args.operator):
+        raise ConfigError(f"pipeline keys: {args.dir} holds keys already; add one with --generator NAME or "
+                          "--operator NAME")
+    generators = args.generator or (["generator"] if new else [])
+    operators = args.operator or (["operator"] if new else [])
+    for path in make_keys(args.dir, generators, operators):
+        print(path)
+    print(f"learner: auth.keys: {args.dir} (it reads hub.key_secret, generators/, operators/)\n"
+          f"generator host: copy {args.dir}/hub.key and {args.dir}/NAME.key_secret into its keys folder, set "
+          "auth.keys to it and auth.identity: NAME\n"
+          f"pipeline status/set: --keys {args.dir} [--identity NAME]")
+    return 0
+
+
 def _remote(args) -> int:
     from pipeline import protocol as P
     from pipeline.client import request_once
     from pipeline.config import parse_override
+    from pipeline.security import client_keys
     from pipeline.status import render
 
+    keys = client_keys(args.keys, args.identity)
     try:
         if args.command == "set":
             for item in args.items:
                 key, value = parse_override(item)
-                reply = request_once(args.learner, P.SetRequest(key, value))
+                reply = request_once(args.learner, P.SetRequest(key, value), keys=keys)
                 if isinstance(reply, P.Error):
                     print(f"pipeline set: {reply.message}", file=sys.stderr)
                     return 2
                 print(f"{key} = {reply.info['value']!r} (from step {reply.info['from_step']})")
             return 0
         while True:
-            reply = request_once(args.learner, P.StatusRequest())
-            text = render(reply.info) if isinstance(reply, P.Ack) else json.dumps(P.as_dict(reply))
-            print(("\033[2J\033[H" if args.watch else "") + text, flush=True)
+            reply = request_once(args.learner, P.StatusRequest(), keys=keys)
+            if not isinstance(reply, P.Ack):
+                print(f"pipeline status: {getattr(reply, 'message', reply)}", file=sys.stderr)
+                return 2
+            print(("\033[2J\033[H" if args.watch else "") + render(reply.info), flush=True)
             if not args.watch:
                 return 0
             time.sleep(2)

@@ -2,7 +2,9 @@
 
 One reader task dispatches replies to the futures of their requests, so weight chunks, leases and
 heartbeats can be in flight at once. A request that gets no reply within `timeout` raises `PeerLost`;
-so does every waiting request when the client is closed.
+so does every waiting request when the client is closed. The socket's routing id is a random secret of
+this client, so a reconnect after a network hiccup is still the connection that registered; with keys
+the socket is a CURVE client of the hub (pipeline/security.py).
 """
 
 from __future__ import annotations
@@ -10,21 +12,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 
 import zmq
 import zmq.asyncio
 
 from pipeline import protocol as P
+from pipeline.security import ClientKeys, secure_client
 
 log = logging.getLogger(__name__)
 
 
 class HubClient:
-    def __init__(self, address: str, timeout: float = 10.0, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, address: str, timeout: float = 10.0, ctx: zmq.asyncio.Context | None = None,
+                 keys: ClientKeys | None = None):
         self.address, self.timeout = address, timeout
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, b"g" + secrets.token_bytes(15))  # ids starting with 0 are zmq's
+        secure_client(self.sock, keys)
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
@@ -35,7 +42,7 @@ class HubClient:
         while True:
             data = await self.sock.recv()
             try:
-                msg, rid = P.decode(data, limit=2**31)
+                msg, rid = P.decode(data, limits=P.FROM_HUB)
             except P.ProtocolError as e:
                 log.warning("hub sent a bad reply: %s", e)
                 continue
@@ -68,17 +75,19 @@ class HubClient:
         self.sock.close(linger=0)
 
 
-def request_once(address: str, msg: P.Message, timeout: float = 5.0) -> P.Message:
-    """Synchronous one-shot request (for `pipeline status` / `pipeline set`)."""
+def request_once(address: str, msg: P.Message, timeout: float = 5.0, keys: ClientKeys | None = None) -> P.Message:
+    """Synchronous one-shot request (for `pipeline status` / `pipeline set`; with keys: an operator's)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        secure_client(sock, keys)
         sock.connect(address)
         sock.send(P.encode(msg, 1))
         if not sock.poll(int(timeout * 1000)):
-            raise P.PeerLost(f"no reply from the learner at {address} within {timeout} s")
-        reply, _ = P.decode(sock.recv(), limit=2**31)
+            hint = " (with auth.keys the learner drops connections whose key it does not list)" if keys else ""
+            raise P.PeerLost(f"no reply from the learner at {address} within {timeout} s{hint}")
+        reply, _ = P.decode(sock.recv(), limits=P.FROM_HUB)
         return reply
     finally:
         sock.close(linger=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -116,6 +117,11 @@ class TrainerConfig:
     """Recompute activations in backward to save memory."""
     ranks: int = 0
     """Learner processes (data parallel). 0: one per GPU given with --gpus, else 1. On CPU, gloo ranks."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in RUN_DIR/checkpoints: the newest N (the final one is always kept); older ones are removed."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient is not finite is skipped (no update, nothing published, its prompts leased
+    again); this many in a row stop the run with that error."""
 
 
 @dataclass
@@ -160,8 +166,20 @@ class HubConfig:
     max_message_mb: int = 64
     """Largest message the hub decodes; bigger ones get an error reply."""
     max_rejected_prompts: int = 32
-    """The run stops with an error once generators rejected this many prompts (empty after tokenising, longer
-    than generator.max_model_len): a wrong prompt column or tokenizer would otherwise starve it silently."""
+    """The run stops with an error once this many prompts were rejected (empty after tokenising, longer than
+    generator.max_model_len, refused by every engine that tried them): a wrong prompt column or tokenizer would
+    otherwise starve it silently. A rejection by one generator alone never counts while another could try."""
+    max_reward_errors: int = 3
+    """The run stops with the traceback once reward functions raised this many times (the prompts are leased
+    again meanwhile; errors reported by one generator alone count only while it is the only one)."""
+    lease_timeout_s: float = 600.0
+    """A lease whose groups have not all arrived this long after it was granted goes back to the queue (as do
+    leases its generator stops reporting in its heartbeats). Generous: long completions take minutes."""
+    max_generators: int = 64
+    """Registered generators at most; more are refused."""
+    allow_insecure: bool = False
+    """Let the hub bind an interface other than loopback without `auth.keys`: anyone who reaches the port can
+    then register, send rollouts and change run-time knobs. Keep false outside a trusted network."""
 
 
 @dataclass
@@ -179,6 +197,16 @@ class WeightsConfig:
     generator.gpu_memory_utilization) while the engine keeps generating; the engine then stops only for the
     copy into its weights. false, or no room for them: receive bucket by bucket inside the swap (one bucket,
     about 256 MB, of extra memory)."""
+
+
+@dataclass
+class AuthConfig:
+    keys: str | None = None
+    """Directory made by `pipeline keys DIR`: with it the hub speaks ZeroMQ CURVE (encrypted, authenticated) and
+    admits only generators whose public keys lie in DIR/generators/ and operators (`pipeline status`, `set`)
+    whose keys lie in DIR/operators/. None: no authentication, and the hub binds loopback only."""
+    identity: str = "generator"
+    """Name of this generator's key pair in `keys` (DIR/NAME.key_secret)."""
 
 
 @dataclass
@@ -209,23 +237,60 @@ class Config:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-_POSITIVE = {
-    "trainer.total_steps", "trainer.batch_size", "trainer.group_size", "trainer.micro_batch_tokens",
-    "sampling.max_tokens", "generator.lease_size", "generator.max_inflight_groups", "generator.max_num_seqs",
-    "generator.max_model_len", "generator.tensor_parallel_size", "hub.heartbeat_s", "hub.heartbeat_timeout_s",
-    "hub.max_message_mb", "weights.chunk_mb",
-    "weights.collective_timeout_s", "trainer.lr", "data.size", "run.generators", "generator.cpu_kvcache_gb",
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric field: lo < v (or <=) and v < hi (or <=); None: unbounded."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_closed: bool = True
+    hi_closed: bool = True
+
+    def holds(self, v) -> bool:
+        above = self.lo is None or (v >= self.lo if self.lo_closed else v > self.lo)
+        below = self.hi is None or (v <= self.hi if self.hi_closed else v < self.hi)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"must be {'>=' if self.lo_closed else '>'} {self.lo}"
+        return f"must be in {'[' if self.lo_closed else '('}{self.lo}, {self.hi}{']' if self.hi_closed else ')'}"
+
+
+POSITIVE, NON_NEGATIVE, FRACTION = Range(0, lo_closed=False), Range(0), Range(0, 1, lo_closed=False)
+# Every numeric field is range-checked at load and on `pipeline set`; every float must also be finite.
+_RANGES = {
+    "trainer.total_steps": POSITIVE, "trainer.batch_size": POSITIVE, "trainer.group_size": Range(2),
+    "trainer.micro_batch_tokens": POSITIVE, "trainer.lr": POSITIVE, "trainer.max_staleness": NON_NEGATIVE,
+    "trainer.epochs": NON_NEGATIVE, "trainer.checkpoint_every": NON_NEGATIVE, "trainer.weight_decay": NON_NEGATIVE,
+    "trainer.grad_clip": NON_NEGATIVE, "trainer.clip_eps": FRACTION, "trainer.is_cap": POSITIVE,
+    "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,
+    "trainer.keep_checkpoints": Range(1), "trainer.max_skipped_steps": POSITIVE,
+    "sampling.max_tokens": POSITIVE, "sampling.temperature": POSITIVE, "sampling.top_p": FRACTION,
+    "generator.lease_size": POSITIVE, "generator.max_inflight_groups": POSITIVE, "generator.max_num_seqs": POSITIVE,
+    "generator.max_model_len": Range(2), "generator.tensor_parallel_size": POSITIVE,
+    "generator.gpu_memory_utilization": FRACTION, "generator.cpu_kvcache_gb": POSITIVE, "generator.seed": NON_NEGATIVE,
+    "hub.port": Range(0, 65535), "hub.heartbeat_s": POSITIVE, "hub.heartbeat_timeout_s": POSITIVE,
+    "hub.max_message_mb": Range(1, 2047), "hub.max_rejected_prompts": POSITIVE, "hub.max_reward_errors": POSITIVE,
+    "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE,
+    "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
+    "data.size": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
 }
-_NON_NEGATIVE = {
-    "trainer.max_staleness", "trainer.epochs", "trainer.checkpoint_every", "trainer.weight_decay", "trainer.grad_clip",
-    "trainer.clip_eps", "sampling.temperature", "hub.port", "trainer.ranks",
-}
+
+
+def _check_range(name: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}: must be a finite number, got {value!r}")
+    rng = _RANGES.get(name)
+    if rng is not None and not rng.holds(value):
+        raise ConfigError(f"{name}: {rng}, got {value!r}")
 
 
 def _check_value(name: str, tp: Any, value: Any) -> Any:
@@ -279,23 +344,20 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
         kwargs[key] = _check_value(dotted, hints[key], value)
     obj = cls(**kwargs)
     for f in dataclasses.fields(cls):
-        dotted = f"{prefix}.{f.name}" if prefix else f.name
         value = getattr(obj, f.name)
-        if dotted in _POSITIVE and not value > 0:
-            raise ConfigError(f"{dotted}: must be > 0, got {value!r}")
-        if dotted in _NON_NEGATIVE and not value >= 0:
-            raise ConfigError(f"{dotted}: must be >= 0, got {value!r}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            _check_range(f"{prefix}.{f.name}" if prefix else f.name, value)
     return obj
 
 
 def _check_config(cfg: Config) -> None:
-    if not 0 <= cfg.trainer.zero_stage <= 3:
-        raise ConfigError(f"trainer.zero_stage: must be 0, 1, 2 or 3, got {cfg.trainer.zero_stage}")
-    if not 0 < cfg.generator.gpu_memory_utilization <= 1:
-        raise ConfigError(
-            f"generator.gpu_memory_utilization: must be in (0, 1], got {cfg.generator.gpu_memory_utilization}")
-    if cfg.trainer.group_size < 2:
-        raise ConfigError(f"trainer.group_size: GRPO needs at least 2 samples per prompt, got {cfg.trainer.group_size}")
+    """Checks that span several fields (each field's own range is checked where it is built)."""
+    if cfg.sampling.max_tokens >= cfg.generator.max_model_len:
+        raise ConfigError(f"sampling.max_tokens: {cfg.sampling.max_tokens} leaves no room for a prompt within "
+                          f"generator.max_model_len={cfg.generator.max_model_len}")
+    if cfg.hub.heartbeat_timeout_s <= cfg.hub.heartbeat_s:
+        raise ConfigError(f"hub.heartbeat_timeout_s: must exceed hub.heartbeat_s ({cfg.hub.heartbeat_s}), got "
+                          f"{cfg.hub.heartbeat_timeout_s}")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     for i, r in enumerate(cfg.rewards):
@@ -373,8 +435,7 @@ def apply_runtime_change(cfg: Config, key: str, value: Any) -> Any:
     section, name = runtime_field(cfg, key)
     tp = typing.get_type_hints(type(section))[name]
     new = _check_value(key, tp, value)
-    if key in _POSITIVE and not new > 0 or key in _NON_NEGATIVE and not new >= 0:
-        raise ConfigError(f"{key}: out of range, got {value!r}")
+    _check_range(key, new)
     setattr(section, name, new)
     return new
 

@@ -2,7 +2,9 @@
 
 Each child runs in its own process session and writes its log to RUN_DIR/logs/; a progress bar follows
 RUN_DIR/metrics.jsonl. Children are stopped by PID (their process group): on Ctrl-C, on a failure,
-and generators once the learner has finished.
+and generators once the learner has finished. On Ctrl-C generators leave at once (two SIGTERMs: no
+drain, the run is being abandoned) and the learner removes its shared-memory files; what a child killed
+after the grace period could not remove is removed afterwards (`remove_stale`).
 """
 
 from __future__ import annotations
@@ -33,21 +35,39 @@ class Child:
     def pid(self) -> int:
         return self.proc.pid
 
-    def stop(self, grace: float = 20.0) -> int:
-        """SIGTERM, then SIGKILL to the child's process group (it includes vLLM's engine process)."""
+    def stop(self, grace: float = 20.0, now: bool = False) -> int:
+        """SIGTERM (twice when `now`: a generator leaves without draining), then SIGKILL to the child's process
+        group (it includes vLLM's engine process)."""
         if self.proc.poll() is None:
             _signal_group(self.pid, signal.SIGTERM)
+            if now:
+                time.sleep(0.5)
+                os.kill(self.pid, signal.SIGTERM)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 _signal_group(self.pid, signal.SIGKILL)
                 self.proc.wait()
-        _signal_group(self.pid, signal.SIGKILL)  # leftovers of the group (engine cores)
+        # the rest of the group ends by itself once the child is gone: Python's resource tracker removes the
+        # shared-memory segments vLLM's processes leaked (a SIGKILL would leave them in /dev/shm); else killed
+        if not _group_gone(self.pid, timeout=10.0):
+            _signal_group(self.pid, signal.SIGKILL)
         self.log.close()
         return self.proc.returncode
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -62,6 +82,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
 
     run_dir = make_run_dir(cfg, run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run like Ctrl-C: children stopped, files removed
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)
     cli = [sys.executable, "-m", "pipeline.cli"]
@@ -90,7 +111,10 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
         print(f"pipeline run: {e}", file=sys.stderr)
         rc = 1
     for child in reversed(children):
-        child.stop()
+        child.stop(now=rc != 0)
+    from pipeline.transports import remove_stale
+
+    remove_stale()
     if rc == 0:
         records = read_metrics(run_dir)
         first, last = records[0]["reward/mean"], records[-1]["reward/mean"]
@@ -98,6 +122,10 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
               f"{records[-1]['time/elapsed_s']:.0f} s of training")
         print(f"run directory: {run_dir}  (metrics.jsonl, reward.png, final/)")
     return rc
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _gpus(gpus: str | None) -> list[str]:

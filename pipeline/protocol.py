@@ -2,10 +2,13 @@
 
 Every message is a small dataclass registered under a tag. On the wire it is one msgpack map:
 `{"v": SCHEMA_VERSION, "k": tag, "r": request id, <fields>}`. Bulk arrays (token ids, log-probs) are
-raw little-endian bytes (msgpack `bin`): int32 token ids, float32 log-probs. Fields are only ever
-appended, with defaults, so an older peer's message still decodes. `decode` validates the schema
-version, the tag, every field's type and the message size, and raises `ProtocolError` naming the
-message and field. No pickle anywhere.
+raw little-endian bytes (msgpack `bin`): int32 token ids, float32 log-probs. Within a schema version
+fields are only ever appended, with defaults, so an older peer's message still decodes. `decode`
+validates the schema version, the tag, every field's type and length, and what the message costs to
+decode: its bytes, the number and length of its containers, their nesting depth (`Limits`; a peer's
+message gets `FROM_PEER`, a few MB of nested empty maps would otherwise cost hundreds of MB). It raises
+`ProtocolError` naming the message and field. No pickle anywhere. What a message *says* (token ids in the
+vocabulary, finite numbers, versions, whose lease) is checked by the hub (learner/validation.py).
 """
 
 from __future__ import annotations
@@ -18,8 +21,22 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
-MAX_CONTROL_BYTES = 16 * 2**20  # control requests are small; weight chunks flow the other way
+SCHEMA_VERSION = 2  # 2: sessions, prompt ids in leases, GroupFailed.kind, bounded strings
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What decoding one message may cost."""
+
+    bytes: int = 2**20
+    items: int = 4096  # elements of one array or map
+    containers: int = 20_000  # arrays and maps in the whole message
+    depth: int = 8  # nesting of arrays and maps
+
+
+FROM_PEER = Limits()  # the hub decoding a generator's or operator's control message (its rollouts: larger bytes)
+FROM_HUB = Limits(bytes=2**31 - 1, items=2**20, containers=2**22, depth=32)  # manifests, dataset columns
+MAX_CONTROL_BYTES = FROM_PEER.bytes
 
 
 class ProtocolError(ValueError):
@@ -31,6 +48,14 @@ class PeerLost(ConnectionError):
 
 
 _REGISTRY: dict[str, type[Message]] = {}
+
+
+def text(max_len: int, default: Any = dataclasses.MISSING) -> Any:
+    """A string field of at most `max_len` characters (others: 1024); without a default it is required."""
+    return field(default=default, metadata={"max_len": max_len})
+
+
+DEFAULT_MAX_STR = 1024
 
 
 @dataclass
@@ -50,8 +75,9 @@ class Message:
 class PromptItem:
     prompt_id: int
     epoch: int
-    prompt: str
+    prompt: str = text(2**24)
     columns: dict = field(default_factory=dict)
+    prompt_ids: bytes = b""  # int32: the prompt as the learner tokenised it; the generator generates from these
 
 
 @dataclass
@@ -60,7 +86,7 @@ class Sample:
     logprobs: bytes  # float32 little-endian, one per token: behaviour log-probs from vLLM
     reward: float
     rewards: list[float] = field(default_factory=list)  # one per reward function, unweighted
-    finish_reason: str = ""
+    finish_reason: str = text(32, "")
     first_version: int = 0  # weights version that produced the first token
     last_version: int = 0  # weights version that produced the last token
     gen_ms: float = 0.0
@@ -69,57 +95,64 @@ class Sample:
 # ---- control channel: generator -> hub ----------------------------------------------------------
 
 
+GENERATOR_ID = 128  # characters of a generator id
+
+
 @dataclass
 class Register(Message):
     tag: ClassVar[str] = "register"
-    generator_id: str
-    host: str = ""
-    boot_id: str = ""
-    gpus: str = ""
+    generator_id: str = text(GENERATOR_ID)
+    host: str = text(255, "")
+    boot_id: str = text(64, "")
+    gpus: str = text(128, "")
     pid: int = 0
     loaded_version: int = -1  # >= 0 when reconnecting with an engine that already holds weights
     tensor_parallel: int = 1  # workers of this generator (ranks of its nccl process group, besides the learner)
+    session: str = text(64, "")  # re-registering under the same id: the session its last Welcome gave it
+    loaded_run: str = text(256, "")  # the run id of the weights its engine holds ("": the model from disk)
 
 
 @dataclass
 class Heartbeat(Message):
     tag: ClassVar[str] = "heartbeat"
-    generator_id: str
+    generator_id: str = text(GENERATOR_ID)
     version: int = 0
     tokens_per_s: float = 0.0
     inflight_groups: int = 0
-    lease_ids: list[int] = field(default_factory=list)
+    lease_ids: list[int] = field(default_factory=list)  # every lease it holds (received, not yet finished)
     draining: bool = False  # finishing its groups before it leaves: it takes no more broadcasts
+    pushed: int = 0  # rollouts sent in this session: until the hub has them all, an unlisted lease may be in flight
 
 
 @dataclass
 class LeaseRequest(Message):
     tag: ClassVar[str] = "lease_request"
-    generator_id: str
+    generator_id: str = text(GENERATOR_ID)
     max_groups: int = 1
 
 
 @dataclass
 class WeightsApplied(Message):
     tag: ClassVar[str] = "weights_applied"
-    generator_id: str
+    generator_id: str = text(GENERATOR_ID)
     version: int
     load_ms: float = 0.0
-    via: str = ""  # the transport that delivered it
+    via: str = text(16, "")  # the transport that delivered it
 
 
 @dataclass
 class GroupFailed(Message):
-    """A leased prompt's group could not be generated. `retry`: the failure was the engine's, lease the
-    prompt again; otherwise vLLM rejected the prompt itself (empty, longer than max_model_len)."""
+    """A leased prompt's group could not be generated; `kind` says whose fault: "engine" (lease it again),
+    "prompt" (vLLM refused the prompt itself), "reward" (a reward function raised: `reason` holds the function
+    and its traceback; an error of the run, not of the prompt)."""
 
     tag: ClassVar[str] = "group_failed"
-    generator_id: str
+    generator_id: str = text(GENERATOR_ID)
     lease_id: int
     epoch: int
     prompt_id: int
-    reason: str = ""
-    retry: bool = True
+    reason: str = text(16384, "")
+    kind: str = text(16, "engine")
 
 
 @dataclass
@@ -128,13 +161,15 @@ class WeightsFetch(Message):
     version: int
     offset: int
     length: int
+    generator_id: str = text(GENERATOR_ID, "")  # only registered generators are served
 
 
 @dataclass
 class Leave(Message):
     tag: ClassVar[str] = "leave"
-    generator_id: str
+    generator_id: str = text(GENERATOR_ID)
     returned_leases: list[int] = field(default_factory=list)
+    reason: str = text(16384, "")  # why it leaves when it is not asked to (its engine died: the engine's error)
 
 
 @dataclass
@@ -145,7 +180,7 @@ class StatusRequest(Message):
 @dataclass
 class SetRequest(Message):
     tag: ClassVar[str] = "set_request"
-    key: str
+    key: str = text(128)
     value: Any = None
 
 
@@ -167,6 +202,7 @@ class Welcome(Message):
     index: int = 0  # registration order, for per-generator seeds
     latest: dict = field(default_factory=dict)  # WeightsReady of the current version, as a map
     collective: dict = field(default_factory=dict)  # nccl transport: port, world_size, backend, timeout_s
+    session: str = text(64, "")  # a secret of this registration: its rollouts carry it, a re-registration shows it
 
 
 @dataclass
@@ -181,7 +217,7 @@ class Lease(Message):
 @dataclass
 class Wait(Message):
     tag: ClassVar[str] = "wait"
-    reason: str
+    reason: str = text(4096)
     retry_s: float = 0.05
     version: int = -1  # the learner's version ("run complete": generators apply it before leaving)
 
@@ -204,8 +240,9 @@ class Ack(Message):
 @dataclass
 class Error(Message):
     tag: ClassVar[str] = "error"
-    message: str
+    message: str = text(65536)
     fatal: bool = False  # the peer must re-register (e.g. unknown generator id after a learner restart)
+    stop: bool = False  # the peer must leave and exit: the run failed, or it is refused (the message says why)
 
 
 # ---- rollouts and weight announcements ----------------------------------------------------------
@@ -215,12 +252,13 @@ class Error(Message):
 class RolloutGroup(Message):
     tag: ClassVar[str] = "rollout_group"
     lease_id: int
-    generator_id: str
+    generator_id: str = text(GENERATOR_ID)
     prompt_id: int
     epoch: int
     prompt_ids: bytes  # int32 little-endian
     samples: list[Sample]
     temperature: float = 1.0  # sampling temperature the behaviour log-probs were computed at
+    session: str = text(64, "")  # the session of the generator's registration (Welcome.session)
 
 
 @dataclass
@@ -229,7 +267,7 @@ class WeightsReady(Message):
     version: int
     size: int
     checksum: int  # crc32 of the safetensors blob
-    shm_path: str = ""  # set when the shm transport wrote the blob to /dev/shm
+    shm_path: str = text(4096, "")  # set when the shm transport wrote the blob to /dev/shm
     published_at: float = 0.0  # learner's time.time() at the end of the optimizer step
     collective: bool = False  # nccl transport: the learner broadcasts the tensors now, in manifest order
     manifest: list = field(default_factory=list)  # [[name, dtype, shape], ...] when collective
@@ -261,14 +299,13 @@ def from_dict(cls: type, body: dict) -> Message:
     return _from_wire(cls, body, cls.__name__)
 
 
-def decode(data: bytes, limit: int = MAX_CONTROL_BYTES) -> tuple[Message, int]:
-    """Decode one message; returns (message, request id). Raises ProtocolError with a clear reason."""
-    if len(data) > limit:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {limit} bytes")
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=limit, max_str_len=limit)
-    except Exception as e:  # msgpack raises several types for truncated or random input
-        raise ProtocolError(f"not a valid MessagePack message ({type(e).__name__}: {e})") from None
+def decode(data, limit: int | None = None, limits: Limits = FROM_PEER) -> tuple[Message, int]:
+    """Decode one message (bytes or a buffer); returns (message, request id). `limit` overrides the byte limit
+    of `limits`. Raises ProtocolError with a clear reason."""
+    nbytes = limits.bytes if limit is None else limit
+    if len(data) > nbytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {nbytes} bytes")
+    body = _unpack(data, nbytes, limits)
     if not isinstance(body, dict):
         raise ProtocolError(f"expected a message map, got {type(body).__name__}")
     kind = body.pop("k", None)
@@ -284,6 +321,53 @@ def decode(data: bytes, limit: int = MAX_CONTROL_BYTES) -> tuple[Message, int]:
     return _from_wire(cls, body, cls.__name__), rid
 
 
+class _Budget:
+    """Counts the arrays and maps msgpack builds (its hooks run for each one) and stops past the limit."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def list(self, value: list) -> list:
+        return self._take(value)
+
+    def map(self, value: dict) -> dict:
+        return self._take(value)
+
+    def _take(self, value):
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError("too many arrays and maps")
+        return value
+
+
+def _unpack(data, nbytes: int, limits: Limits) -> Any:
+    budget = _Budget(limits.containers)
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=nbytes, max_str_len=nbytes,
+                               max_array_len=limits.items, max_map_len=limits.items, max_ext_len=0,
+                               list_hook=budget.list, object_hook=budget.map)
+    except Exception as e:  # msgpack raises several types for truncated, random or too costly input
+        raise ProtocolError(f"not a valid MessagePack message within the limits ({type(e).__name__}: {e})") from None
+    _check_depth(body, limits.depth)
+    return body
+
+
+def _check_depth(body: Any, limit: int) -> None:
+    """Nesting of arrays and maps at most `limit` (iterative: the containers are already counted)."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            raise ProtocolError(f"message nests arrays and maps deeper than {limit} levels")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
 def _from_wire(cls: type, body: Any, where: str) -> Any:
     if not isinstance(body, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
@@ -292,6 +376,9 @@ def _from_wire(cls: type, body: Any, where: str) -> Any:
     for f in dataclasses.fields(cls):
         if f.name in body:
             kwargs[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
+            if hints[f.name] is str and len(kwargs[f.name]) > f.metadata.get("max_len", DEFAULT_MAX_STR):
+                raise ProtocolError(f"{where}.{f.name}: {len(kwargs[f.name])} characters, at most "
+                                    f"{f.metadata.get('max_len', DEFAULT_MAX_STR)}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"{where}.{f.name}: missing")
     # unknown fields come from a newer peer that appended them: ignored

@@ -9,7 +9,12 @@ def render(s: dict) -> str:
         f"run {s['run_id']}  version {s['version']}  max_staleness {s['max_staleness']}  batch {s['batch_size']}",
         f"buffer {s['buffer']}  in flight {s['in_flight']}  pending {s['pending']}  trained {s['trained']}  "
         f"re-queued {c['requeued']}  stale dropped {c['stale_dropped']}  duplicates {c['duplicates']}  "
-        f"bad messages {c['bad_messages']}  rejected prompts {c.get('rejected_prompts', 0)}",
+        f"bad messages {c['bad_messages']}  refused {c.get('refused', 0)}  rejected prompts "
+        f"{c.get('rejected_prompts', 0)}  lost leases {c.get('lost_leases', 0)}  reward errors "
+        f"{c.get('reward_errors', 0)}  skipped steps {c.get('skipped_steps', 0)}",
+        "rejected rollouts " + (", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in sorted(c.items())
+                                          if k.startswith("rejected/")) or "0"),
+        *([f"FAILED: {s['failure']}"] if s.get("failure") else []),
         "",
         f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} "
         f"{'heartbeat':>9}",

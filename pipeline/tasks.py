@@ -12,6 +12,7 @@ import importlib
 import json
 import random
 import re
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,7 +114,26 @@ def math_answer(prompts, completions, completion_ids=None, answer=None, **_) -> 
     return out
 
 
-def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[Callable, float]]:
+def encode_prompt(tokenizer, cfg: DataConfig, prompt: str) -> list[int]:
+    """The token ids a prompt is generated from (the learner's hub tokenises, generators generate from them)."""
+    if cfg.chat_template:
+        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+class RewardError(Exception):
+    """A reward function raised or returned something unusable: an error of the run, not of the prompt."""
+
+    def __init__(self, name: str, detail: str):
+        super().__init__(f"reward function {name}: {detail}")
+        self.name = name
+
+
+def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[str, Callable, float]]:
+    """(name, function, weight) of each configured reward."""
     fns = []
     for i, spec in enumerate(specs):
         module, _, name = spec.fn.partition(":")
@@ -121,21 +141,28 @@ def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[Callable, float]]:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"rewards[{i}].fn: cannot load {spec.fn!r}: {e}") from None
-        fns.append((fn, spec.weight))
+        fns.append((spec.fn, fn, spec.weight))
     return fns
 
 
 def score(fns, prompt: str, completions: list[str], completion_ids: list[list[int]], columns: dict):
-    """Call every reward function on one group; returns (weighted totals, per-function rewards per sample)."""
+    """Call every reward function on one group; returns (weighted totals, per-function rewards per sample).
+    A function that raises, or returns the wrong number of values or a non-number, raises RewardError with
+    its name and traceback. None (TRL: "does not apply") becomes NaN and is left out of the total."""
     n = len(completions)
     kwargs = {k: [v] * n for k, v in columns.items()}
     per_fn = []
-    for fn, _ in fns:
-        values = fn(prompts=[prompt] * n, completions=completions, completion_ids=completion_ids, **kwargs)
-        values = [float("nan") if v is None else float(v) for v in values]
+    for name, fn, _ in fns:
+        try:
+            values = fn(prompts=[prompt] * n, completions=completions, completion_ids=completion_ids, **kwargs)
+            values = [float("nan") if v is None else float(v) for v in values]
+        except Exception:
+            raise RewardError(name, traceback.format_exc()) from None
         if len(values) != n:
-            raise ValueError(f"reward function {fn.__name__} returned {len(values)} values for {n} completions")
+            raise RewardError(name, f"returned {len(values)} values for {n} completions")
+        if any(abs(v) == float("inf") for v in values):
+            raise RewardError(name, f"returned an infinite reward: {values}")
         per_fn.append(values)
-    weights = [w for _, w in fns]
+    weights = [w for *_, w in fns]
     totals = [sum(w * vals[i] for w, vals in zip(weights, per_fn, strict=True) if vals[i] == vals[i]) for i in range(n)]
     return totals, [[vals[i] for vals in per_fn] for i in range(n)]

@@ -14,6 +14,7 @@ Announcements always travel over ZeroMQ; a new transport implements `Receiver.fe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import os
 import socket
@@ -51,26 +52,73 @@ def shm_dir(run_id: str) -> Path:
     return SHM_ROOT / f"pipeline-{run_id}"
 
 
+def private_dir(path: Path) -> Path:
+    """A folder only this user can enter, with an `owner` file naming this process (see remove_stale)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)
+    (path / "owner").write_text(str(os.getpid()))
+    return path
+
+
+def write_private(path: Path, data) -> None:
+    """Write `data` to `path` atomically, readable by this user only (weights are not everyone's)."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def write_shm(run_id: str, version: int, blob: bytes, keep: int = 2) -> str:
     """Write the blob for `version` atomically; remove all but the newest `keep` versions."""
     d = shm_dir(run_id)
-    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "owner").exists():
+        private_dir(d)
     path = d / f"weights-v{version}.safetensors"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
+    write_private(path, blob)
     for old in d.glob("weights-v*.safetensors"):
         if int(old.stem.split("-v")[1]) <= version - keep:
             old.unlink(missing_ok=True)
     return str(path)
 
 
-def remove_shm(run_id: str) -> None:
-    d = shm_dir(run_id)
+def remove_dir(d: Path) -> None:
     for f in d.glob("*"):
         f.unlink(missing_ok=True)
-    if d.exists():
+    with contextlib.suppress(OSError):
         d.rmdir()
+
+
+def remove_shm(run_id: str) -> None:
+    remove_dir(shm_dir(run_id))
+
+
+def remove_stale() -> list[Path]:
+    """Remove this user's pipeline folders in /dev/shm (and the temp folder) whose owner process is gone: a
+    learner or generator killed with SIGKILL cannot clean up after itself. Returns what was removed."""
+    removed = []
+    for root in {SHM_ROOT, Path(tempfile.gettempdir())}:
+        for d in root.glob("pipeline-*") if root.is_dir() else []:
+            try:
+                if d.stat().st_uid != os.getuid() or not d.is_dir():
+                    continue
+                pid = int((d / "owner").read_text())
+            except (OSError, ValueError):
+                continue
+            if not _alive(pid):
+                remove_dir(d)
+                removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class ChecksumMismatch(P.ProtocolError):
@@ -101,12 +149,13 @@ class ZmqReceiver(Receiver):
 
     name = "zmq"
 
-    def __init__(self, client, chunk_bytes: int, window: int = 4):
-        self.client, self.chunk, self.window = client, chunk_bytes, window
-        self.dir = (SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())) / f"pipeline-recv-{os.getpid()}"
+    def __init__(self, client, chunk_bytes: int, generator_id: str = "", window: int = 4):
+        self.client, self.chunk, self.window, self.generator_id = client, chunk_bytes, window, generator_id
+        self.dir = receiver_dir()
 
     async def fetch(self, ready: P.WeightsReady) -> str:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if not (self.dir / "owner").exists():
+            private_dir(self.dir)
         for old in self.dir.glob("weights-v*.safetensors"):
             old.unlink(missing_ok=True)  # the engine has loaded the previous version already
         path = self.dir / f"weights-v{ready.version}.safetensors"
@@ -117,7 +166,7 @@ class ZmqReceiver(Receiver):
 
             async def one(off: int) -> None:
                 async with sem:
-                    reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk))
+                    reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk, self.generator_id))
                 if not isinstance(reply, P.WeightsChunk):
                     raise P.ProtocolError(f"weights v{ready.version} at {off}: {getattr(reply, 'message', reply)}")
                 os.pwrite(fd, reply.data, off)
@@ -127,9 +176,15 @@ class ZmqReceiver(Receiver):
             os.close(fd)
         return await verify_file(str(path), ready)
 
-    def close(self) -> None:
-        for f in self.dir.glob("*"):
-            f.unlink(missing_ok=True)
+
+
+def receiver_dir() -> Path:
+    """The zmq receiver's folder of this process (one version's file at a time)."""
+    return (SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())) / f"pipeline-recv-{os.getpid()}"
+
+
+def remove_receiver_dir() -> None:
+    remove_dir(receiver_dir())
 
 
 class ShmReceiver(Receiver):
@@ -182,8 +237,8 @@ class CollectiveReceiver(Receiver):
     collective = True
 
 
-def make_receiver(transport: str, client, chunk_mb: int) -> Receiver:
-    zmq_receiver = ZmqReceiver(client, chunk_mb * 2**20)
+def make_receiver(transport: str, client, chunk_mb: int, generator_id: str = "") -> Receiver:
+    zmq_receiver = ZmqReceiver(client, chunk_mb * 2**20, generator_id)
     if transport == "zmq":
         return zmq_receiver
     if transport == "shm":

@@ -185,9 +185,12 @@ def _check_every_version_by_broadcast(run_dir: Path) -> None:
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["transport"] for e in events if e["event"] == "register"] == ["nccl"]  # picked by `auto`
     applied = [(e["version"], e["via"]) for e in events if e["event"] == "weights_applied"]
-    # every version after the first goes out by broadcast to a joined generator, in order
-    assert [v for v, _ in applied] == list(range(applied[0][0], STEPS + 1)), applied
+    # every version goes out by broadcast to a joined generator, in order, version 0 too (the engine's weights
+    # from disk are not the run's until the learner sent them)
+    assert [v for v, _ in applied] == list(range(0, STEPS + 1)), applied
     assert {via for _, via in applied} == {"nccl"}
+    rejected = {k: v for k, v in records[-1].items() if k.startswith("hub/rejected") and v}
+    assert not rejected, rejected  # vLLM's real log-probs, token ids and versions all pass the hub's checks
 
 
 def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path) -> None:

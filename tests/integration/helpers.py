@@ -16,11 +16,34 @@ def start_learner(procs, run_dir: Path, port: int, overrides: list[str], extra: 
     return procs([*args, *extra], run_dir.parent / f"{run_dir.name}-learner.log")
 
 
-def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name: str = "gen"):
+def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name: str = "gen", env: dict | None = None):
     args = ["generator", "-c", "configs/demo.yaml", "--learner", f"tcp://127.0.0.1:{port}"]
     for o in overrides:
         args += ["--set", o]
-    return procs(args, run_dir.parent / f"{run_dir.name}-{name}.log")
+    return procs(args, run_dir.parent / f"{run_dir.name}-{name}.log", env)
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        out.append((p, f"{comm} {cmd}"))
+        todo += children.get(p, [])
+    return out
 
 
 def wait_steps(run_dir: Path, n: int, timeout: float, watch) -> list[dict]:

@@ -57,15 +57,19 @@ def test_staleness_bound_and_versions_as_separate_services(procs, tmp_path, mode
     """`pipeline learner` + `pipeline generator` x n: step - behaviour version <= k for every trained sample."""
     run_dir = tmp_path / f"k{k}"
     steps = 8
-    common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", f"trainer.total_steps={steps}",
+    # one epoch of 8 batches and 5 prompts: the dataset runs out before trainer.total_steps, which ends the run
+    common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", "trainer.total_steps=100",
+              "trainer.epochs=1", f"data.size={steps * 16 + 5}",
               # long completions: generation is the bottleneck, so updates arrive while requests run
               "sampling.max_tokens=48", "sampling.ignore_eos=true", "generator.max_model_len=128"]
     learner = start_learner(procs, run_dir, free_port, common)
     gens = [start_generator(procs, run_dir, free_port, common, name=f"gen{i}") for i in range(n_gen)]
     wait_steps(run_dir, steps, 600, [learner, *gens])
     assert learner.wait(120) == 0, learner.tail()
+    assert "dataset exhausted: trainer.epochs=1 over 133 prompts gave 128 trained groups" in learner.tail(200)
     for g in gens:  # generators leave by themselves once the run is complete
         assert g.wait(60) == 0, g.tail()
+    assert (run_dir / "final" / "config.json").exists() and (run_dir / "checkpoints" / f"v{steps}").is_dir()
     records = read_jsonl(run_dir / "metrics.jsonl")
     lags = [r["staleness/max_lag"] for r in records]
     waits = [round(r["time/wait_s"], 2) for r in records]
@@ -75,11 +79,11 @@ def test_staleness_bound_and_versions_as_separate_services(procs, tmp_path, mode
     acks = _acks(run_dir)
     assert len(acks) == n_gen
     for versions in acks.values():
-        assert versions[-1] == steps and versions == sorted(versions)
+        assert versions[0] == 0 and versions[-1] == steps and versions == sorted(versions)
     mixed = sum(r["inflight/mixed_samples"] for r in records)
     if k == 0:
         assert lags == [0] * steps  # synchronous: every sample comes from the newest weights
-        assert all(versions == list(range(1, steps + 1)) for versions in acks.values())
+        assert all(versions == list(range(0, steps + 1)) for versions in acks.values())
         assert mixed == 0  # drain: no sample mixes versions
     else:
         # whether a request spans an update here depends on timing; tests/integration/test_engine.py
@@ -107,3 +111,62 @@ def test_generator_drains_on_sigterm(procs, tmp_path, model_cache, free_port):
     events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
     assert "leave" in events
     assert learner.proc.poll() is None  # the learner keeps running, waiting for generators
+
+
+def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(procs, tmp_path, model_cache):
+    """Ctrl-C reaches `pipeline run` (the terminal signals its foreground process, not the services' sessions):
+    the launcher stops every child by PID, and nothing of the run is left running or in /dev/shm."""
+    from pathlib import Path
+
+    from tests.integration.helpers import descendants
+
+    run_dir = tmp_path / "ctrl-c"
+    shm_before = set(Path("/dev/shm").iterdir())
+    run = procs(["run", "--run-dir", str(run_dir), "--set", "trainer.total_steps=500"], tmp_path / "ctrl-c.log")
+    wait_steps(run_dir, 2, 600, [run])
+    services = descendants(run.pid)
+    learner = json_pid(run_dir)
+    assert learner in [p for p, _ in services] and len(services) >= 3  # learner, generator, its engine core
+    run.signal(signal.SIGINT)
+    assert run.wait(120) == 130, run.tail()
+    alive = [(p, cmd) for p, cmd in services if _running(p)]
+    assert not alive, alive
+    left = sorted(str(p) for p in set(Path("/dev/shm").iterdir()) - shm_before
+                  if p.name.startswith(("pipeline-", "psm_", "sem.")) and p.exists())
+    assert not left, left
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited process its new parent has not reaped yet)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def json_pid(run_dir) -> int:
+    import json
+
+    return json.loads((run_dir / "hub.json").read_text())["pid"]
+
+
+def test_a_learner_stopped_by_sigterm_removes_its_shared_memory_files(procs, tmp_path, model_cache, free_port):
+    """Alone, without `pipeline run` to sweep after it: SIGTERM ends the learner like Ctrl-C, its files go."""
+    import json
+    from pathlib import Path
+
+    from tests.conftest import wait_for
+    from tests.integration.helpers import start_learner
+
+    run_dir = tmp_path / "term"
+    learner = start_learner(procs, run_dir, free_port, ["weights.transport=shm"])
+    shm = wait_for(lambda: (run_dir / "hub.json").exists() and Path(
+        f"/dev/shm/pipeline-{json.loads((run_dir / 'hub.json').read_text())['run_id']}"), 300, "the hub", [learner])
+    wait_for(lambda: list(shm.glob("weights-v0.safetensors")), 120, "version 0 in /dev/shm", [learner])
+    assert oct(next(shm.glob("weights-v0.safetensors")).stat().st_mode & 0o777) == "0o600"
+    learner.signal(signal.SIGTERM)
+    assert learner.wait(60) == 130, learner.tail()
+    assert not shm.exists()
+    assert "learner stopped by a signal" in learner.tail()

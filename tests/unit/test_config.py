@@ -34,7 +34,17 @@ def test_file_then_overrides(tmp_path):
     ({}, ["generator.enforce_eager=3"], "generator.enforce_eager: expected true or false"),
     ({"rewards": [{"fn": "nocolon"}]}, [], "rewards[0].fn: expected 'module:function'"),
     ({"rewards": [{"fnn": "a:b"}]}, [], "rewards[0].fnn: unknown field"),
-    ({}, ["trainer.group_size=1"], "trainer.group_size: GRPO needs at least 2"),
+    ({}, ["trainer.group_size=1"], "trainer.group_size: must be >= 2"),
+    ({}, ["sampling.temperature=0"], "sampling.temperature: must be > 0, got 0.0"),
+    ({}, ["trainer.lr=inf"], "trainer.lr: must be a finite number, got inf"),
+    ({}, ["trainer.lr=.nan"], "trainer.lr: must be a finite number, got nan"),
+    ({}, ["rewards=[{fn: 'a:b', weight: .inf}]"], "rewards[0].weight: must be a finite number"),
+    ({}, ["sampling.top_p=0"], "sampling.top_p: must be in (0, 1]"),
+    ({}, ["trainer.clip_eps=1.5"], "trainer.clip_eps: must be in (0, 1]"),
+    ({}, ["hub.port=70000"], "hub.port: must be in [0, 65535]"),
+    ({}, ["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints: must be >= 1"),
+    ({}, ["sampling.max_tokens=256"], "sampling.max_tokens: 256 leaves no room for a prompt"),
+    ({}, ["hub.heartbeat_timeout_s=0.5"], "hub.heartbeat_timeout_s: must exceed hub.heartbeat_s"),
     ({}, ["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization: must be in (0, 1]"),
     ({"trainer": 5}, [], "trainer: expected a mapping"),
     ({}, ["trainer"], "expected KEY=VALUE"),
@@ -63,9 +73,12 @@ def test_runtime_changes():
         apply_runtime_change(cfg, "trainer.batch_size", 8)
     with pytest.raises(ConfigError, match="unknown field"):
         apply_runtime_change(cfg, "trainer.nope", 1)
-    with pytest.raises(ConfigError, match="out of range"):
-        apply_runtime_change(cfg, "trainer.lr", -1.0)
-    assert cfg.trainer.lr > 0
+    for key, value, message in [("trainer.lr", -1.0, "must be > 0"), ("trainer.lr", float("inf"), "finite"),
+                                ("trainer.lr", "inf", "finite"), ("sampling.temperature", 0, "must be > 0"),
+                                ("trainer.max_staleness", -1, "must be >= 0"), ("generator.lease_size", 0, "> 0")]:
+        with pytest.raises(ConfigError, match=message):
+            apply_runtime_change(cfg, key, value)
+    assert cfg.trainer.lr == 2e-3 and cfg.sampling.temperature == 1.0 and cfg.generator.lease_size == 4
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "gpu-qwen-math.yaml", "gpu-single.yaml"])

@@ -16,16 +16,24 @@ from learner.hub import GeneratorInfo, Hub, HubStopped
 from pipeline import protocol as P
 from pipeline.config import config_from_dict
 from pipeline.tasks import echo_rows
-from pipeline.transports import checksum, serialize
+from pipeline.transports import checksum, remove_receiver_dir, serialize
+from tests.unit.peers import VOCAB, encode
 
 
 class FakeEngine:
     """Answers every prompt with the prompt's first token repeated; 'loads' weights by recording them."""
 
-    def __init__(self):
-        self.version = 0
+    def __init__(self, version: int = 0, run_id: str = ""):
+        self.version, self.run_id = version, run_id
         self.loaded: list[tuple[int, int]] = []
         self.last_swap_ms: dict[str, float] = {}
+        self.is_dead = False
+
+    def dead(self) -> bool:
+        return self.is_dead
+
+    def death(self) -> str:
+        return "; engine core exit codes [-9]"
 
     async def generate(self, prompt_ids, n, sampling, seed=None):
         await asyncio.sleep(0.01)
@@ -55,19 +63,34 @@ async def _until(pred, timeout=10.0):
         await asyncio.sleep(0.02)
 
 
+def _blob(version: int) -> bytes:
+    return serialize([("w", torch.full((4,), float(version)))])
+
+
+def publish(hub, version: int) -> bytes:
+    blob = _blob(version)
+    hub.publish(version, P.WeightsReady(version, len(blob), checksum(blob)), blob)
+    return blob
+
+
 @contextlib.asynccontextmanager
-async def running(cfg, run_dir, engine, rows=None):
-    """A hub in its thread and a generator on this loop; the generator leaves and the hub stops afterwards."""
-    hub = Hub(cfg, rows or echo_rows(32, 0), run_dir, "unit")
+async def running(cfg, run_dir, engine, rows=None, version: int = 0, announce: bool = True):
+    """A hub in its thread (its weights `version` published, as the learner does at its start) and a generator
+    on this loop; the generator leaves and the hub stops afterwards."""
+    hub = Hub(cfg, rows or echo_rows(32, 0), run_dir, "unit", version, encode=encode, vocab_size=VOCAB)
     hub.start()
+    if announce:
+        publish(hub, version)
     gen = Generator(cfg, engine, FakeTokenizer(), hub.address)
     task = asyncio.create_task(gen.run(handle_signals=False))
+    gen.task = task
     try:
         yield hub, gen
     finally:
         gen.stopping = 2
         await asyncio.wait_for(task, 10)
         hub.stop()
+        remove_receiver_dir()  # what main() does when a generator process ends
 
 
 async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
@@ -85,11 +108,11 @@ async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
         blob = serialize([("w", torch.arange(750_000, dtype=torch.float32))])
         hub.publish(1, P.WeightsReady(1, len(blob), checksum(blob)), blob)
         await _until(lambda: engine.version == 1 and hub.generators[gen.id].version == 1)
-        assert engine.loaded == [(1, checksum(blob))]
+        assert engine.loaded == [(0, checksum(_blob(0))), (1, checksum(blob))]  # the run's v0 first
         await _until(lambda: any(behaviour == 1 for behaviour in
                                  [min(s.first_version for s in g.samples) for g, _ in hub.buffer]))
         applied = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if "weights_applied" in line]
-        assert len(applied) == 1
+        assert len(applied) == 2
     assert gen.id not in hub.generators  # it said goodbye
 
 
@@ -109,7 +132,7 @@ async def test_a_drain_is_reported_at_once_and_takes_no_more_broadcasts(tmp_path
     """The first SIGTERM: the hub hears of the drain before the generator leaves, long before the next periodic
     heartbeat, so the learner stops broadcasting to it; a broadcast announced meanwhile is not received."""
     cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 50},
-                            "hub": {"heartbeat_s": 30}})
+                            "hub": {"heartbeat_s": 30, "heartbeat_timeout_s": 60}})
     engine = FakeEngine()
     engine.collective_loads = []
     fast = engine.generate
@@ -157,7 +180,7 @@ async def test_failed_groups_are_leased_again_or_rejected_never_lost(tmp_path):
                             "hub": {"heartbeat_s": 0.2}})
     rows = echo_rows(32, 0)
     for pid in (3, 7):
-        rows[pid] = {**rows[pid], "prompt": "="}  # no digit: the fake tokenizer gives no ids
+        rows[pid] = {**rows[pid], "prompt": ""}  # no ids: the hub rejects it without leasing it
     engine = FlakyEngine(bad_first=4 + int(rows[0]["prompt"][0]))  # the fake tokenizer: digit d -> id 4 + d
     trained = set()
     async with running(cfg, tmp_path, engine, rows) as (hub, gen):
@@ -176,11 +199,80 @@ async def test_failed_groups_are_leased_again_or_rejected_never_lost(tmp_path):
 
 def test_too_many_rejected_prompts_stop_the_run_with_the_reason(tmp_path):
     cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2}, "hub": {"max_rejected_prompts": 2}})
-    hub = Hub(cfg, echo_rows(8, 0), tmp_path, "unit")
-    with hub.lock:
+    hub = Hub(cfg, echo_rows(8, 0), tmp_path, "unit", encode=encode, vocab_size=VOCAB)
+    with hub.lock:  # a lone generator: its rejections are the run's (no other engine could try)
         hub.generators["g"] = GeneratorInfo("g", "h", "", 1, 0, "zmq", time.monotonic())
         lease = hub._on_lease_request(P.LeaseRequest("g", 4))
         for item in lease.groups[:2]:
-            hub._handle(P.GroupFailed("g", lease.lease_id, item.epoch, item.prompt_id, "prompt too long", retry=False))
+            hub._handle(P.GroupFailed("g", lease.lease_id, item.epoch, item.prompt_id, "prompt too long", "prompt"))
     with pytest.raises(HubStopped, match="2 prompts were rejected.*prompt too long"):
         hub.take_batch(0)
+
+
+async def test_a_generator_holding_another_runs_weights_loads_this_runs_before_generating(tmp_path):
+    """Reconnecting to a restarted learner (or a new run on the same port) before its first announcement: the
+    engine holds version 3 of another run, and the learner is at version 3 too. Nothing may be generated on,
+    or labelled with, the foreign weights: the generator waits for this run's version 3 and loads it."""
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 10},
+                            "weights": {"transport": "zmq"}, "hub": {"heartbeat_s": 0.2}})
+    engine = FakeEngine(version=3, run_id="an-older-run")
+    async with running(cfg, tmp_path, engine, version=3, announce=False) as (hub, gen):
+        await _until(lambda: gen.id in hub.generators and hub.leases)  # registered, leases taken
+        await asyncio.sleep(1.0)
+        assert not hub.buffer and engine.loaded == []  # nothing generated on the foreign weights
+        publish(hub, 3)  # the learner's first publish
+        await _until(lambda: len(hub.buffer) >= 2)
+        assert engine.loaded[0] == (3, checksum(_blob(3))) and engine.run_id == "unit"
+        assert hub.counters["rejected_rollouts"] == 0
+
+
+async def test_a_dead_engine_makes_its_generator_leave_at_once_with_the_engines_error(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 50},
+                            "hub": {"heartbeat_s": 30, "heartbeat_timeout_s": 60}})
+    engine = FakeEngine()
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: hub.leases)
+        engine.is_dead = True  # as when vLLM's engine core process is killed
+        code = await asyncio.wait_for(gen.task, 10)  # within seconds, not heartbeat_timeout_s
+        assert code == 1 and gen.id not in hub.generators and not hub.leases
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    leave = next(e for e in events if e["event"] == "leave")
+    assert "vLLM engine died" in leave["reason"] and "exit codes [-9]" in leave["reason"]
+
+
+def failing_reward(prompts, completions, **_):
+    return [1.0 / 0 for _ in completions]
+
+
+async def test_a_reward_function_that_raises_is_an_error_of_the_run_with_its_traceback(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 50},
+                            "rewards": [{"fn": f"{__name__}:failing_reward"}],
+                            "hub": {"heartbeat_s": 0.2, "max_reward_errors": 3}})
+    async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
+        with pytest.raises(HubStopped, match=r"reward functions raised \d+ times(.|\n)*ZeroDivisionError"):
+            await asyncio.wait_for(asyncio.to_thread(hub.take_batch, 0), 10)
+        assert await asyncio.wait_for(gen.task, 10) == 1  # told the run failed: it leaves
+        assert hub.counters["rejected_prompts"] == 0 and f"{__name__}:failing_reward" in hub.failure
+
+
+class DyingOnLoad(FakeEngine):
+    """Its engine core dies while a new version is being loaded."""
+
+    async def load(self, source, crc32, version):
+        if version >= 1:
+            self.is_dead = True
+            raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        return await super().load(source, crc32, version)
+
+
+async def test_an_engine_that_dies_while_loading_weights_ends_the_generator_not_a_reconnect_loop(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 50},
+                            "weights": {"transport": "zmq"}, "hub": {"heartbeat_s": 0.2}})
+    engine = DyingOnLoad()
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: len(hub.buffer) >= 2)
+        publish(hub, 1)
+        assert await asyncio.wait_for(gen.task, 10) == 1  # not "register again" forever with a dead engine
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("register") == 1
+    assert "vLLM engine died" in next(e for e in events if e["event"] == "leave")["reason"]

@@ -7,55 +7,11 @@ import time
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
-from learner.hub import Hub, HubStopped
+from learner.hub import HubStopped
 from pipeline import protocol as P
-from pipeline.config import config_from_dict
 from pipeline.status import render
-from pipeline.tasks import echo_rows
-
-
-class Peer:
-    """A generator-shaped test client: a DEALER on control and a PUSH on rollouts."""
-
-    def __init__(self, hub: Hub, gen_id: str = "gen-t"):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(hub.address)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 1000)
-        self.push.connect(f"tcp://127.0.0.1:{hub.rollouts_port}")
-        self.id = gen_id
-        self.rid = 0
-
-    def raw(self, data: bytes, timeout: float = 5.0) -> P.Message:
-        self.sock.send(data)
-        assert self.sock.poll(int(timeout * 1000)), "the hub did not answer"
-        return P.decode(self.sock.recv(), limit=2**30)[0]
-
-    def ask(self, msg: P.Message) -> P.Message:
-        self.rid += 1
-        return self.raw(P.encode(msg, self.rid))
-
-    def register(self) -> P.Welcome:
-        return self.ask(P.Register(self.id))
-
-    def lease(self, n: int) -> P.Message:
-        return self.ask(P.LeaseRequest(self.id, n))
-
-    def send_groups(self, lease: P.Lease, version: int = 0, group_size: int = 2) -> None:
-        for item in lease.groups:
-            samples = [P.Sample(P.pack_ints([4, 5]), P.pack_floats([-1.0, -1.0]), float(i), [float(i)], "stop",
-                                version, version) for i in range(group_size)]
-            self.push.send(P.encode(P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch,
-                                                   P.pack_ints([3]), samples)))
-
-    def close(self):
-        self.sock.close(0)
-        self.push.close(0)
-        self.ctx.term()
+from tests.unit.peers import Peer, new_hub
 
 
 @pytest.fixture
@@ -63,10 +19,7 @@ def make_hub(tmp_path):
     hubs = []
 
     def make(**trainer):
-        cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10, **trainer},
-                                "generator": {"lease_size": 8}, "hub": {"max_message_mb": 1}})
-        hub = Hub(cfg, echo_rows(16, 0), tmp_path, "test")
-        hub.start()
+        hub = new_hub(tmp_path, trainer=trainer)
         hubs.append(hub)
         return hub
 
@@ -152,7 +105,7 @@ def test_bad_input_gets_clear_errors_and_the_hub_keeps_serving(make_hub):
         (np.random.default_rng(0).bytes(64), "not a valid MessagePack"),
         (P.encode(P.Register("x"))[:-4], "not a valid MessagePack"),
         (msgpack.packb({"v": 7, "k": "register", "generator_id": "x"}), "schema version 7"),
-        (P.encode(P.Register("x" * (2 * 2**20))), "exceeds the limit"),
+        (P.encode(P.Register("x", host="h" * (3 * 2**19))), "exceeds the limit"),
         (P.encode(P.Lease(1, 0, [])), "unexpected message Lease"),
         (P.encode(P.Heartbeat("never-registered")), "unknown generator id"),
     ]
@@ -163,11 +116,12 @@ def test_bad_input_gets_clear_errors_and_the_hub_keeps_serving(make_hub):
     peer.register()
     peer.push.send(b"\x00garbage")
     peer.push.send(P.encode(P.Heartbeat("gen-t")))
-    peer.send_groups(P.Lease(999, 0, [P.PromptItem(0, 0, "p")]))
+    peer.send_groups(P.Lease(999, 0, [P.PromptItem(0, 0, "p")], {"temperature": 1.0}))
     deadline = time.monotonic() + 5
     while hub.counters["unknown_lease"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert hub.counters["unknown_lease"] == 1 and hub.counters["bad_messages"] == 6
+    assert hub.counters["unknown_lease"] == 1 and hub.counters["bad_messages"] == 5
+    assert hub.counters["rejected/malformed"] == 2
     assert isinstance(peer.lease(1), P.Lease)  # still serving
     assert not hub.buffer
     peer.close()
@@ -193,7 +147,7 @@ def test_hub_answers_while_a_training_step_runs(make_hub):
     step_running.wait()
     answered = 0
     while not step_done.is_set() and answered < 20:
-        assert isinstance(peer.ask(P.Heartbeat("gen-t", 0)), P.Ack)
+        assert isinstance(peer.ask(P.Heartbeat("gen-t", 0)), P.Ack)  # (it holds no lease: none is expired)
         assert isinstance(peer.lease(1), (P.Lease, P.Wait))
         answered += 1
     assert answered == 20 and not step_done.is_set(), "the hub must answer during the step, not after it"
@@ -215,16 +169,16 @@ def test_silent_generator_is_dropped_and_its_leases_requeued(make_hub):
     assert list(hub.pending)[:2] == [(g.epoch, g.prompt_id) for g in lease.groups]
     reply = peer.lease(1)  # a late request from the dropped generator: told to register again
     assert isinstance(reply, P.Error) and reply.fatal
-    peer.send_groups(lease)  # its late rollouts are recognised and dropped
+    peer.send_groups(lease)  # its late rollouts are recognised and dropped: it is no longer registered
     time.sleep(0.3)
-    assert hub.counters["unknown_lease"] == 2 and not hub.buffer
+    assert hub.counters["rejected/generator"] == 2 and not hub.buffer
     peer.close()
 
 
 def test_run_time_changes(make_hub, tmp_path):
     hub = make_hub(max_staleness=0)
     peer = Peer(hub)
-    ok = peer.ask(P.SetRequest("trainer.max_staleness", 2))
+    ok = peer.ask(P.SetRequest("trainer.max_staleness", 2))  # no auth.keys: anyone on loopback may
     assert isinstance(ok, P.Ack) and hub.cfg.trainer.max_staleness == 2
     assert "trainer.max_staleness" in (tmp_path / "changes.jsonl").read_text()
     refused = peer.ask(P.SetRequest("trainer.batch_size", 4))
@@ -243,7 +197,7 @@ def test_heartbeat_names_dead_leases_and_reregistration_voids_old_ones(make_hub)
     lease = peer.lease(2)
     ack = peer.ask(P.Heartbeat("gen-t", 0, lease_ids=[lease.lease_id, 12345]))
     assert ack.info["dead_leases"] == [12345]  # the generator drops work for leases the hub no longer has
-    peer.register()  # the same id again (a reconnect): its old leases are void and their prompts re-queued
+    peer.register()  # the same id again, with its session (a reconnect): old leases void, prompts re-queued
     assert lease.lease_id not in hub.leases and hub.counters["requeued"] == 2
     ack = peer.ask(P.Heartbeat("gen-t", 0, lease_ids=[lease.lease_id]))
     assert ack.info["dead_leases"] == [lease.lease_id]
@@ -281,9 +235,14 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
     peer = Peer(hub)
     here = hub._boot_id
 
+    sessions = {}
+
     def register(gen_id, gpus, boot=here, loaded=-1):
         peer.id = gen_id
-        return peer.ask(P.Register(gen_id, "h", boot, gpus, 1, loaded, tensor_parallel=2))
+        w = peer.ask(P.Register(gen_id, "h", boot, gpus, 1, loaded, tensor_parallel=2,
+                                session=sessions.get(gen_id, ""), loaded_run="test"))
+        sessions[gen_id] = w.session
+        return w
 
     assert hub.wants_blobs()  # nobody registered yet: the next one may need a file
     w = register("a", "1", loaded=0)

@@ -39,9 +39,10 @@ def test_older_peer_without_appended_fields_still_decodes():
     (msgpack.packb([1, 2]), "expected a message map"),
     (msgpack.packb({"v": 1, "k": "nope"}), "unknown message kind 'nope'"),
     (msgpack.packb({"v": 99, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 99"),
-    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
-    (msgpack.packb({"v": 1, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
-    (msgpack.packb({"v": 1, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),
+    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 2"),
+    (msgpack.packb({"v": 2, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
+    (msgpack.packb({"v": 2, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
+    (msgpack.packb({"v": 2, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),
      "Lease.groups[0].prompt_id: expected int, got str"),
 ])
 def test_bad_messages_name_the_problem(data, message):
@@ -63,3 +64,38 @@ def test_rollout_array_checks():
     g.samples[1].logprobs = P.pack_floats([0.0])
     with pytest.raises(P.ProtocolError, match=r"samples\[1\]: token_ids \(12 bytes\) and logprobs \(4 bytes\)"):
         P.check_rollout(g, 2)
+
+
+@pytest.mark.parametrize("body, message", [
+    # a few MB of empty maps would cost the decoder hundreds of MB: arrays and maps are bounded in length...
+    ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [{}] * 500_000}, "exceeds max_array_len"),
+    # ...in number across the message...
+    ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [[{}] * 4000] * 6}, "too many arrays"),
+    # ...and in depth
+    ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [[[[[[[[[1]]]]]]]]]}, "deeper than 8"),
+    ({"v": P.SCHEMA_VERSION, "k": "register", "generator_id": "g" * 129}, "Register.generator_id: 129 characters"),
+    ({"v": P.SCHEMA_VERSION, "k": "register", "generator_id": "g", "host": "h" * 300}, "Register.host: 300 characters"),
+])
+def test_decoding_cost_and_string_fields_are_bounded(body, message):
+    data = msgpack.packb(body)
+    assert len(data) < P.FROM_PEER.bytes
+    with pytest.raises(P.ProtocolError, match=message):
+        P.decode(data)
+
+
+def test_a_map_bomb_is_refused_quickly_and_cheaply():
+    """4 MB of nested empty maps: refused after at most FROM_PEER.containers maps are built."""
+    import time
+    import tracemalloc
+
+    data = msgpack.packb({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g",
+                          "x": [[{}] * 4000 for _ in range(1000)]})
+    tracemalloc.start()
+    t = time.perf_counter()
+    with pytest.raises(P.ProtocolError, match="too many arrays and maps"):
+        P.decode(data, limit=len(data))
+    elapsed = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print(f"{len(data) / 1e6:.1f} MB bomb refused in {elapsed * 1000:.1f} ms, peak {peak / 1e6:.1f} MB")
+    assert peak < 20e6  # unbounded, these 4M maps take several hundred MB

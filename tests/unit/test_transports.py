@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,27 @@ def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts()
     again = add("a", FakeGroup())  # "a" registered again: its old group failing late leaves the new one alone
     peers._fail(a, "did not join its process group")
     assert peers.ready() == [b, again] and not again.group.aborted.is_set()
+
+
+def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from pipeline import transports
+
+    monkeypatch.setattr(transports, "SHM_ROOT", tmp_path)
+    monkeypatch.setattr(transports.tempfile, "gettempdir", lambda: str(tmp_path))
+    path = Path(transports.write_shm("run-x", 3, b"weights"))
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = transports.private_dir(tmp_path / "pipeline-recv-stale")
+    (stale / "owner").write_text(dead.stdout.strip())  # a generator killed with SIGKILL left it
+    (stale / "weights-v1.safetensors").write_bytes(b"x")
+    foreign = tmp_path / "pipeline-not-ours"  # no owner file: not made by this code, left alone
+    foreign.mkdir()
+    assert transports.remove_stale() == [stale]
+    assert not stale.exists() and foreign.exists() and path.exists()  # the live process's folder stays
+    assert int((path.parent / "owner").read_text()) == os.getpid()
+    transports.remove_shm("run-x")
+    assert not path.parent.exists()

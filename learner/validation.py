@@ -1,0 +1,91 @@
+"""What a rollout says, checked against the run before it enters the buffer.
+
+The codec (pipeline/protocol.py) guarantees types and sizes; this module checks meaning. A group is
+trained only if its prompt is the one leased (same token ids), every token id lies in the model's
+vocabulary, it has the run's number of samples, completions fit `sampling.max_tokens` and prompt +
+completion fit `generator.max_model_len`, behaviour log-probs are finite and <= 0, rewards are finite
+(a reward function's None travels as NaN in `rewards` and is left out of the total), versions lie
+between the lease's minimum and the learner's current version, and the temperature is the lease's.
+Whose lease it is (the sender's own) is the hub's check. A failed check raises `Rejected` with a short
+reason (the counter's name: `rejected/<reason>`) and a detail naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline import protocol as P
+
+
+@dataclass(frozen=True)
+class RunShape:
+    vocab_size: int  # rows of the model's embedding: token ids must lie in [0, vocab_size)
+    group_size: int
+    max_tokens: int
+    max_model_len: int
+    rewards: int  # reward functions: each sample carries one unweighted value per function
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the lease said about one prompt."""
+
+    prompt_ids: bytes
+    temperature: float
+    min_version: int
+
+
+class Rejected(ValueError):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def check_rollout(group: P.RolloutGroup, expected: Expected, version: int, shape: RunShape) -> None:
+    where = f"RolloutGroup(prompt_id={group.prompt_id})"
+    try:
+        P.check_rollout(group, shape.group_size)
+    except P.ProtocolError as e:
+        raise Rejected("samples" if "group size" in str(e) else "structure", str(e)) from None
+    if group.prompt_ids != expected.prompt_ids:
+        raise Rejected("prompt", f"{where}.prompt_ids: not the token ids of the leased prompt")
+    if group.temperature != expected.temperature:
+        raise Rejected("temperature", f"{where}.temperature: {group.temperature!r}, the lease said "
+                                      f"{expected.temperature!r}")
+    prompt_len = len(group.prompt_ids) // 4
+    for i, s in enumerate(group.samples):
+        _check_sample(s, f"{where}.samples[{i}]", prompt_len, expected.min_version, version, shape)
+
+
+def _check_sample(s: P.Sample, where: str, prompt_len: int, min_version: int, version: int, shape: RunShape) -> None:
+    tokens = P.unpack_ints(s.token_ids)
+    if len(tokens) > shape.max_tokens:
+        raise Rejected("length", f"{where}: {len(tokens)} completion tokens, sampling.max_tokens is {shape.max_tokens}")
+    if prompt_len + len(tokens) > shape.max_model_len:
+        raise Rejected("length", f"{where}: prompt + completion of {prompt_len + len(tokens)} tokens, "
+                                 f"generator.max_model_len is {shape.max_model_len}")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
+        bad = int(tokens[(tokens < 0) | (tokens >= shape.vocab_size)][0])
+        raise Rejected("token_id", f"{where}.token_ids: {bad} lies outside the vocabulary [0, {shape.vocab_size})")
+    logprobs = P.unpack_floats(s.logprobs)
+    if not np.isfinite(logprobs).all() or (logprobs > 0).any():
+        bad = float(logprobs[~np.isfinite(logprobs) | (logprobs > 0)][0])
+        raise Rejected("logprob", f"{where}.logprobs: {bad!r}; behaviour log-probs must be finite and <= 0")
+    if not np.isfinite(s.reward):
+        raise Rejected("reward", f"{where}.reward: {s.reward!r} is not finite")
+    if len(s.rewards) != shape.rewards or np.isinf(s.rewards).any():
+        raise Rejected("reward", f"{where}.rewards: {s.rewards!r}; expected {shape.rewards} values, each finite "
+                                 "or NaN (None)")
+    if not (min_version <= s.first_version <= s.last_version <= version):
+        raise Rejected("version", f"{where}: versions {s.first_version}..{s.last_version} outside "
+                                  f"[{min_version}, {version}] (the lease's minimum, the learner's current)")
+    if not np.isfinite(s.gen_ms):
+        raise Rejected("structure", f"{where}.gen_ms: {s.gen_ms!r} is not finite")
+
+
+def check_prompt_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """The hub's own tokenisation of a leased prompt (a tokenizer larger than the model's embedding)."""
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise Rejected("token_id", f"the tokenizer gives ids outside the model's vocabulary [0, {vocab_size})")

@@ -1,0 +1,55 @@
+"""The learner step with the real DeepSpeed engine (CPU, gloo, in process): a step whose loss or gradient is not
+finite changes nothing, neither the weights nor the optimizer's state, under ZeRO 0 and ZeRO 3."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.model import build_engine, gathered_weights, init_distributed
+from learner.step import train_step
+from pipeline import protocol as P
+from pipeline.config import config_from_dict
+from pipeline.tinymodel import PAD_ID, resolve_model_path
+
+pytestmark = pytest.mark.integration
+
+
+def _groups(n: int, reward=None) -> list[P.RolloutGroup]:
+    out = []
+    for pid in range(n):
+        samples = [P.Sample(P.pack_ints([4 + pid % 10, 4, 5]), P.pack_floats([-2.0, -2.0, -2.0]),
+                            float(i) if reward is None else reward, [float(i)], "stop", 0, 0) for i in range(2)]
+        out.append(P.RolloutGroup(1, "g", pid, 0, P.pack_ints([4, 5, 3]), samples))
+    return out
+
+
+def _state(engine, stage: int) -> dict:
+    weights = {name: t.detach().clone() for name, t in gathered_weights(engine, stage)}
+    moments = {i: {k: v.detach().clone() for k, v in s.items() if torch.is_tensor(v)}
+               for i, s in enumerate(engine.finite_guard.optimizer.state.values())}
+    return {"weights": weights, "moments": moments}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"]) and all(
+        torch.equal(a["moments"][i][k], b["moments"][i][k]) for i in a["moments"] for k in a["moments"][i])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage):
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"zero_stage": stage, "batch_size": 4, "group_size": 2}})
+    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    assert not train_step(engine, _groups(4), cfg, 0, PAD_ID)["skipped"]  # a normal step: moments exist now
+    before = _state(engine, stage)
+    stats = train_step(engine, _groups(4, reward=math.nan), cfg, 1, PAD_ID)
+    assert stats["skipped"] and not math.isfinite(stats["loss"])
+    assert _same(before, _state(engine, stage))  # weights and optimizer state exactly as before
+    stats = train_step(engine, _groups(4), cfg, 1, PAD_ID)  # and training goes on
+    assert not stats["skipped"] and math.isfinite(stats["loss"])
+    after = _state(engine, stage)
+    assert not _same(before, after)
+    assert all(torch.isfinite(t).all() for t in after["weights"].values())

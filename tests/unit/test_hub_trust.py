@@ -1,0 +1,301 @@
+"""The hub against broken and hostile peers, over real sockets: nothing invalid enters the buffer, no peer
+speaks for another, no single peer ends the run, and what ends it says why."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import zmq
+
+from learner.hub import DatasetExhausted, HubStopped
+from pipeline import protocol as P
+from pipeline.status import render
+from pipeline.tasks import echo_rows
+from tests.unit.peers import Peer, new_hub, wait_until
+
+
+@pytest.fixture
+def hubs(tmp_path):
+    made = []
+
+    def make(rows=None, **sections):
+        hub = new_hub(tmp_path, rows, **sections)
+        made.append(hub)
+        return hub
+
+    yield make
+    for h in made:
+        h.stop()
+
+
+def _sample(**fields):
+    return {"sample": fields}
+
+
+# (case, what the peer changes in an otherwise valid group, the rejection reason)
+INVALID = [
+    ("token id = vocab size", dict(tokens=(4, 16)), "token_id"),
+    ("negative token id", dict(tokens=(-1, 5)), "token_id"),
+    ("NaN reward", _sample(reward=math.nan), "reward"),
+    ("infinite reward", _sample(reward=math.inf), "reward"),
+    ("infinite per-function reward", _sample(rewards=[-math.inf]), "reward"),
+    ("NaN log-prob", dict(logprobs=(math.nan, -1.0)), "logprob"),
+    ("positive log-prob", dict(logprobs=(-1.0, 0.5)), "logprob"),
+    ("longer than sampling.max_tokens", dict(tokens=(4,) * 9, logprobs=(-1.0,) * 9), "length"),
+    ("prompt + completion past max_model_len", dict(tokens=(4,) * 8, logprobs=(-1.0,) * 8), "length"),
+    ("a future version", dict(version=1), "version"),
+    ("a negative version", dict(version=-1), "version"),
+    ("another temperature", dict(temperature=0.5), "temperature"),
+    ("temperature 0", dict(temperature=0.0), "temperature"),
+    ("too many samples", dict(group_size=3), "samples"),
+    ("another prompt", dict(prompt_ids=P.pack_ints([4, 4, 4])), "prompt"),
+    ("token ids and log-probs of two lengths", dict(logprobs=(-1.0,)), "structure"),
+]
+
+
+@pytest.mark.parametrize("case, change, reason", INVALID, ids=[c[0] for c in INVALID])
+def test_an_invalid_rollout_is_rejected_by_reason_and_its_prompt_leased_again(hubs, case, change, reason):
+    hub = hubs(generator={"max_model_len": 12})  # echo prompts are 5 tokens: 7 completion tokens fit
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(1)
+    item = lease.groups[0]
+    key = (item.epoch, item.prompt_id)
+    peer.send(peer.group(lease, item, **change))
+    wait_until(lambda: hub.counters.get(f"rejected/{reason}", 0) == 1)
+    assert not hub.buffer and hub.counters["rejected_rollouts"] == 1
+    assert hub.pending[0] == key and not hub.leases  # off the lease, first in line to be leased again
+    again = peer.lease(1)
+    assert [(g.epoch, g.prompt_id) for g in again.groups] == [key]
+    peer.send(peer.group(again, again.groups[0]))  # the same prompt, generated correctly this time
+    wait_until(lambda: len(hub.buffer) == 1)
+    assert render(hub.status()).count(f"{reason} 1") == 1  # `pipeline status` names the reason
+    peer.close()
+
+
+def test_rollouts_from_strangers_and_for_other_generators_leases_are_rejected_and_lose_nothing(hubs):
+    hub = hubs()
+    owner, other = Peer(hub, "owner"), Peer(hub, "other")
+    owner.register()
+    other.register()
+    lease = owner.lease(1)
+    item = lease.groups[0]
+    stranger = Peer(hub, "never-registered")
+    stranger.send(stranger.group(lease, item))
+    other.send(other.group(lease, item))  # a registered generator, but the lease is the owner's
+    forged = owner.group(lease, item, session="0" * 32)  # the owner's id without its session
+    other.send(forged)
+    wait_until(lambda: hub.counters["rejected_rollouts"] == 3)
+    assert {k: v for k, v in hub.counters.items() if k.startswith("rejected/")} == {
+        "rejected/generator": 1, "rejected/lease": 1, "rejected/identity": 1}
+    assert not hub.buffer and list(hub.leases) == [lease.lease_id]  # still the owner's to deliver
+    owner.send(owner.group(lease, item))
+    wait_until(lambda: len(hub.buffer) == 1)
+    assert hub.buffer[0][0].generator_id == "owner"
+    for p in (owner, other, stranger):
+        p.close()
+
+
+def test_no_peer_can_speak_for_another_generator(hubs):
+    hub = hubs()
+    victim = Peer(hub, "victim")
+    victim.register()
+    lease = victim.lease(2)
+    hub.blobs[0] = b"w" * 100
+    attacker = Peer(hub, "victim")  # another connection using the victim's id
+    forged = [P.Heartbeat("victim", 99, draining=True), P.WeightsApplied("victim", 99), P.Leave("victim"),
+              P.LeaseRequest("victim", 4), P.GroupFailed("victim", lease.lease_id, lease.groups[0].epoch,
+                                                         lease.groups[0].prompt_id, "nope", "prompt"),
+              P.WeightsFetch(0, 0, 100, "victim"), P.Register("victim"), P.Register("victim", session="f" * 32)]
+    for msg in forged:
+        reply = attacker.ask(msg)
+        assert isinstance(reply, P.Error) and "connection" in reply.message, (msg, reply)
+    gen = hub.generators["victim"]
+    assert (gen.version, gen.draining) == (-1, False) and list(hub.leases) == [lease.lease_id]
+    assert hub.counters["refused"] == len(forged) and hub.counters["rejected_prompts"] == 0
+    assert isinstance(victim.ask(P.Heartbeat("victim", 0, lease_ids=[lease.lease_id])), P.Ack)  # unharmed
+    # the victim itself, reconnecting from a new connection with its session, may take its id back
+    reconnected = Peer(hub, "victim")
+    reconnected.session = victim.session
+    assert isinstance(reconnected.register(), P.Welcome)
+    assert not hub.leases  # a re-registration voids the old leases (their prompts are pending again)
+    for p in (victim, attacker, reconnected):
+        p.close()
+
+
+def test_weights_are_served_to_registered_generators_only_and_a_few_chunks_at_a_time(hubs):
+    hub = hubs(weights={"chunk_mb": 1})
+    hub.blobs[0] = bytes(range(256)) * (40 * 4096)  # 40 MB
+    stranger = Peer(hub, "stranger")
+    reply = stranger.ask(P.WeightsFetch(0, 0, 2**20, "stranger"))
+    assert isinstance(reply, P.Error) and "unknown generator" in reply.message
+    # a registered generator that asks for everything and reads nothing: its reply queue stays bounded
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(hub.address)
+    sock.send(P.encode(P.Register("greedy"), 1))
+    assert sock.poll(5000)
+    P.decode(sock.recv(), limits=P.FROM_HUB)
+    for i in range(40):
+        sock.send(P.encode(P.WeightsFetch(0, i * 2**20, 2**31, "greedy"), 2 + i))  # asks for 2 GB each
+    replies = []
+    while sock.poll(2000) and len(replies) < 40:
+        replies.append(P.decode(sock.recv(), limits=P.FROM_HUB)[0])
+    chunks = [r for r in replies if isinstance(r, P.WeightsChunk)]
+    refused = [r for r in replies if isinstance(r, P.Error)]
+    print(f"40 requests: {len(chunks)} chunks served, {len(refused)} refused while chunks were in flight")
+    assert len(replies) == 40 and refused and "chunks of 1 MB in flight" in refused[0].message
+    assert all(len(c.data) == 2**20 for c in chunks)  # never more than weights.chunk_mb, whatever was asked
+    sock.close(0)
+    ctx.term()
+    stranger.close()
+
+
+def test_registrations_are_bounded(hubs):
+    hub = hubs(hub={"max_generators": 2})
+    peers = [Peer(hub, f"g{i}") for i in range(3)]
+    assert isinstance(peers[0].register(), P.Welcome) and isinstance(peers[1].register(), P.Welcome)
+    refused = peers[2].register()
+    assert isinstance(refused, P.Error) and refused.stop and "hub.max_generators" in refused.message
+    bad = Peer(hub, "bad id with spaces")
+    reply = bad.register(gpus="0;rm -rf")
+    assert isinstance(reply, P.Error) and reply.stop and "generator_id" in reply.message
+    assert set(hub.generators) == {"g0", "g1"}
+    for p in peers + [bad]:
+        p.close()
+
+
+def test_a_lease_not_returned_in_time_or_no_longer_reported_goes_back_to_the_queue(hubs, tmp_path):
+    hub = hubs(hub={"lease_timeout_s": 0.5, "heartbeat_timeout_s": 60})
+    peer = Peer(hub)
+    peer.register()
+    slow = peer.lease(2)
+    # it keeps heart-beating and reporting the lease, but never delivers: after lease_timeout_s it is re-queued
+    wait_until(lambda: peer.ask(P.Heartbeat(peer.id, 0, lease_ids=[slow.lease_id])).info["dead_leases"])
+    assert hub.counters["lost_leases"] == 1 and peer.id in hub.generators
+    assert list(hub.pending)[:2] == [(g.epoch, g.prompt_id) for g in slow.groups]
+    hub.cfg.hub.lease_timeout_s = 600
+    forgotten = peer.lease(2)
+    # done with it, it says, and 2 rollouts sent that the hub has not seen yet (another socket): not lost yet
+    for _ in range(3):
+        assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, pushed=2)), P.Ack) and forgotten.lease_id in hub.leases
+    assert isinstance(peer.ask(P.Heartbeat(peer.id, 0)), P.Ack) and forgotten.lease_id in hub.leases
+    peer.ask(P.Heartbeat(peer.id, 0))  # the second heartbeat in a row without it, nothing in flight: lost
+    assert forgotten.lease_id not in hub.leases and hub.counters["lost_leases"] == 2
+    peer.send_groups(slow)  # a late delivery of a re-queued lease is recognised and dropped
+    wait_until(lambda: hub.counters["unknown_lease"] == 2)
+    assert not hub.buffer
+    events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events.count("lease_expired") == 2
+    peer.close()
+
+
+def test_one_generator_cannot_reject_prompts_or_stop_the_run_while_another_can_take_them(hubs):
+    hub = hubs(hub={"max_rejected_prompts": 2}, trainer={"batch_size": 4})  # a window of 8 groups
+    liar, honest = Peer(hub, "liar"), Peer(hub, "honest")
+    liar.register()
+    honest.register()
+    refused = []
+    for _ in range(4):  # the liar refuses every prompt it is leased
+        lease = liar.lease(1)
+        item = lease.groups[0]
+        refused.append((item.epoch, item.prompt_id))
+        liar.ask(P.GroupFailed("liar", lease.lease_id, item.epoch, item.prompt_id, "too long", "prompt"))
+    assert hub.counters["rejected_prompts"] == 0 and not hub.failure
+    assert not {(g.epoch, g.prompt_id) for g in liar.lease(4).groups} & set(refused)  # not leased to it again
+    taken = honest.lease(4)
+    assert set(refused) <= {(g.epoch, g.prompt_id) for g in taken.groups}  # the other generator gets them
+    # a prompt both refuse is rejected for the epoch: the fault is confirmed
+    item = next(g for g in taken.groups if (g.epoch, g.prompt_id) == refused[0])
+    honest.ask(P.GroupFailed("honest", taken.lease_id, item.epoch, item.prompt_id, "too long", "prompt"))
+    assert hub.counters["rejected_prompts"] == 1 and not hub.failure
+    liar.close()
+    honest.close()
+
+
+def test_reward_function_errors_are_errors_of_the_run_not_of_the_prompt(hubs, tmp_path):
+    hub = hubs(hub={"max_reward_errors": 2})
+    peer = Peer(hub)
+    peer.register()
+    traceback = 'Traceback (most recent call last):\n  File "rewards.py", line 3, in f\nZeroDivisionError: boom'
+    keys = []
+    for _ in range(2):
+        lease = peer.lease(1)
+        item = lease.groups[0]
+        keys.append((item.epoch, item.prompt_id))
+        peer.ask(P.GroupFailed(peer.id, lease.lease_id, item.epoch, item.prompt_id,
+                               f"reward function my.rewards:f: {traceback}", "reward"))
+    assert hub.counters["rejected_prompts"] == 0 and set(keys) <= set(hub.pending)  # the prompts are not lost
+    with pytest.raises(HubStopped, match=r"reward functions raised 2 times(.|\n)*ZeroDivisionError: boom"):
+        hub.take_batch(0)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["prompt_id"] for e in events if e["event"] == "reward_error"] == [k[1] for k in keys]
+    reply = peer.lease(1)  # generators hear that the run failed, and why
+    assert isinstance(reply, P.Error) and reply.stop and "ZeroDivisionError" in reply.message
+    peer.close()
+
+
+def test_reward_errors_from_one_generator_of_two_do_not_stop_the_run(hubs):
+    hub = hubs(hub={"max_reward_errors": 1})
+    liar, honest = Peer(hub, "liar"), Peer(hub, "honest")
+    liar.register()
+    honest.register()
+    for _ in range(3):
+        lease = liar.lease(1)
+        item = lease.groups[0]
+        liar.ask(P.GroupFailed("liar", lease.lease_id, item.epoch, item.prompt_id, "boom", "reward"))
+    assert hub.counters["reward_errors"] == 3 and not hub.failure
+    liar.close()
+    honest.close()
+
+
+def test_a_failure_of_the_hub_thread_stops_the_learner_with_it(hubs):
+    hub = hubs()
+
+    def broken():
+        raise RuntimeError("a bug outside the message handlers")
+
+    hub._check_timeouts = broken
+    wait_until(lambda: hub.failure)  # (without the fix the thread dies silently and the learner waits forever)
+    with pytest.raises(HubStopped, match=r"the hub thread failed(.|\n)*a bug outside the message handlers"):
+        hub.take_batch(0)
+
+
+def test_an_exhausted_dataset_ends_the_run_with_a_clear_message(hubs):
+    hub = hubs(echo_rows(5, 0), trainer={"epochs": 1, "total_steps": 100})
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(8)
+    assert len(lease.groups) == 4  # (k + 1) x batch_size: the window
+    peer.send_groups(lease)
+    wait_until(lambda: len(hub.buffer) == 4)
+    for step in range(2):
+        hub.take_batch(step)
+        hub.finish_step(step + 1)
+    last = peer.lease(8)
+    peer.send_groups(last, version=2)
+    wait_until(lambda: len(hub.buffer) == 1)
+    assert isinstance(peer.lease(8), P.Wait)
+    with pytest.raises(DatasetExhausted, match="trainer.epochs=1 over 5 prompts gave 4 trained groups, 1 left"):
+        hub.take_batch(2)
+    peer.close()
+
+
+def test_prompts_no_engine_can_take_are_rejected_by_the_hub_without_leasing_them(hubs, tmp_path):
+    rows = echo_rows(6, 0)
+    rows[1] = {**rows[1], "prompt": ""}  # empty after tokenising
+    rows[2] = {**rows[2], "prompt": " ".join(["1"] * 12)}  # 12 tokens: no room within max_model_len=12
+    hub = hubs(rows, generator={"max_model_len": 12}, trainer={"epochs": 1})
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(8)
+    assert {g.prompt_id for g in lease.groups} == {0, 3, 4, 5}
+    events = map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
+    reasons = {e["prompt_id"]: e["reason"] for e in events if e["event"] == "prompt_rejected"}
+    assert reasons[1] == "empty after tokenising" and "12 tokens leave no room" in reasons[2]
+    assert hub.counters["rejected_prompts"] == 2
+    peer.close()
