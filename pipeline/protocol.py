@@ -30,11 +30,11 @@ class Limits:
 
     bytes: int = 2**20
     items: int = 4096  # elements of one array or map
-    containers: int = 20_000  # arrays and maps in the whole message
+    containers: int = 256  # arrays and maps in the whole message (each costs about 1 us to build)
     depth: int = 8  # nesting of arrays and maps
 
 
-FROM_PEER = Limits()  # the hub decoding a generator's or operator's control message (its rollouts: larger bytes)
+FROM_PEER = Limits()  # the hub decoding a generator's or operator's control message (rollouts: learner/hub.py)
 FROM_HUB = Limits(bytes=2**31 - 1, items=2**20, containers=2**22, depth=32)  # manifests, dataset columns
 MAX_CONTROL_BYTES = FROM_PEER.bytes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import zmq
@@ -299,3 +300,20 @@ def test_prompts_no_engine_can_take_are_rejected_by_the_hub_without_leasing_them
     assert reasons[1] == "empty after tokenising" and "12 tokens leave no room" in reasons[2]
     assert hub.counters["rejected_prompts"] == 2
     peer.close()
+
+
+def test_a_flood_of_bad_messages_is_dropped_undecoded_and_others_are_served(hubs):
+    hub = hubs()
+    flood, honest = Peer(hub, "flood"), Peer(hub, "honest")
+    honest.register()
+    for _ in range(500):
+        flood.sock.send(b"\x00" * 64)
+    wait_until(lambda: hub.counters["bad_messages"] + hub.counters["muted"] == 500)
+    assert hub.counters["bad_messages"] <= 21 + 1 and hub.counters["muted"] >= 400  # decoded: about 20 a second
+    assert isinstance(honest.ask(P.Heartbeat("honest", 0)), P.Ack)  # another connection is served as usual
+    time.sleep(1.1)
+    while flood.sock.poll(100):  # the error replies to the first few
+        flood.sock.recv()
+    assert isinstance(flood.register(), P.Welcome)  # a second later it is heard again
+    flood.close()
+    honest.close()

@@ -70,7 +70,7 @@ def test_rollout_array_checks():
     # a few MB of empty maps would cost the decoder hundreds of MB: arrays and maps are bounded in length...
     ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [{}] * 500_000}, "exceeds max_array_len"),
     # ...in number across the message...
-    ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [[{}] * 4000] * 6}, "too many arrays"),
+    ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [[{}] * 100] * 3}, "too many arrays"),
     # ...and in depth
     ({"v": P.SCHEMA_VERSION, "k": "heartbeat", "generator_id": "g", "x": [[[[[[[[[1]]]]]]]]]}, "deeper than 8"),
     ({"v": P.SCHEMA_VERSION, "k": "register", "generator_id": "g" * 129}, "Register.generator_id: 129 characters"),
@@ -98,4 +98,4 @@ def test_a_map_bomb_is_refused_quickly_and_cheaply():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     print(f"{len(data) / 1e6:.1f} MB bomb refused in {elapsed * 1000:.1f} ms, peak {peak / 1e6:.1f} MB")
-    assert peak < 20e6  # unbounded, these 4M maps take several hundred MB
+    assert peak < 1e6  # unbounded, these 4M maps take several hundred MB
