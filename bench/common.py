@@ -132,14 +132,15 @@ def standalone_hub(cfg, run_dir: Path, run_id: str, model: str):
 
     from learner.hub import Hub
     from pipeline.tasks import encode_prompt, load_rows
-    from pipeline.transports import checksum, serialize, write_shm
+    from weights.files import write_shm
+    from weights.plan import checksum, serialize
 
     tok = AutoTokenizer.from_pretrained(model)
     hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, encode=lambda text: encode_prompt(tok, cfg.data, text),
               vocab_size=AutoConfig.from_pretrained(model).vocab_size)
     tensors = {k: v for f in sorted(Path(model).glob("*.safetensors")) for k, v in load_file(f).items()}
     blob = serialize(tensors.items())
-    hub.announce(P.WeightsReady(0, len(blob), checksum(blob), write_shm(run_id, 0, blob)), blob)
+    hub.announce(P.WeightsReady(0, file=P.FileVersion(len(blob), checksum(blob), write_shm(run_id, 0, blob))), blob)
     return hub
 
 
@@ -253,7 +254,7 @@ class Services:
 
     def status(self) -> dict:
         reply = request_once(self.address, P.StatusRequest())
-        return reply.info if isinstance(reply, P.Ack) else {}
+        return P.as_dict(reply) if isinstance(reply, P.StatusReply) else {}
 
     def set(self, key: str, value) -> None:
         reply = request_once(self.address, P.SetRequest(key, value))

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
 import time
 from types import SimpleNamespace
+
+from pipeline import protocol as P
 
 
 class _Sink:
@@ -33,12 +36,12 @@ class _Sink:
         self.messages += 1
 
 
-async def _bare(engine, prompt_ids: list[list[int]], n: int, sampling: dict, tag: str) -> int:
+async def _bare(engine, prompt_ids: list[list[int]], n: int, sampling: P.Sampling, tag: str) -> int:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(
-        n=n, max_tokens=sampling["max_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
+        n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
         ignore_eos=True, logprobs=0, detokenize=False, stop_token_ids=[engine.eos_id],
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -52,9 +55,7 @@ async def _bare(engine, prompt_ids: list[list[int]], n: int, sampling: dict, tag
     return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids))))
 
 
-async def _ours(gen, prompts: list[str], sampling: dict, round_: int) -> int:
-    from pipeline import protocol as P
-
+async def _ours(gen, prompts: list[str], sampling: P.Sampling, round_: int) -> int:
     items = [P.PromptItem(prompt_id=i, epoch=round_, prompt=p, columns={"answer": "1"}) for i, p in enumerate(prompts)]
     lease = P.Lease(lease_id=round_, min_version=0, groups=items, sampling=sampling)
     before = gen.tokens
@@ -85,8 +86,8 @@ async def main(args) -> dict:
     gen.push = _Sink()
     prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
     prompt_ids = [gen._encode(p) for p in prompts]
-    sampling = dict(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
-    warm = dict(sampling, max_tokens=16)
+    sampling = P.Sampling(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
+    warm = dataclasses.replace(sampling, max_tokens=16)
     await _bare(engine, prompt_ids[:32], args.n, warm, "warm")
     await _ours(gen, prompts[:32], warm, 10_000)
     rounds = []

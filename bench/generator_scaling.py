@@ -54,7 +54,7 @@ class Consumer:
         while not self._stop.is_set():
             now = time.time()
             with self.hub.lock:
-                counts = {g.generator_id: g.tokens for g in self.hub.generators.values()}
+                counts = {g.generator_id: g.tokens for g in self.hub.registry.generators.values()}
             for g, n in counts.items():
                 if n:
                     self.samples.setdefault(g, []).append((now, n))
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", type=int, default=1)
     args = p.parse_args()
     from pipeline.config import config_from_dict
-    from pipeline.transports import remove_shm
+    from weights.files import remove_shm
 
     model = str(model_from_args(args))
     run_dir = Path(args.run_dir)

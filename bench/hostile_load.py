@@ -98,7 +98,7 @@ def main() -> None:
             if peers:
                 phases[phase]["sent"] = _collect(peers)
         operator = client_keys(str(keys), "operator")
-        counters = request_once(address, P.StatusRequest(), keys=operator).info["counters"]
+        counters = request_once(address, P.StatusRequest(), keys=operator).counters
     finally:
         for child in reversed(children):
             child.stop(now=True)

@@ -2,7 +2,7 @@
 
 Two learner ranks (gloo on CPU, nccl on GPUs) hold a random-weight model of a Qwen2.5 shape under ZeRO-3;
 rank 0 walks `learner.model.gathered_weights` and copies every parameter into flat buckets as the
-publisher does (learner.collective.Packer, nothing sent). Per pass, milliseconds until the loop returns
+publisher does (weights.plan.Packer, nothing sent). Per pass, milliseconds until the loop returns
 (`returned`: the learner's time) and until the device is done (`ms`), for group bytes 0 (one parameter per
 all-gather), the default (learner.model.GATHER_BYTES), and the default plus the publisher's CPU copy of each
 bucket (learner.publisher.HostCopy, into pinned buffers; a warm-up pass allocates them). On GPUs that last
@@ -26,10 +26,10 @@ def rank_main(args) -> None:
     import deepspeed
 
     from bench.common import median
-    from learner.collective import Packer, manifest, unpack
     from learner.model import GATHER_BYTES, gathered_weights, init_distributed
     from learner.publisher import HostCopy
     from pipeline.tinymodel import qwen_shaped_config
+    from weights.plan import Packer, manifest, unpack
 
     rank, _ = init_distributed()
     cuda = torch.cuda.is_available()

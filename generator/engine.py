@@ -77,17 +77,18 @@ class Engine:
         # of the last swap: the pause (drain), the load call, in the workers; staged: the receive before it
         self.last_swap_ms: dict[str, float] = {}
 
-    async def generate(self, prompt_ids: list[int], n: int, sampling: dict,
-                       seed: int | None = None) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], n: int, sampling, seed: int | None = None,
+                       stop: list[int] = ()) -> list[Completion]:
+        """n completions of `prompt_ids`; `stop`: token ids that end a completion besides EOS (kept in it)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        ignore_eos = sampling.get("ignore_eos", False)
+        ignore_eos = sampling.ignore_eos  # sampling: pipeline.protocol.Sampling
         params = SamplingParams(
-            n=n, max_tokens=sampling["max_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
+            n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             ignore_eos=ignore_eos, logprobs=0, detokenize=False, seed=seed,
             # without a tokenizer vLLM does not know EOS; stop tokens would also override ignore_eos
-            stop_token_ids=[self.eos_id] if self.eos_id is not None and not ignore_eos else None,
+            stop_token_ids=([self.eos_id] if self.eos_id is not None and not ignore_eos else []) + list(stop) or None,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         await self._gate.wait()
@@ -113,7 +114,7 @@ class Engine:
 
     async def load_collective(self, version: int, manifest: list) -> float:
         """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
-        from learner.collective import buckets
+        from weights.plan import buckets
 
         if self._ask_staging:  # the first version of this process group: room on every worker?
             addresses = await self.llm.collective_rpc("prepare_staging", args=(manifest, self._timeout_s))
@@ -134,13 +135,13 @@ class Engine:
         self.last_swap_ms["receive"] = receive_ms
         return stopped_ms
 
-    async def init_collective(self, host: str, info: dict) -> None:
+    async def init_collective(self, host: str, info) -> None:
         """Join a (new) process group with the learner; a receiver of the previous group is dropped."""
         self._drop_receivers()
         self._ask_staging = self._want_staging
-        self._timeout_s = info["timeout_s"]
-        await self.llm.collective_rpc("init_collective", args=(host, info["port"], info["world_size"],
-                                                                info["backend"], info["timeout_s"]))
+        self._timeout_s = info.timeout_s  # info: pipeline.protocol.CollectiveSetup
+        await self.llm.collective_rpc("init_collective", args=(host, info.port, info.world_size, info.backend,
+                                                                info.timeout_s))
 
     async def _swap(self, version: int, method: str, args: tuple) -> float:
         """Load through the workers' `method`; returns milliseconds the engine stopped generating (drain: the

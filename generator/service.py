@@ -1,9 +1,9 @@
 """The generator service: register with the hub, take leases, generate groups, push rollouts.
 
     register -> Welcome (run id, version, transport, endpoints, session)
-    tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists dead leases and the latest
-                         weights
-             weights     WeightsReady announcements -> fetch -> engine.load -> WeightsApplied
+    tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists leases the hub took back
+             weights     WeightsReady, pushed by the hub on the control channel (the one route a version takes;
+                         the current one right after the Welcome) -> fetch -> engine.load -> WeightsApplied
              leases      LeaseRequest while there is room in the engine -> one task per prompt group
              engine      watches the vLLM engine: a dead one ends the generator (below)
 Nothing is generated before the engine holds weights of this run (the run id and version of the Welcome):
@@ -29,12 +29,14 @@ import uuid
 import zmq
 import zmq.asyncio
 
+from generator.rollout import Context, load_rollout
 from pipeline import protocol as P
 from pipeline.client import HubClient
 from pipeline.config import Config
 from pipeline.security import client_keys, secure_client
-from pipeline.tasks import RewardError, encode_prompt, load_reward_fns, score
-from pipeline.transports import host_identity, make_receiver, remove_receiver_dir
+from pipeline.tasks import RewardError, TrainerState, encode_prompt, load_reward_fns, score
+from weights import receiver
+from weights.files import host_identity, record_segments, remove_receiver_dir, shm_segments
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class Generator:
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rewards = load_reward_fns(cfg.rewards)
+        self.rollout = load_rollout(cfg.generator.rollout)
         self.keys = client_keys(cfg.auth.keys, cfg.auth.identity)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
@@ -117,7 +120,7 @@ class Generator:
             log.info("generator %s registered (run %s, learner version %d, transport %s)", self.id, welcome.run_id,
                      welcome.version, welcome.transport)
             self.welcome, self.session, self.pushed = welcome, welcome.session, 0
-            self.receiver = make_receiver(welcome.transport, client, self.cfg.weights.chunk_mb, self.id)
+            self.receiver = receiver(welcome.transport, client, self.cfg.weights.chunk_mb, self.id)
             self.push = self.ctx.socket(zmq.PUSH)
             self.push.setsockopt(zmq.SNDHWM, 1000)
             self.push.setsockopt(zmq.LINGER, 5000)  # ms: flush queued rollouts on the way out
@@ -126,14 +129,11 @@ class Generator:
             self.announced: asyncio.Queue = asyncio.Queue()
             self.version_changed = asyncio.Condition()
             try:
-                if welcome.collective:  # nccl: meet the learner in this generator's process group
-                    try:
-                        await self.engine.init_collective(_host_of(self.address), welcome.collective)
-                    except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
-                        self._raise_if_dead(e)
-                        raise Reregister(f"nccl process group not joined: {e}") from e
-                if welcome.latest and not self._holds(welcome.latest["version"], exactly=True):
-                    await self._apply(P.from_dict(P.WeightsReady, welcome.latest))
+                try:  # nccl: meet the learner in this generator's process group
+                    await self.receiver.start(self.engine, _host_of(self.address), welcome)
+                except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
+                    self._raise_if_dead(e)
+                    raise Reregister(f"weights transport {welcome.transport} not started: {e}") from e
                 await self._run_tasks()
             except EngineDied as e:  # leave at once: the hub re-queues the leases and records why
                 with contextlib.suppress(P.PeerLost):
@@ -169,8 +169,8 @@ class Generator:
     async def _run_tasks(self) -> None:
         """Run until the lease loop ends (drained or run complete); a failing background task ends it too."""
         leases = asyncio.create_task(self._leases())
-        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._subscribe(),
-                                                              self._pushed(), self._watch_engine())]
+        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._pushed(),
+                                                              self._watch_engine())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -193,42 +193,21 @@ class Generator:
                 draining, self.pushed))
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
-            elif isinstance(reply, P.Ack):
-                dead = set(reply.info.get("dead_leases", []))
+            elif isinstance(reply, P.HeartbeatReply):
+                dead = set(reply.dead_leases)
                 for lease_id in dead:
                     self.held.pop(lease_id, None)
                 for t, lease_id in list(self.groups.items()):
                     if lease_id in dead:
                         t.cancel()
-                latest = reply.info.get("latest")
-                if latest and not self._holds(latest["version"]):
-                    self.announced.put_nowait(P.from_dict(P.WeightsReady, latest))
             if draining:
                 await asyncio.sleep(self.welcome.heartbeat_s)
             else:  # a drain is reported at once
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
 
-    async def _subscribe(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        secure_client(sub, self.keys)
-        sub.connect(self.welcome.weights_endpoint)
-        try:
-            while True:
-                data = await sub.recv()
-                try:
-                    msg, _ = P.decode(data, limits=P.FROM_HUB)
-                except P.ProtocolError as e:
-                    log.warning("bad weights announcement: %s", e)
-                    continue
-                if isinstance(msg, P.WeightsReady):
-                    self.announced.put_nowait(msg)
-        finally:
-            sub.close(linger=0)
-
     async def _pushed(self) -> None:
-        """Announcements the hub sends on the control channel (the nccl transport's)."""
+        """Weight announcements: the hub pushes them on the control channel, in order with its replies."""
         while True:
             msg = await self.client.pushed.get()
             if isinstance(msg, P.WeightsReady):
@@ -237,16 +216,15 @@ class Generator:
     async def _weights(self) -> None:
         while True:
             ready = await self.announced.get()
-            if ready.collective != self.receiver.collective:
-                continue  # announcements of the other kind of transport
-            if ready.collective and self.draining.is_set():
-                continue  # the hub closes a draining generator's group: it sends no more broadcasts
-            if ready.collective:  # every broadcast must be received, in order: the learner is sending it
-                await self._apply(ready)
+            if not self.receiver.accepts(ready):
+                continue  # announcements of another kind of transport
+            if self.receiver.in_order:  # broadcasts: each must be received, in order (the learner is sending it)
+                if not self.draining.is_set():  # the hub closes a draining generator's group: no more broadcasts
+                    await self._apply(ready)
                 continue
             while not self.announced.empty():  # files: skip to the newest announced version
                 newer = self.announced.get_nowait()
-                if not newer.collective and newer.version > ready.version:
+                if self.receiver.accepts(newer) and newer.version > ready.version:
                     ready = newer
             if not self._holds(ready.version):
                 await self._apply(ready)
@@ -273,16 +251,12 @@ class Generator:
     async def _apply(self, ready: P.WeightsReady) -> None:
         start = time.perf_counter()
         try:
-            if ready.collective:
-                stopped_ms = await self.engine.load_collective(ready.version, ready.manifest)
-            else:
-                path = await self.receiver.fetch(ready)  # verified against the announced checksum
-                stopped_ms = await self.engine.load(path, None, ready.version)
+            stopped_ms = await self.receiver.apply(ready, self.engine)  # a file is verified before the engine stops
         except (P.ProtocolError, asyncio.CancelledError):
             raise
         except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
             self._raise_if_dead(e)  # not a failed transfer: nothing to register again for
-            if ready.collective and self.draining.is_set():  # the hub aborted the group of a draining generator
+            if self.receiver.in_order and self.draining.is_set():  # the hub aborted a draining generator's group
                 log.info("generator %s: weights v%d not received while draining (%s)", self.id, ready.version, e)
                 return
             raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
@@ -308,12 +282,12 @@ class Generator:
                 await room.wait()
                 continue
             reply = await self._ask(P.LeaseRequest(self.id, min(free, self.cfg.generator.lease_size)))
+            if isinstance(reply, P.RunComplete):
+                log.info("generator %s: the run is complete at version %d", self.id, reply.version)
+                self.stopping = max(self.stopping, 1)
+                await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
+                break
             if isinstance(reply, P.Wait):
-                if reply.reason == "run complete":
-                    log.info("generator %s: the run is complete at version %d", self.id, reply.version)
-                    self.stopping = max(self.stopping, 1)
-                    await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
-                    break
                 await asyncio.sleep(reply.retry_s)
                 continue
             if isinstance(reply, P.Error):
@@ -352,13 +326,14 @@ class Generator:
     async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
         try:
             prompt_ids = (P.unpack_ints(item.prompt_ids).tolist() if item.prompt_ids
-                          else encode_prompt(self.tok, self.cfg.data, item.prompt))
+                          else encode_prompt(self.tok, self.cfg.data, item.messages or item.prompt))
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
-            outs = await self.engine.generate(prompt_ids, self.welcome.group_size, lease.sampling)
+            ctx = Context(self.welcome.group_size, lease.sampling, self.tok, item)
+            outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
             # decode, score and encode off the event loop, which keeps feeding the engine meanwhile
             data = await asyncio.to_thread(self._rollout_message, lease, item, prompt_ids, outs)
-            self.tokens += sum(len(o.token_ids) for o in outs)
+            self.tokens += sum(sum(o.mask) for o in outs)
             await self.push.send(data, copy=False)
             self.pushed += 1
         except asyncio.CancelledError:
@@ -382,15 +357,18 @@ class Generator:
             pass
 
     def _rollout_message(self, lease: P.Lease, item: P.PromptItem, prompt_ids: list[int], outs) -> bytes:
-        texts = [self.tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-        totals, per_fn = score(self.rewards, item.prompt, texts, [o.token_ids for o in outs], item.columns)
+        texts = [o.text if o.text is not None else self.tok.decode(o.token_ids, skip_special_tokens=True)
+                 for o in outs]
+        state = TrainerState(min(o.first_version for o in outs), self.cfg.trainer.total_steps, item.epoch)
+        totals, per_fn = score(self.rewards, item.messages or item.prompt, texts, [o.token_ids for o in outs],
+                               item.columns, state)
         samples = [
             P.Sample(P.pack_ints(o.token_ids), P.pack_floats(o.logprobs), totals[i], per_fn[i], o.finish_reason,
-                     o.first_version, o.last_version, o.gen_ms)
+                     o.first_version, o.last_version, o.gen_ms, b"" if all(o.mask) else P.pack_mask(o.mask))
             for i, o in enumerate(outs)
         ]
         return P.encode(P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch, P.pack_ints(prompt_ids),
-                                       samples, float(lease.sampling["temperature"]), self.session))
+                                       samples, lease.sampling.temperature, self.session))
 
 
 def _host_of(address: str) -> str:
@@ -406,7 +384,9 @@ async def main(cfg: Config, address: str, gpus: str = "") -> int:
 
     model_path = resolve_model_path(cfg.model.path)
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+    before = shm_segments()
     engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, tok.eos_token_id)
+    record_segments(before)  # removed by remove_stale if this process and its engine are killed
     gen = Generator(cfg, engine, tok, address, gpus)
     try:
         return await gen.run()

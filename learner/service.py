@@ -5,6 +5,7 @@
         stats  = train_step(engine, groups)    # GRPO loss with off-policy correction, one optimizer step
         if the step was not finite: its prompts are leased again, nothing is published (stop after N in a row)
         publisher.publish(step + 1)            # the new weights version goes to every generator
+        hub.finish_step(step + 1)              # its groups are trained: admission moves on
         metrics, checkpoint (every rank: ZeRO's save is collective)
 Rank 0 runs the hub (its own thread) and broadcasts each batch, with the run-time knobs (`pipeline set`),
 to the other ranks. The run ends after total_steps, or early when the dataset is exhausted (trainer.epochs).
@@ -26,16 +27,17 @@ import msgpack
 import torch
 
 from learner import checkpoint
-from learner.hub import DatasetExhausted, Hub, behaviour_version
+from learner.hub import DatasetExhausted, Hub
 from learner.model import build_engine, init_distributed, save_hf
 from learner.publisher import WeightPublisher
+from learner.staleness import behaviour_version
 from learner.step import train_step
 from pipeline import protocol as P
 from pipeline.config import Config, ConfigError, apply_runtime_change, runtime_keys, save_config
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
 from pipeline.tasks import encode_prompt, load_rows
 from pipeline.tinymodel import resolve_model_path
-from pipeline.transports import remove_shm, remove_stale
+from weights.files import remove_shm, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                 log.info("removed %s, left by a process that no longer runs", stale)
             save_config(cfg, run_dir / "config.yaml")
             if cfg.weights.transport == "nccl" or (cfg.weights.transport == "auto" and torch.cuda.is_available()):
-                from learner.collective import CollectivePeers
+                from weights.nccl import CollectivePeers
 
                 collective = CollectivePeers(cfg.hub.host, cfg.weights.collective_timeout_s)
             hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state, collective,
@@ -120,6 +122,8 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
         trained_at = time.perf_counter()
         sync_ms = publisher.publish(step + 1, step_end)
         step += 1
+        if hub is not None:
+            hub.finish_step(step)  # its groups are trained; admission moves on
         every = cfg.trainer.checkpoint_every
         if every and step % every == 0 and step < cfg.trainer.total_steps:
             checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
@@ -131,9 +135,10 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
             "step": step - 1, "version": step, **stats, **drop_stats, "time/wait_s": waited,
             "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
             "sync/serialize_ms": publisher.serialize_ms, "sync/broadcast_ms": publisher.broadcast_ms,
+            "sync/blob_bytes": publisher.files.sizes[0], "sync/delta_bytes": publisher.files.sizes[1],
             "sync/copy_wait_ms": publisher.copy_wait_ms,
             "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
-            "generators": len(hub.generators), "max_staleness": cfg.trainer.max_staleness,
+            "generators": len(hub.registry.generators), "max_staleness": cfg.trainer.max_staleness,
             "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
             **{f"hub/{k}": v for k, v in hub.counters.items()},

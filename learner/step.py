@@ -27,7 +27,7 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
     batches = micro_batches(rows, t.micro_batch_tokens)
     mine = batches[rank::world]
     n_steps = max(1, -(-len(batches) // world))
-    total_tokens = max(1, sum(len(r.completion) for r in rows))
+    total_tokens = max(1, int(sum(r.mask.sum() for r in rows)))  # the trained tokens (mask 1)
     sums = {"loss": 0.0, "is_weight": 0.0, "clipped": 0.0, "behaviour_kl": 0.0}
     device = engine.device
     for i in range(n_steps):
@@ -79,6 +79,7 @@ def _empty_row(rows: list[Row], groups: list[P.RolloutGroup]) -> Row:
 
     if rows:
         r = rows[0]
-        return Row(r.prompt, r.completion, r.behaviour, 0.0, r.temperature)
+        return Row(r.prompt, r.completion, r.behaviour, r.mask, 0.0, r.temperature)
     prompt = P.unpack_ints(groups[0].prompt_ids)
-    return Row(prompt, np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32), 0.0, 1.0)
+    return Row(prompt, np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), 0.0,
+               1.0)

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return launch(cfg, args.config, args.overrides, args.run_dir)
     if args.command == "learner":
         from learner.launch import spawn_ranks, world_size
+        from pipeline.launcher import make_run_dir
 
         run_dir = make_run_dir(cfg, args.resume or args.run_dir)
         world = world_size(cfg.trainer.ranks, args.gpus)
@@ -110,12 +111,6 @@ def _without_gpus(argv: list[str]) -> list[str]:
     return out
 
 
-def make_run_dir(cfg, explicit: Path | None) -> Path:
-    run_dir = explicit or Path(cfg.run.dir) / (cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir.resolve()
-
-
 def _keys(args) -> int:
     from pipeline.security import HUB, make_keys
 
@@ -150,14 +145,14 @@ def _remote(args) -> int:
                 if isinstance(reply, P.Error):
                     print(f"pipeline set: {reply.message}", file=sys.stderr)
                     return 2
-                print(f"{key} = {reply.info['value']!r} (from step {reply.info['from_step']})")
+                print(f"{key} = {reply.value!r} (from step {reply.from_step})")
             return 0
         while True:
             reply = request_once(args.learner, P.StatusRequest(), keys=keys)
-            if not isinstance(reply, P.Ack):
+            if not isinstance(reply, P.StatusReply):
                 print(f"pipeline status: {getattr(reply, 'message', reply)}", file=sys.stderr)
                 return 2
-            print(("\033[2J\033[H" if args.watch else "") + render(reply.info), flush=True)
+            print(("\033[2J\033[H" if args.watch else "") + render(reply), flush=True)
             if not args.watch:
                 return 0
             time.sleep(2)

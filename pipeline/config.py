@@ -131,6 +131,9 @@ class GeneratorConfig:
     pause, let running requests finish, swap, resume."""
     lease_size: int = runtime(4)
     """Prompt groups asked for per lease."""
+    rollout: str = "generator.rollout:single_turn"
+    """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py); e.g.
+    `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss)."""
     max_inflight_groups: int = 32
     """Groups a generator keeps in its engine at once."""
     gpu_memory_utilization: float = 0.5
@@ -190,6 +193,9 @@ class WeightsConfig:
     generator, made when it registers; gloo on CPU)."""
     chunk_mb: int = 16
     """Chunk size of the zmq transport."""
+    delta: bool = False
+    """zmq transport: also serve each version as the bytes that changed since the version before (XOR, zlib); a
+    generator holding that version fetches the delta, any other the full blob (weights/delta.py)."""
     collective_timeout_s: float = 120.0
     """nccl transport: rendezvous and broadcast timeout; a generator that misses it is dropped from the group."""
     staging: bool = True
@@ -360,6 +366,8 @@ def _check_config(cfg: Config) -> None:
                           f"{cfg.hub.heartbeat_timeout_s}")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
+    if ":" not in cfg.generator.rollout:
+        raise ConfigError(f"generator.rollout: expected 'module:function', got {cfg.generator.rollout!r}")
     for i, r in enumerate(cfg.rewards):
         if ":" not in r.fn:
             raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")

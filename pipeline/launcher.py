@@ -77,9 +77,14 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: Path | None) -> int:
-    from pipeline.cli import make_run_dir
+def make_run_dir(cfg, explicit: Path | None) -> Path:
+    """RUN_DIR: given, or run.dir/run.name (default: a timestamp)."""
+    run_dir = explicit or Path(cfg.run.dir) / (cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir.resolve()
 
+
+def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: Path | None) -> int:
     run_dir = make_run_dir(cfg, run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run like Ctrl-C: children stopped, files removed
@@ -112,7 +117,7 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
         rc = 1
     for child in reversed(children):
         child.stop(now=rc != 0)
-    from pipeline.transports import remove_stale
+    from weights.files import remove_stale
 
     remove_stale()
     if rc == 0:

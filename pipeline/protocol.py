@@ -1,71 +1,51 @@
-"""Wire messages between hub and generators, and their MessagePack codec.
+"""Wire messages between hub and generators (the codec, with its bounds, is pipeline/codec.py).
 
-Every message is a small dataclass registered under a tag. On the wire it is one msgpack map:
-`{"v": SCHEMA_VERSION, "k": tag, "r": request id, <fields>}`. Bulk arrays (token ids, log-probs) are
-raw little-endian bytes (msgpack `bin`): int32 token ids, float32 log-probs. Within a schema version
-fields are only ever appended, with defaults, so an older peer's message still decodes. `decode`
-validates the schema version, the tag, every field's type and length, and what the message costs to
-decode: its bytes, the number and length of its containers, their nesting depth (`Limits`; a peer's
-message gets `FROM_PEER`, a few MB of nested empty maps would otherwise cost hundreds of MB). It raises
-`ProtocolError` naming the message and field. No pickle anywhere. What a message *says* (token ids in the
-vocabulary, finite numbers, versions, whose lease) is checked by the hub (learner/validation.py).
+Every message is a small typed dataclass; nested structs (`PromptItem`, `Sample`, `Sampling`, ...) have no
+tag of their own. Bulk arrays (token ids, log-probs) are raw little-endian bytes: int32 token ids, float32
+log-probs. Within a schema version fields are only ever appended, with defaults, so an older peer's message
+still decodes. What a message *says* (token ids in the vocabulary, finite numbers, versions, whose lease) is
+checked by the hub (learner/validation.py).
+
+Control channel (generator DEALER -> hub ROUTER), request -> reply:
+    Register -> Welcome | Error          Heartbeat -> HeartbeatReply      LeaseRequest -> Lease | Wait | RunComplete
+    WeightsApplied -> Ack                WeightsFetch -> WeightsChunk     GroupFailed -> Ack      Leave -> Ack
+    StatusRequest -> StatusReply (operator)                                SetRequest -> SetReply (operator)
+The hub also pushes, unasked (request id 0): WeightsReady, the one route by which a version reaches a generator.
+Rollouts channel (generator PUSH -> hub PULL): RolloutGroup, one per prompt.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import msgpack
-import numpy as np
+from pipeline.codec import (  # noqa: F401  (the codec is used through this module: P.encode, P.decode, ...)
+    DEFAULT_MAX_STR,
+    FROM_HUB,
+    FROM_PEER,
+    SCHEMA_VERSION,
+    Limits,
+    Message,
+    ProtocolError,
+    as_dict,
+    decode,
+    encode,
+    from_dict,
+    pack_floats,
+    pack_ints,
+    pack_mask,
+    text,
+    unpack_floats,
+    unpack_ints,
+    unpack_mask,
+)
 
-SCHEMA_VERSION = 2  # 2: sessions, prompt ids in leases, GroupFailed.kind, bounded strings
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What decoding one message may cost."""
-
-    bytes: int = 2**20
-    items: int = 4096  # elements of one array or map
-    containers: int = 256  # arrays and maps in the whole message (each costs about 1 us to build)
-    depth: int = 8  # nesting of arrays and maps
-
-
-FROM_PEER = Limits()  # the hub decoding a generator's or operator's control message (rollouts: learner/hub.py)
-FROM_HUB = Limits(bytes=2**31 - 1, items=2**20, containers=2**22, depth=32)  # manifests, dataset columns
 MAX_CONTROL_BYTES = FROM_PEER.bytes
-
-
-class ProtocolError(ValueError):
-    """A message could not be decoded or failed validation."""
+GENERATOR_ID = 128  # characters of a generator id
 
 
 class PeerLost(ConnectionError):
     """The other side stopped answering (no reply within the handshake timeout or heartbeats missed)."""
-
-
-_REGISTRY: dict[str, type[Message]] = {}
-
-
-def text(max_len: int, default: Any = dataclasses.MISSING) -> Any:
-    """A string field of at most `max_len` characters (others: 1024); without a default it is required."""
-    return field(default=default, metadata={"max_len": max_len})
-
-
-DEFAULT_MAX_STR = 1024
-
-
-@dataclass
-class Message:
-    tag: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        if cls.tag:
-            _REGISTRY[cls.tag] = cls
 
 
 # ---- nested structs (no tag of their own) -------------------------------------------------------
@@ -78,6 +58,7 @@ class PromptItem:
     prompt: str = text(2**24)
     columns: dict = field(default_factory=dict)
     prompt_ids: bytes = b""  # int32: the prompt as the learner tokenised it; the generator generates from these
+    messages: list = field(default_factory=list)  # conversational prompts (TRL's format): [{"role", "content"}, ...]
 
 
 @dataclass
@@ -90,12 +71,46 @@ class Sample:
     first_version: int = 0  # weights version that produced the first token
     last_version: int = 0  # weights version that produced the last token
     gen_ms: float = 0.0
+    mask: bytes = b""  # uint8 per token: 1 sampled by the model (trained), 0 put there by the environment; "": all 1
+
+
+@dataclass
+class Sampling:
+    """How a lease's prompts are sampled (`sampling.*` of the run as the hub has it when it grants the lease)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    ignore_eos: bool = False
+
+
+@dataclass
+class CollectiveSetup:
+    """nccl transport: where and how this generator's workers meet the learner (weights/nccl.py)."""
+
+    port: int
+    world_size: int
+    backend: str = text(16)
+    timeout_s: float = 120.0
+
+
+@dataclass
+class GeneratorStatus:
+    id: str = text(GENERATOR_ID)
+    host: str = text(255)
+    gpus: str = text(128)
+    version: int = -1
+    lag: int = -1  # learner version - its version (-1: it holds no weights of this run yet)
+    tokens_per_s: float = 0.0
+    leases: int = 0
+    groups: int = 0
+    tokens: int = 0
+    last_heartbeat_s: float = 0.0
+    transport: str = text(16, "")
+    draining: bool = False
 
 
 # ---- control channel: generator -> hub ----------------------------------------------------------
-
-
-GENERATOR_ID = 128  # characters of a generator id
 
 
 @dataclass
@@ -162,6 +177,7 @@ class WeightsFetch(Message):
     offset: int
     length: int
     generator_id: str = text(GENERATOR_ID, "")  # only registered generators are served
+    delta: bool = False  # the delta from FileVersion.delta_base, not the full blob
 
 
 @dataclass
@@ -194,14 +210,12 @@ class Welcome(Message):
     generator_id: str
     version: int
     rollouts_endpoint: str
-    weights_endpoint: str
     transport: str
     heartbeat_s: float
-    sampling: dict = field(default_factory=dict)
+    sampling: Sampling
     group_size: int = 2
     index: int = 0  # registration order, for per-generator seeds
-    latest: dict = field(default_factory=dict)  # WeightsReady of the current version, as a map
-    collective: dict = field(default_factory=dict)  # nccl transport: port, world_size, backend, timeout_s
+    collective: CollectiveSetup | None = None  # nccl transport only
     session: str = text(64, "")  # a secret of this registration: its rollouts carry it, a re-registration shows it
 
 
@@ -211,7 +225,7 @@ class Lease(Message):
     lease_id: int
     min_version: int
     groups: list[PromptItem]
-    sampling: dict = field(default_factory=dict)
+    sampling: Sampling
 
 
 @dataclass
@@ -219,7 +233,21 @@ class Wait(Message):
     tag: ClassVar[str] = "wait"
     reason: str = text(4096)
     retry_s: float = 0.05
-    version: int = -1  # the learner's version ("run complete": generators apply it before leaving)
+
+
+@dataclass
+class RunComplete(Message):
+    """No more leases: the learner trained its last step. Generators apply `version` (announced) and leave."""
+
+    tag: ClassVar[str] = "run_complete"
+    version: int
+
+
+@dataclass
+class HeartbeatReply(Message):
+    tag: ClassVar[str] = "heartbeat_reply"
+    version: int  # the learner's
+    dead_leases: list[int] = field(default_factory=list)  # leases the generator holds that the hub took back
 
 
 @dataclass
@@ -234,7 +262,32 @@ class WeightsChunk(Message):
 @dataclass
 class Ack(Message):
     tag: ClassVar[str] = "ack"
-    info: dict = field(default_factory=dict)
+    known: bool = True  # GroupFailed: False when the hub no longer had that prompt's lease
+
+
+@dataclass
+class StatusReply(Message):
+    tag: ClassVar[str] = "status_reply"
+    run_id: str
+    version: int
+    max_staleness: int
+    batch_size: int
+    buffer: int
+    in_flight: int
+    pending: int
+    trained: int
+    counters: dict[str, int]
+    failure: str = text(65536, "")
+    authenticated: bool = False
+    generators: list[GeneratorStatus] = field(default_factory=list)
+
+
+@dataclass
+class SetReply(Message):
+    tag: ClassVar[str] = "set_reply"
+    key: str = text(128)
+    value: Any = None
+    from_step: int = 0
 
 
 @dataclass
@@ -262,177 +315,26 @@ class RolloutGroup(Message):
 
 
 @dataclass
+class FileVersion:
+    """A version as one safetensors blob (the file transports, zmq and shm)."""
+
+    size: int
+    checksum: int  # crc32 of the blob
+    shm_path: str = text(4096, "")  # set when the learner wrote the blob to /dev/shm (shm transport)
+    delta_base: int = -1  # weights.delta: a delta from this version is served too (weights/delta.py)
+    delta_size: int = 0
+    delta_checksum: int = 0  # crc32 of the delta
+
+
+@dataclass
 class WeightsReady(Message):
+    """A new weights version: pushed by the hub on a generator's control connection (the one route)."""
+
     tag: ClassVar[str] = "weights_ready"
     version: int
-    size: int
-    checksum: int  # crc32 of the safetensors blob
-    shm_path: str = text(4096, "")  # set when the shm transport wrote the blob to /dev/shm
     published_at: float = 0.0  # learner's time.time() at the end of the optimizer step
-    collective: bool = False  # nccl transport: the learner broadcasts the tensors now, in manifest order
-    manifest: list = field(default_factory=list)  # [[name, dtype, shape], ...] when collective
-
-
-# ---- codec ---------------------------------------------------------------------------------------
-
-
-def encode(msg: Message, rid: int = 0) -> bytes:
-    body = {"v": SCHEMA_VERSION, "k": msg.tag, "r": rid}
-    for f in dataclasses.fields(msg):
-        body[f.name] = _to_wire(getattr(msg, f.name))
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list):
-        return [_to_wire(v) for v in value]
-    return value
-
-
-def as_dict(msg: Message) -> dict:
-    return _to_wire(msg)
-
-
-def from_dict(cls: type, body: dict) -> Message:
-    return _from_wire(cls, body, cls.__name__)
-
-
-def decode(data, limit: int | None = None, limits: Limits = FROM_PEER) -> tuple[Message, int]:
-    """Decode one message (bytes or a buffer); returns (message, request id). `limit` overrides the byte limit
-    of `limits`. Raises ProtocolError with a clear reason."""
-    nbytes = limits.bytes if limit is None else limit
-    if len(data) > nbytes:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {nbytes} bytes")
-    body = _unpack(data, nbytes, limits)
-    if not isinstance(body, dict):
-        raise ProtocolError(f"expected a message map, got {type(body).__name__}")
-    kind = body.pop("k", None)
-    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    version = body.pop("v", None)
-    if version != SCHEMA_VERSION:
-        raise ProtocolError(f"{cls.__name__}: schema version {version!r}, this side speaks {SCHEMA_VERSION}")
-    rid = body.pop("r", 0)
-    if not isinstance(rid, int):
-        raise ProtocolError(f"{cls.__name__}.r: request id must be an int, got {type(rid).__name__}")
-    return _from_wire(cls, body, cls.__name__), rid
-
-
-class _Budget:
-    """Counts the arrays and maps msgpack builds (its hooks run for each one) and stops past the limit."""
-
-    def __init__(self, limit: int):
-        self.left = limit
-
-    def list(self, value: list) -> list:
-        return self._take(value)
-
-    def map(self, value: dict) -> dict:
-        return self._take(value)
-
-    def _take(self, value):
-        self.left -= 1
-        if self.left < 0:
-            raise ValueError("too many arrays and maps")
-        return value
-
-
-def _unpack(data, nbytes: int, limits: Limits) -> Any:
-    budget = _Budget(limits.containers)
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=nbytes, max_str_len=nbytes,
-                               max_array_len=limits.items, max_map_len=limits.items, max_ext_len=0,
-                               list_hook=budget.list, object_hook=budget.map)
-    except Exception as e:  # msgpack raises several types for truncated, random or too costly input
-        raise ProtocolError(f"not a valid MessagePack message within the limits ({type(e).__name__}: {e})") from None
-    _check_depth(body, limits.depth)
-    return body
-
-
-def _check_depth(body: Any, limit: int) -> None:
-    """Nesting of arrays and maps at most `limit` (iterative: the containers are already counted)."""
-    stack = [(body, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > limit:
-            raise ProtocolError(f"message nests arrays and maps deeper than {limit} levels")
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-
-
-def _from_wire(cls: type, body: Any, where: str) -> Any:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            kwargs[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
-            if hints[f.name] is str and len(kwargs[f.name]) > f.metadata.get("max_len", DEFAULT_MAX_STR):
-                raise ProtocolError(f"{where}.{f.name}: {len(kwargs[f.name])} characters, at most "
-                                    f"{f.metadata.get('max_len', DEFAULT_MAX_STR)}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where}.{f.name}: missing")
-    # unknown fields come from a newer peer that appended them: ignored
-    return cls(**kwargs)
-
-
-_HINTS: dict[type, dict] = {}
-
-
-def _hints(cls: type) -> dict:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _check(tp: Any, value: Any, where: str) -> Any:
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return _from_wire(tp, value, where)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-
-
-# ---- array helpers --------------------------------------------------------------------------------
-
-
-def pack_ints(values) -> bytes:
-    return np.asarray(values, dtype="<i4").tobytes()
-
-
-def pack_floats(values) -> bytes:
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-def unpack_ints(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i4")
-
-
-def unpack_floats(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<f4")
+    file: FileVersion | None = None  # file transports: the blob to fetch
+    manifest: list = field(default_factory=list)  # nccl: [[name, dtype, shape], ...], broadcast now in this order
 
 
 def check_rollout(group: RolloutGroup, group_size: int) -> None:
@@ -448,6 +350,9 @@ def check_rollout(group: RolloutGroup, group_size: int) -> None:
                 f"{where}.samples[{i}]: token_ids ({len(s.token_ids)} bytes) and logprobs ({len(s.logprobs)} bytes) "
                 "must be int32/float32 arrays of one length"
             )
+        if s.mask and (len(s.mask) != len(s.token_ids) // 4 or max(s.mask) > 1):
+            raise ProtocolError(f"{where}.samples[{i}].mask: {len(s.mask)} bytes for {len(s.token_ids) // 4} tokens; "
+                                "one 0 or 1 per token")
         if s.first_version > s.last_version:
             raise ProtocolError(
                 f"{where}.samples[{i}]: first_version {s.first_version} > last_version {s.last_version}")

@@ -1,29 +1,29 @@
-"""Text rendering of the hub's status for `pipeline status`."""
+"""Text rendering of the hub's status (pipeline.protocol.StatusReply) for `pipeline status`."""
 
 from __future__ import annotations
 
 
-def render(s: dict) -> str:
-    c = s["counters"]
+def render(s) -> str:
+    c = s.counters
     lines = [
-        f"run {s['run_id']}  version {s['version']}  max_staleness {s['max_staleness']}  batch {s['batch_size']}",
-        f"buffer {s['buffer']}  in flight {s['in_flight']}  pending {s['pending']}  trained {s['trained']}  "
-        f"re-queued {c['requeued']}  stale dropped {c['stale_dropped']}  duplicates {c['duplicates']}  "
-        f"bad messages {c['bad_messages']}  refused {c.get('refused', 0)}  rejected prompts "
-        f"{c.get('rejected_prompts', 0)}  lost leases {c.get('lost_leases', 0)}  reward errors "
+        f"run {s.run_id}  version {s.version}  max_staleness {s.max_staleness}  batch {s.batch_size}",
+        f"buffer {s.buffer}  in flight {s.in_flight}  pending {s.pending}  trained {s.trained}  "
+        f"re-queued {c.get('requeued', 0)}  stale dropped {c.get('stale_dropped', 0)}  duplicates "
+        f"{c.get('duplicates', 0)}  bad messages {c.get('bad_messages', 0)}  refused {c.get('refused', 0)}  "
+        f"rejected prompts {c.get('rejected_prompts', 0)}  lost leases {c.get('lost_leases', 0)}  reward errors "
         f"{c.get('reward_errors', 0)}  skipped steps {c.get('skipped_steps', 0)}",
         "rejected rollouts " + (", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in sorted(c.items())
                                           if k.startswith("rejected/")) or "0"),
-        *([f"FAILED: {s['failure']}"] if s.get("failure") else []),
+        *([f"FAILED: {s.failure}"] if s.failure else []),
         "",
         f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} "
         f"{'heartbeat':>9}",
     ]
-    for g in s["generators"]:
-        lag = "-" if g["lag"] is None else g["lag"]
-        lines.append(f"{g['id']:<34} {g['host'][:16]:<16} {g['gpus'] or '-':<6} {g['version']:>7} {lag:>4} "
-                     f"{g['tokens_per_s']:>8.0f} {g['leases']:>6} {g['last_heartbeat_s']:>8.1f}s"
-                     + ("  draining" if g.get("draining") else ""))
-    if not s["generators"]:
+    for g in s.generators:
+        lag = "-" if g.lag < 0 else g.lag
+        lines.append(f"{g.id:<34} {g.host[:16]:<16} {g.gpus or '-':<6} {g.version:>7} {lag:>4} "
+                     f"{g.tokens_per_s:>8.0f} {g.leases:>6} {g.last_heartbeat_s:>8.1f}s"
+                     + ("  draining" if g.draining else ""))
+    if not s.generators:
         lines.append("(no generators)")
     return "\n".join(lines)

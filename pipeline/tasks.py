@@ -1,9 +1,12 @@
 """Datasets and reward functions.
 
-Prompts come from a JSONL/JSON/Parquet file, a Hugging Face dataset, or the builtin `echo` task.
-Rewards are plain callables named `module:function` with TRL's GRPO signature:
-`f(prompts, completions, completion_ids=None, **columns) -> list[float]`, where every dataset column
-other than the prompt arrives as a keyword list aligned with `completions`.
+Prompts come from a JSONL/JSON/Parquet file, a Hugging Face dataset, or the builtin `echo` task, in either of
+TRL's formats: standard (the prompt column holds text) or conversational (a list of {"role", "content"}
+messages; the tokenizer's chat template is applied). Rewards are plain callables named `module:function`, called
+as TRL's GRPOTrainer calls them: `f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+**columns) -> list[float]`, where every dataset column other than the prompt arrives as a keyword list aligned
+with `completions`. Conversational: `prompts` are the message lists and each completion is
+`[{"role": "assistant", "content": text}]`. A reward function copied from TRL's documentation runs unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import random
 import re
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import DataConfig, RewardConfig
@@ -114,14 +118,36 @@ def math_answer(prompts, completions, completion_ids=None, answer=None, **_) -> 
     return out
 
 
-def encode_prompt(tokenizer, cfg: DataConfig, prompt: str) -> list[int]:
-    """The token ids a prompt is generated from (the learner's hub tokenises, generators generate from them)."""
-    if cfg.chat_template:
+def is_conversational(prompt) -> bool:
+    """TRL's conversational format: a list of {"role": ..., "content": ...} messages."""
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
+def encode_prompt(tokenizer, cfg: DataConfig, prompt: str | list) -> list[int]:
+    """The token ids a prompt is generated from (the learner's hub tokenises, generators generate from them).
+    Conversational: the chat template with the generation prompt (continuing the last message when it is the
+    assistant's, as TRL does); text: as is, or as a user message when `data.chat_template` is on."""
+    if is_conversational(prompt):
+        last = prompt[-1]["role"] == "assistant"
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=not last, continue_final_message=last,
+                                            tokenize=True)
+    elif cfg.chat_template:
         messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    else:
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@dataclass
+class TrainerState:
+    """What reward functions get as `trainer_state` (TRL passes its TrainerState): the progress of the run."""
+
+    global_step: int  # the weights version the completions were generated with
+    max_steps: int  # trainer.total_steps
+    epoch: int  # the prompt's pass over the dataset
 
 
 class RewardError(Exception):
@@ -145,16 +171,25 @@ def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[str, Callable, floa
     return fns
 
 
-def score(fns, prompt: str, completions: list[str], completion_ids: list[list[int]], columns: dict):
+def score(fns, prompt: str | list, completions: list[str], completion_ids: list[list[int]], columns: dict,
+          trainer_state: TrainerState | None = None):
     """Call every reward function on one group; returns (weighted totals, per-function rewards per sample).
     A function that raises, or returns the wrong number of values or a non-number, raises RewardError with
     its name and traceback. None (TRL: "does not apply") becomes NaN and is left out of the total."""
     n = len(completions)
     kwargs = {k: [v] * n for k, v in columns.items()}
+    if is_conversational(prompt):  # as TRL: an assistant message the prompt started is completed
+        bootstrap = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
+        head = prompt[:-1] if bootstrap else prompt
+        prompts = [[dict(m) for m in head] for _ in range(n)]
+        completions = [[{"role": "assistant", "content": bootstrap + c}] for c in completions]
+    else:
+        prompts = [prompt] * n
     per_fn = []
     for name, fn, _ in fns:
         try:
-            values = fn(prompts=[prompt] * n, completions=completions, completion_ids=completion_ids, **kwargs)
+            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                        trainer_state=trainer_state, **kwargs)
             values = [float("nan") if v is None else float(v) for v in values]
         except Exception:
             raise RewardError(name, traceback.format_exc()) from None

@@ -14,6 +14,8 @@ from pathlib import Path
 
 VOCAB = ["<pad>", "<eos>", "<unk>", "="] + [str(d) for d in range(10)] + ["+", "-"]
 PAD_ID, EOS_ID = 0, 1
+# conversational prompts: each message's text, then "=" for the answer (the echo task's prompts end in " =")
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
 SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
 
 
@@ -24,7 +26,7 @@ def cache_root() -> Path:
 def resolve_model_path(path: str) -> str:
     """Map `builtin:tiny` to a built directory; anything else (hub name, directory) is returned as is."""
     if path == "builtin:tiny":
-        return str(build_tiny_model(cache_root() / "tiny-qwen2-v1"))
+        return str(build_tiny_model(cache_root() / "tiny-qwen2-v2"))
     if path.startswith("builtin:"):
         raise ValueError(f"model.path: unknown builtin model {path!r} (known: builtin:tiny)")
     return path
@@ -43,6 +45,7 @@ def build_tiny_model(dest: Path, seed: int = 0) -> Path:
     tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(tmp)
     cfg = Qwen2Config(
         vocab_size=len(VOCAB), max_position_embeddings=256, tie_word_embeddings=False,

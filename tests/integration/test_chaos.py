@@ -98,7 +98,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     rogue.send(rogue.group(lease, lease.groups[0], version=lease.min_version, group_size=GROUP, tokens=(4, 4),
                            logprobs=(math.nan, -1.0)))
     assert "did not register it" in rogue.ask(P.Heartbeat(id_c, 0, draining=True)).message
-    wait_for(lambda: request_once(hub, P.StatusRequest(), keys=operator).info["counters"].get("rejected/logprob"),
+    wait_for(lambda: request_once(hub, P.StatusRequest(), keys=operator).counters.get("rejected/logprob"),
              30, "the NaN rollout to be rejected", [learner])
     rogue.ask(P.Leave("rogue"))
     rogue.close()
@@ -108,13 +108,14 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     deadline = time.monotonic() + 120
     while True:
         os.killpg(gen_b.pid, signal.SIGSTOP)
-        rows = {g["id"]: g for g in request_once(hub, P.StatusRequest(), keys=operator).info["generators"]}
-        if rows[id_b]["leases"] > 0 or time.monotonic() > deadline:
+        rows = {g.id: g for g in request_once(hub, P.StatusRequest(), keys=operator).generators}
+        if rows[id_b].leases > 0 or time.monotonic() > deadline:
             break
         os.killpg(gen_b.pid, signal.SIGCONT)
         time.sleep(0.2)
-    assert rows[id_b]["leases"] > 0, "b never held a lease"
-    gen_b.stop(grace=0)
+    assert rows[id_b].leases > 0, "b never held a lease"
+    segments = (Path("/dev/shm") / f"pipeline-recv-{gen_b.pid}" / "segments").read_text().split()  # its engine's
+    gen_b.stop(grace=0)  # SIGKILL to its process group: nobody unlinks them now
     requeue = wait_for(lambda: [e for e in _events(run_dir, "requeue") if e["generator"] == id_b], 60,
                        "b to be declared dead", [learner])[0]
     assert requeue["prompts"] > 0
@@ -172,6 +173,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     leftovers = [p for p in Path("/dev/shm").glob("pipeline-*") if "chaos" in p.name or any(
         f"-{g.pid}" in p.name for g in (gen_a, gen_b, gen_c))]
     assert not leftovers, leftovers  # the killed learner's files were removed by the resumed one
+    assert segments and not [n for n in segments if (Path("/dev/shm") / n).exists()]  # b's engine's too
     gone = _cli("status", "--learner", hub, "--keys", str(keys))  # a finished learner: a clear error, not a hang
     assert gone.returncode == 1 and "no reply from the learner" in gone.stderr
     print("timeline:\n  " + "\n  ".join(timeline))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
+from pipeline import protocol as P
 from pipeline.config import load_config
 from pipeline.tinymodel import resolve_model_path
-from pipeline.transports import checksum, serialize
+from weights.plan import checksum, serialize
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +35,7 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
 
     path = resolve_model_path("builtin:tiny")
     blobs = {v: _new_weights(path, 1.0 + 0.1 * v) for v in (1, 2)}
-    long = {"max_tokens": 240, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+    long = P.Sampling(max_tokens=240, temperature=1.0, top_p=1.0, ignore_eos=True)
 
     async def scenario():
         engine = Engine(cfg, path, seed=0, eos_id=1)
@@ -57,7 +59,7 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             await engine.load(blobs[2], checksum(blobs[2]), 2)
             outs = await task
             assert {(o.first_version, o.last_version) for o in outs} == {(1, 1)}
-            fresh = await engine.generate([4, 5, 6, 3], 2, {**long, "max_tokens": 4})
+            fresh = await engine.generate([4, 5, 6, 3], 2, dataclasses.replace(long, max_tokens=4))
             assert [o.first_version for o in fresh] == [2, 2]
             # a corrupted blob is refused by its checksum and the engine keeps version 2
             with pytest.raises(Exception, match="checksum mismatch"):

@@ -46,15 +46,21 @@ class Peer:
         secure_client(self.push, keys)
         self.pushing = not isinstance(hub, str)
         if self.pushing:
-            self.push.connect(f"tcp://127.0.0.1:{hub.rollouts_port}")
+            self.push.connect(f"tcp://127.0.0.1:{hub.server.rollouts_port}")
         self.id = gen_id
         self.session = ""
         self.rid = 0
+        self.pushed: list[P.Message] = []
 
     def raw(self, data: bytes, timeout: float = 5.0) -> P.Message:
+        """The hub's reply; what it pushes meanwhile (weight announcements: request id 0) goes to `pushed`."""
         self.sock.send(data)
-        assert self.sock.poll(int(timeout * 1000)), "the hub did not answer"
-        return P.decode(self.sock.recv(), limits=P.FROM_HUB)[0]
+        while True:
+            assert self.sock.poll(int(timeout * 1000)), "the hub did not answer"
+            msg, rid = P.decode(self.sock.recv(), limits=P.FROM_HUB)
+            if rid or isinstance(msg, P.Error):
+                return msg
+            self.pushed.append(msg)
 
     def ask(self, msg: P.Message, timeout: float = 5.0) -> P.Message:
         self.rid += 1
@@ -80,7 +86,7 @@ class Peer:
                                       reward=float(i), rewards=[float(i)], finish_reason="stop", first_version=version,
                                       last_version=version), **sample}) for i in range(group_size)]
         body = dict(lease_id=lease.lease_id, generator_id=self.id, prompt_id=item.prompt_id, epoch=item.epoch,
-                    prompt_ids=item.prompt_ids, samples=samples, temperature=lease.sampling["temperature"],
+                    prompt_ids=item.prompt_ids, samples=samples, temperature=lease.sampling.temperature,
                     session=self.session)
         return P.RolloutGroup(**{**body, **fields})
 

@@ -30,13 +30,14 @@ def make_hub(tmp_path):
 
 def _wait_buffer(hub, n, timeout=5):
     deadline = time.monotonic() + timeout
-    while len(hub.buffer) < n and time.monotonic() < deadline:
+    while len(hub.ledger.buffer) < n and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(hub.buffer) >= n
+    assert len(hub.ledger.buffer) >= n
 
 
 def _publish(hub, version):
-    hub.publish(version, P.WeightsReady(version, 0, 0), None)
+    hub.finish_step(version)
+    hub.announce(P.WeightsReady(version, file=P.FileVersion(0, 0)), None)
 
 
 def test_admission_with_k0_is_one_batch_at_a_time(make_hub):
@@ -77,7 +78,7 @@ def test_stale_groups_are_dropped_and_requeued(make_hub):
     peer.send_groups(lease, version=0)
     _wait_buffer(hub, 2)
     hub.version = 2  # as if two steps had passed: version-0 samples are 2 > k behind step 2
-    pending_before = len(hub.pending)
+    pending_before = len(hub.ledger.pending)
     result = {}
 
     def learner():
@@ -89,9 +90,9 @@ def test_stale_groups_are_dropped_and_requeued(make_hub):
     t = threading.Thread(target=learner)
     t.start()
     time.sleep(0.3)
-    assert hub.counters["stale_dropped"] == 2 and len(hub.buffer) == 0
-    assert len(hub.pending) == pending_before + 2
-    assert hub.pending[0] == (lease.groups[0].epoch, lease.groups[0].prompt_id)  # re-queued at the front
+    assert hub.counters["stale_dropped"] == 2 and len(hub.ledger.buffer) == 0
+    assert len(hub.ledger.pending) == pending_before + 2
+    assert hub.ledger.pending[0] == (lease.groups[0].epoch, lease.groups[0].prompt_id)  # re-queued at the front
     hub.stop()  # the waiting learner is released with HubStopped, not left hanging
     t.join(2)
     assert result == {"stopped": True}
@@ -106,7 +107,7 @@ def test_bad_input_gets_clear_errors_and_the_hub_keeps_serving(make_hub):
         (P.encode(P.Register("x"))[:-4], "not a valid MessagePack"),
         (msgpack.packb({"v": 7, "k": "register", "generator_id": "x"}), "schema version 7"),
         (P.encode(P.Register("x", host="h" * (3 * 2**19))), "exceeds the limit"),
-        (P.encode(P.Lease(1, 0, [])), "unexpected message Lease"),
+        (P.encode(P.Lease(1, 0, [], P.Sampling(8, 1.0))), "unexpected message Lease"),
         (P.encode(P.Heartbeat("never-registered")), "unknown generator id"),
     ]
     for data, message in cases:
@@ -116,14 +117,14 @@ def test_bad_input_gets_clear_errors_and_the_hub_keeps_serving(make_hub):
     peer.register()
     peer.push.send(b"\x00garbage")
     peer.push.send(P.encode(P.Heartbeat("gen-t")))
-    peer.send_groups(P.Lease(999, 0, [P.PromptItem(0, 0, "p")], {"temperature": 1.0}))
+    peer.send_groups(P.Lease(999, 0, [P.PromptItem(0, 0, "p")], P.Sampling(8, 1.0)))
     deadline = time.monotonic() + 5
     while hub.counters["unknown_lease"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert hub.counters["unknown_lease"] == 1 and hub.counters["bad_messages"] == 5
     assert hub.counters["rejected/malformed"] == 2
     assert isinstance(peer.lease(1), P.Lease)  # still serving
-    assert not hub.buffer
+    assert not hub.ledger.buffer
     peer.close()
 
 
@@ -147,7 +148,7 @@ def test_hub_answers_while_a_training_step_runs(make_hub):
     step_running.wait()
     answered = 0
     while not step_done.is_set() and answered < 20:
-        assert isinstance(peer.ask(P.Heartbeat("gen-t", 0)), P.Ack)  # (it holds no lease: none is expired)
+        assert isinstance(peer.ask(P.Heartbeat("gen-t", 0)), P.HeartbeatReply)  # (it holds no lease: none is expired)
         assert isinstance(peer.lease(1), (P.Lease, P.Wait))
         answered += 1
     assert answered == 20 and not step_done.is_set(), "the hub must answer during the step, not after it"
@@ -163,15 +164,15 @@ def test_silent_generator_is_dropped_and_its_leases_requeued(make_hub):
     lease = peer.lease(2)
     assert len(lease.groups) == 2
     deadline = time.monotonic() + 5
-    while hub.generators and time.monotonic() < deadline:
+    while hub.registry.generators and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not hub.generators and not hub.leases and hub.counters["requeued"] == 2
-    assert list(hub.pending)[:2] == [(g.epoch, g.prompt_id) for g in lease.groups]
+    assert not hub.registry.generators and not hub.ledger.leases and hub.counters["requeued"] == 2
+    assert list(hub.ledger.pending)[:2] == [(g.epoch, g.prompt_id) for g in lease.groups]
     reply = peer.lease(1)  # a late request from the dropped generator: told to register again
     assert isinstance(reply, P.Error) and reply.fatal
     peer.send_groups(lease)  # its late rollouts are recognised and dropped: it is no longer registered
     time.sleep(0.3)
-    assert hub.counters["rejected/generator"] == 2 and not hub.buffer
+    assert hub.counters["rejected/generator"] == 2 and not hub.ledger.buffer
     peer.close()
 
 
@@ -179,14 +180,14 @@ def test_run_time_changes(make_hub, tmp_path):
     hub = make_hub(max_staleness=0)
     peer = Peer(hub)
     ok = peer.ask(P.SetRequest("trainer.max_staleness", 2))  # no auth.keys: anyone on loopback may
-    assert isinstance(ok, P.Ack) and hub.cfg.trainer.max_staleness == 2
+    assert isinstance(ok, P.SetReply) and (ok.value, hub.cfg.trainer.max_staleness) == (2, 2)
     assert "trainer.max_staleness" in (tmp_path / "changes.jsonl").read_text()
     refused = peer.ask(P.SetRequest("trainer.batch_size", 4))
     assert isinstance(refused, P.Error) and "cannot change while a run goes on" in refused.message
     unknown = peer.ask(P.SetRequest("trainer.nope", 4))
     assert isinstance(unknown, P.Error) and "unknown field" in unknown.message
     status = peer.ask(P.StatusRequest())
-    assert status.info["max_staleness"] == 2
+    assert status.max_staleness == 2
     peer.close()
 
 
@@ -196,21 +197,21 @@ def test_heartbeat_names_dead_leases_and_reregistration_voids_old_ones(make_hub)
     peer.register()
     lease = peer.lease(2)
     ack = peer.ask(P.Heartbeat("gen-t", 0, lease_ids=[lease.lease_id, 12345]))
-    assert ack.info["dead_leases"] == [12345]  # the generator drops work for leases the hub no longer has
+    assert ack.dead_leases == [12345]  # the generator drops work for leases the hub no longer has
     peer.register()  # the same id again, with its session (a reconnect): old leases void, prompts re-queued
-    assert lease.lease_id not in hub.leases and hub.counters["requeued"] == 2
+    assert lease.lease_id not in hub.ledger.leases and hub.counters["requeued"] == 2
     ack = peer.ask(P.Heartbeat("gen-t", 0, lease_ids=[lease.lease_id]))
-    assert ack.info["dead_leases"] == [lease.lease_id]
+    assert ack.dead_leases == [lease.lease_id]
     peer.send_groups(lease)  # late rollouts of the void lease are recognised and dropped
     deadline = time.monotonic() + 5
     while hub.counters["unknown_lease"] < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert hub.counters["unknown_lease"] == 2 and not hub.buffer
+    assert hub.counters["unknown_lease"] == 2 and not hub.ledger.buffer
     peer.close()
 
 
 class FakeCollective:
-    """What the hub asks of learner.collective.CollectivePeers, without process groups."""
+    """What the hub asks of weights.nccl.CollectivePeers, without process groups."""
 
     def __init__(self):
         self.failed, self.opened, self.joined, self.closed = set(), [], set(), []
@@ -229,11 +230,11 @@ class FakeCollective:
 def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     hub = make_hub()
-    hub.collective = FakeCollective()
+    hub.weights.collective = FakeCollective()
     file_joins = []
-    hub.on_file_join = lambda: file_joins.append(hub.version)
+    hub.weights.on_file_join = lambda: file_joins.append(hub.version)
     peer = Peer(hub)
-    here = hub._boot_id
+    here = hub.weights._boot_id
 
     sessions = {}
 
@@ -246,19 +247,19 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
 
     assert hub.wants_blobs()  # nobody registered yet: the next one may need a file
     w = register("a", "1", loaded=0)
-    assert (w.transport, w.latest) == ("nccl", {}) and w.collective["world_size"] == 3
-    assert hub.collective.opened == [("a", 3, 0)]
+    assert w.transport == "nccl" and w.collective.world_size == 3
+    assert hub.weights.collective.opened == [("a", 3, 0)]
     assert not hub.wants_blobs()  # only nccl generators: no blob per version
     assert register("b", "0").transport == "shm"  # the learner's GPU: colocated, shared memory
     assert register("c", "").transport == "shm"  # no GPUs reported (a CPU engine)
     assert register("d", "0", boot="elsewhere").transport == "nccl"  # GPU 0 of another host
     assert register("e", "", boot="elsewhere").transport == "zmq"
     assert hub.wants_blobs()
-    hub.collective.failed.add("f")
+    hub.weights.collective.failed.add("f")
     assert register("f", "2").transport == "shm"  # its group failed once
     assert register("a", "1").transport == "shm"  # re-registers without ever joining: it gave up on nccl
-    assert "a" in hub.collective.failed
-    hub.collective.joined.add("d")
+    assert "a" in hub.weights.collective.failed
+    hub.weights.collective.joined.add("d")
     assert register("d", "0", boot="elsewhere").transport == "nccl"  # a joined one keeps nccl
     # a file joiner while the newest version has no blob (none yet, or broadcast only) asks for one
     assert file_joins == [0] * 5  # b, c, e, f and a's second registration
@@ -271,24 +272,24 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
 def test_explicit_transport_is_kept(make_hub):
     hub = make_hub()
     hub.cfg.weights.transport = "zmq"
-    hub.collective = FakeCollective()
+    hub.weights.collective = FakeCollective()
     peer = Peer(hub)
-    assert peer.ask(P.Register("x", "h", hub._boot_id, "1")).transport == "zmq"
+    assert peer.ask(P.Register("x", "h", hub.weights._boot_id, "1")).transport == "zmq"
     peer.close()
 
 
 def test_a_draining_generator_gets_no_more_broadcasts_but_keeps_its_leases(make_hub, tmp_path):
     hub = make_hub()
-    hub.collective = FakeCollective()
+    hub.weights.collective = FakeCollective()
     peer = Peer(hub)
     peer.register()
     lease = peer.lease(2)
-    assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id])).info["dead_leases"] == []
-    assert hub.collective.closed == []
+    assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id])).dead_leases == []
+    assert hub.weights.collective.closed == []
     for _ in range(2):  # reported once, acted on once
-        assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id], draining=True)), P.Ack)
-    assert hub.collective.closed == [peer.id]  # its process group: out of the next broadcasts, aborted
-    assert hub.status()["generators"][0]["draining"] is True
+        assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id], draining=True)), P.HeartbeatReply)
+    assert hub.weights.collective.closed == [peer.id]  # its process group: out of the next broadcasts, aborted
+    assert hub.status().generators[0].draining is True
     assert render(hub.status()).splitlines()[-1].endswith("draining")  # `pipeline status` shows it
     peer.send_groups(lease)  # the groups it finishes while draining still count
     _wait_buffer(hub, 2)

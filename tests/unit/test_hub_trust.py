@@ -66,12 +66,12 @@ def test_an_invalid_rollout_is_rejected_by_reason_and_its_prompt_leased_again(hu
     key = (item.epoch, item.prompt_id)
     peer.send(peer.group(lease, item, **change))
     wait_until(lambda: hub.counters.get(f"rejected/{reason}", 0) == 1)
-    assert not hub.buffer and hub.counters["rejected_rollouts"] == 1
-    assert hub.pending[0] == key and not hub.leases  # off the lease, first in line to be leased again
+    assert not hub.ledger.buffer and hub.counters["rejected_rollouts"] == 1
+    assert hub.ledger.pending[0] == key and not hub.ledger.leases  # off the lease, first in line to be leased again
     again = peer.lease(1)
     assert [(g.epoch, g.prompt_id) for g in again.groups] == [key]
     peer.send(peer.group(again, again.groups[0]))  # the same prompt, generated correctly this time
-    wait_until(lambda: len(hub.buffer) == 1)
+    wait_until(lambda: len(hub.ledger.buffer) == 1)
     assert render(hub.status()).count(f"{reason} 1") == 1  # `pipeline status` names the reason
     peer.close()
 
@@ -91,10 +91,10 @@ def test_rollouts_from_strangers_and_for_other_generators_leases_are_rejected_an
     wait_until(lambda: hub.counters["rejected_rollouts"] == 3)
     assert {k: v for k, v in hub.counters.items() if k.startswith("rejected/")} == {
         "rejected/generator": 1, "rejected/lease": 1, "rejected/identity": 1}
-    assert not hub.buffer and list(hub.leases) == [lease.lease_id]  # still the owner's to deliver
+    assert not hub.ledger.buffer and list(hub.ledger.leases) == [lease.lease_id]  # still the owner's to deliver
     owner.send(owner.group(lease, item))
-    wait_until(lambda: len(hub.buffer) == 1)
-    assert hub.buffer[0][0].generator_id == "owner"
+    wait_until(lambda: len(hub.ledger.buffer) == 1)
+    assert hub.ledger.buffer[0][0].generator_id == "owner"
     for p in (owner, other, stranger):
         p.close()
 
@@ -104,7 +104,7 @@ def test_no_peer_can_speak_for_another_generator(hubs):
     victim = Peer(hub, "victim")
     victim.register()
     lease = victim.lease(2)
-    hub.blobs[0] = b"w" * 100
+    hub.weights.blobs.put(0, b"w" * 100)
     attacker = Peer(hub, "victim")  # another connection using the victim's id
     forged = [P.Heartbeat("victim", 99, draining=True), P.WeightsApplied("victim", 99), P.Leave("victim"),
               P.LeaseRequest("victim", 4), P.GroupFailed("victim", lease.lease_id, lease.groups[0].epoch,
@@ -113,22 +113,22 @@ def test_no_peer_can_speak_for_another_generator(hubs):
     for msg in forged:
         reply = attacker.ask(msg)
         assert isinstance(reply, P.Error) and "connection" in reply.message, (msg, reply)
-    gen = hub.generators["victim"]
-    assert (gen.version, gen.draining) == (-1, False) and list(hub.leases) == [lease.lease_id]
+    gen = hub.registry.generators["victim"]
+    assert (gen.version, gen.draining) == (-1, False) and list(hub.ledger.leases) == [lease.lease_id]
     assert hub.counters["refused"] == len(forged) and hub.counters["rejected_prompts"] == 0
-    assert isinstance(victim.ask(P.Heartbeat("victim", 0, lease_ids=[lease.lease_id])), P.Ack)  # unharmed
+    assert isinstance(victim.ask(P.Heartbeat("victim", 0, lease_ids=[lease.lease_id])), P.HeartbeatReply)  # unharmed
     # the victim itself, reconnecting from a new connection with its session, may take its id back
     reconnected = Peer(hub, "victim")
     reconnected.session = victim.session
     assert isinstance(reconnected.register(), P.Welcome)
-    assert not hub.leases  # a re-registration voids the old leases (their prompts are pending again)
+    assert not hub.ledger.leases  # a re-registration voids the old leases (their prompts are pending again)
     for p in (victim, attacker, reconnected):
         p.close()
 
 
 def test_weights_are_served_to_registered_generators_only_and_a_few_chunks_at_a_time(hubs):
     hub = hubs(weights={"chunk_mb": 1})
-    hub.blobs[0] = bytes(range(256)) * (40 * 4096)  # 40 MB
+    hub.weights.blobs.put(0, bytes(range(256)) * (40 * 4096))  # 40 MB
     stranger = Peer(hub, "stranger")
     reply = stranger.ask(P.WeightsFetch(0, 0, 2**20, "stranger"))
     assert isinstance(reply, P.Error) and "unknown generator" in reply.message
@@ -165,7 +165,7 @@ def test_registrations_are_bounded(hubs):
     bad = Peer(hub, "bad id with spaces")
     reply = bad.register(gpus="0;rm -rf")
     assert isinstance(reply, P.Error) and reply.stop and "generator_id" in reply.message
-    assert set(hub.generators) == {"g0", "g1"}
+    assert set(hub.registry.generators) == {"g0", "g1"}
     for p in peers + [bad]:
         p.close()
 
@@ -176,20 +176,21 @@ def test_a_lease_not_returned_in_time_or_no_longer_reported_goes_back_to_the_que
     peer.register()
     slow = peer.lease(2)
     # it keeps heart-beating and reporting the lease, but never delivers: after lease_timeout_s it is re-queued
-    wait_until(lambda: peer.ask(P.Heartbeat(peer.id, 0, lease_ids=[slow.lease_id])).info["dead_leases"])
-    assert hub.counters["lost_leases"] == 1 and peer.id in hub.generators
-    assert list(hub.pending)[:2] == [(g.epoch, g.prompt_id) for g in slow.groups]
+    wait_until(lambda: peer.ask(P.Heartbeat(peer.id, 0, lease_ids=[slow.lease_id])).dead_leases)
+    assert hub.counters["lost_leases"] == 1 and peer.id in hub.registry.generators
+    assert list(hub.ledger.pending)[:2] == [(g.epoch, g.prompt_id) for g in slow.groups]
     hub.cfg.hub.lease_timeout_s = 600
     forgotten = peer.lease(2)
     # done with it, it says, and 2 rollouts sent that the hub has not seen yet (another socket): not lost yet
     for _ in range(3):
-        assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, pushed=2)), P.Ack) and forgotten.lease_id in hub.leases
-    assert isinstance(peer.ask(P.Heartbeat(peer.id, 0)), P.Ack) and forgotten.lease_id in hub.leases
+        assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, pushed=2)), P.HeartbeatReply)
+        assert forgotten.lease_id in hub.ledger.leases
+    assert isinstance(peer.ask(P.Heartbeat(peer.id, 0)), P.HeartbeatReply) and forgotten.lease_id in hub.ledger.leases
     peer.ask(P.Heartbeat(peer.id, 0))  # the second heartbeat in a row without it, nothing in flight: lost
-    assert forgotten.lease_id not in hub.leases and hub.counters["lost_leases"] == 2
+    assert forgotten.lease_id not in hub.ledger.leases and hub.counters["lost_leases"] == 2
     peer.send_groups(slow)  # a late delivery of a re-queued lease is recognised and dropped
     wait_until(lambda: hub.counters["unknown_lease"] == 2)
-    assert not hub.buffer
+    assert not hub.ledger.buffer
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events.count("lease_expired") == 2
     peer.close()
@@ -230,7 +231,7 @@ def test_reward_function_errors_are_errors_of_the_run_not_of_the_prompt(hubs, tm
         keys.append((item.epoch, item.prompt_id))
         peer.ask(P.GroupFailed(peer.id, lease.lease_id, item.epoch, item.prompt_id,
                                f"reward function my.rewards:f: {traceback}", "reward"))
-    assert hub.counters["rejected_prompts"] == 0 and set(keys) <= set(hub.pending)  # the prompts are not lost
+    assert hub.counters["rejected_prompts"] == 0 and set(keys) <= set(hub.ledger.pending)  # the prompts are not lost
     with pytest.raises(HubStopped, match=r"reward functions raised 2 times(.|\n)*ZeroDivisionError: boom"):
         hub.take_batch(0)
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
@@ -260,7 +261,7 @@ def test_a_failure_of_the_hub_thread_stops_the_learner_with_it(hubs):
     def broken():
         raise RuntimeError("a bug outside the message handlers")
 
-    hub._check_timeouts = broken
+    hub.tick = broken
     wait_until(lambda: hub.failure)  # (without the fix the thread dies silently and the learner waits forever)
     with pytest.raises(HubStopped, match=r"the hub thread failed(.|\n)*a bug outside the message handlers"):
         hub.take_batch(0)
@@ -273,13 +274,13 @@ def test_an_exhausted_dataset_ends_the_run_with_a_clear_message(hubs):
     lease = peer.lease(8)
     assert len(lease.groups) == 4  # (k + 1) x batch_size: the window
     peer.send_groups(lease)
-    wait_until(lambda: len(hub.buffer) == 4)
+    wait_until(lambda: len(hub.ledger.buffer) == 4)
     for step in range(2):
         hub.take_batch(step)
         hub.finish_step(step + 1)
     last = peer.lease(8)
     peer.send_groups(last, version=2)
-    wait_until(lambda: len(hub.buffer) == 1)
+    wait_until(lambda: len(hub.ledger.buffer) == 1)
     assert isinstance(peer.lease(8), P.Wait)
     with pytest.raises(DatasetExhausted, match="trainer.epochs=1 over 5 prompts gave 4 trained groups, 1 left"):
         hub.take_batch(2)
@@ -310,7 +311,7 @@ def test_a_flood_of_bad_messages_is_dropped_undecoded_and_others_are_served(hubs
         flood.sock.send(b"\x00" * 64)
     wait_until(lambda: hub.counters["bad_messages"] + hub.counters["muted"] == 500)
     assert hub.counters["bad_messages"] <= 21 + 1 and hub.counters["muted"] >= 400  # decoded: about 20 a second
-    assert isinstance(honest.ask(P.Heartbeat("honest", 0)), P.Ack)  # another connection is served as usual
+    assert isinstance(honest.ask(P.Heartbeat("honest", 0)), P.HeartbeatReply)  # another connection is served as usual
     time.sleep(1.1)
     while flood.sock.poll(100):  # the error replies to the first few
         flood.sock.recv()

@@ -85,6 +85,22 @@ def test_rows_skip_zero_variance_groups_and_align_tokens():
     assert batch["adv"][r].tolist() == [0, 0.5, 0.5]
 
 
+def test_the_loss_covers_the_models_tokens_only_not_the_environments():
+    """A two-turn sample: the model's 5, a tool's reply 9 8 (mask 0, log-prob 0), the model's 6."""
+    sample = _sample([5, 9, 8, 6], [-1, 0, 0, -2], 1.0)
+    sample.mask = P.pack_mask([1, 0, 0, 1])
+    group = P.RolloutGroup(1, "g", 0, 0, P.pack_ints([3, 4]), [sample, _sample([7], [-3], 0.0)])
+    P.check_rollout(group, 2)
+    rows, _ = build_rows([group], step=0, scale_rewards=False)
+    batch = collate(rows, pad_id=0, device="cpu")
+    r = [i for i, row in enumerate(rows) if len(row.completion) == 4][0]
+    assert batch["mask"][r].tolist() == [0, 1, 0, 0, 1]  # predicting 5 and 6 is trained; the tool's tokens are not
+    assert batch["mu"][r].tolist() == [0, -1, 0, 0, -2]
+    sample.mask = P.pack_mask([1, 0, 1])  # not one per token
+    with pytest.raises(P.ProtocolError, match="mask: 3 bytes for 4 tokens"):
+        P.check_rollout(group, 2)
+
+
 def test_token_logprobs_match_a_direct_computation():
     torch.manual_seed(0)
     logits = torch.randn(1, 4, 6)
@@ -95,7 +111,8 @@ def test_token_logprobs_match_a_direct_computation():
 
 
 def test_micro_batches_respect_the_token_budget():
-    rows = [Row(np.zeros(n, np.int32), np.zeros(2, np.int32), np.zeros(2, np.float32), 0.0, 1.0) for n in range(1, 9)]
+    rows = [Row(np.zeros(n, np.int32), np.zeros(2, np.int32), np.zeros(2, np.float32), np.ones(2, np.uint8), 0.0, 1.0)
+            for n in range(1, 9)]
     batches = micro_batches(rows, token_budget=20)
     assert sum(len(b) for b in batches) == 8
     assert all(len(b) * max(r.length for r in b) <= 20 for b in batches)

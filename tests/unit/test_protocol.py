@@ -16,7 +16,7 @@ def test_round_trip_keeps_every_field():
     assert rid == 42
     assert out == msg
     assert list(P.unpack_ints(out.samples[0].token_ids)) == [5, 6, 1]
-    lease = P.Lease(3, 1, [P.PromptItem(1, 0, "1 2 =", {"target": "1"})], {"temperature": 1.0})
+    lease = P.Lease(3, 1, [P.PromptItem(1, 0, "1 2 =", {"target": "1"})], P.Sampling(8, 1.0))
     assert P.decode(P.encode(lease))[0] == lease
 
 
@@ -39,10 +39,10 @@ def test_older_peer_without_appended_fields_still_decodes():
     (msgpack.packb([1, 2]), "expected a message map"),
     (msgpack.packb({"v": 1, "k": "nope"}), "unknown message kind 'nope'"),
     (msgpack.packb({"v": 99, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 99"),
-    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 2"),
-    (msgpack.packb({"v": 2, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
-    (msgpack.packb({"v": 2, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
-    (msgpack.packb({"v": 2, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),
+    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 3"),
+    (msgpack.packb({"v": 3, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
+    (msgpack.packb({"v": 3, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
+    (msgpack.packb({"v": 3, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),
      "Lease.groups[0].prompt_id: expected int, got str"),
 ])
 def test_bad_messages_name_the_problem(data, message):
@@ -99,3 +99,22 @@ def test_a_map_bomb_is_refused_quickly_and_cheaply():
     tracemalloc.stop()
     print(f"{len(data) / 1e6:.1f} MB bomb refused in {elapsed * 1000:.1f} ms, peak {peak / 1e6:.1f} MB")
     assert peak < 1e6  # unbounded, these 4M maps take several hundred MB
+
+
+def test_typed_payloads_round_trip_and_are_checked():
+    welcome = P.Welcome("run", "g", 3, "tcp://h:1", "nccl", 1.0, P.Sampling(8, 0.7),
+                        collective=P.CollectiveSetup(5555, 2, "gloo", 60.0))
+    assert P.decode(P.encode(welcome))[0] == welcome
+    plain = P.Welcome("run", "g", 3, "tcp://h:1", "zmq", 1.0, P.Sampling(8, 0.7))
+    assert P.decode(P.encode(plain))[0].collective is None
+    status = P.StatusReply("run", 1, 1, 2, 0, 0, 0, 0, {"rollouts": 3},
+                           generators=[P.GeneratorStatus("g", "h", "0", 1, 0)])
+    assert P.decode(P.encode(status), limits=P.FROM_HUB)[0] == status
+    body = msgpack.unpackb(P.encode(status), raw=False)
+    body["counters"] = {"rollouts": "many"}
+    with pytest.raises(P.ProtocolError, match=r"StatusReply.counters\['rollouts'\]: expected int, got str"):
+        P.decode(msgpack.packb(body))
+    body = msgpack.unpackb(P.encode(welcome), raw=False)
+    body["sampling"] = {"temperature": 1.0}
+    with pytest.raises(P.ProtocolError, match="Welcome.sampling.max_tokens: missing"):
+        P.decode(msgpack.packb(body))

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from generator.engine import _Receivers
 from generator.worker_ext import WeightLoader
-from learner.collective import Packer, make_group, manifest
 from pipeline.netutil import free_port
+from weights.nccl import make_group
+from weights.plan import Packer, manifest
 
 TIMEOUT_S = 5.0
 

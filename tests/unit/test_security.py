@@ -36,7 +36,7 @@ def test_only_listed_keys_get_in_and_an_id_belongs_to_its_key(keyed, tmp_path):
     assert isinstance(welcome, P.Welcome)
     lease = a.lease(1)
     a.send_groups(lease)  # rollouts over CURVE too, from the key that registered
-    wait_until(lambda: len(hub.buffer) == 1)
+    wait_until(lambda: len(hub.ledger.buffer) == 1)
     # no keys at all, and a key pair the hub does not list: not a single message gets through
     assert _silent(Peer(hub, "gen-a"), P.Heartbeat("gen-a"))
     make_keys(tmp_path / "other", ["stranger"], [])
@@ -53,14 +53,14 @@ def test_only_listed_keys_get_in_and_an_id_belongs_to_its_key(keyed, tmp_path):
     second = a.lease(1)
     b.send(a.group(second, second.groups[0]))  # gen-a's rollout, session and all, from gen-b's key
     wait_until(lambda: hub.counters.get("rejected/identity", 0) == 1)
-    assert len(hub.buffer) == 1 and second.lease_id in hub.leases
-    assert hub.generators["gen-a"].version == -1 and not hub.generators["gen-a"].draining
+    assert len(hub.ledger.buffer) == 1 and second.lease_id in hub.ledger.leases
+    assert hub.registry.generators["gen-a"].version == -1 and not hub.registry.generators["gen-a"].draining
     # a generator key may not steer the run; an operator key may
     assert "operator key" in a.ask(P.SetRequest("trainer.lr", 1.0)).message
     assert "operator key" in a.ask(P.StatusRequest()).message
     operator = Peer(hub, "op", client_keys(str(keys), "operator"))
-    assert isinstance(operator.ask(P.SetRequest("trainer.lr", 1e-3)), P.Ack) and hub.cfg.trainer.lr == 1e-3
-    assert operator.ask(P.StatusRequest()).info["authenticated"] is True
+    assert isinstance(operator.ask(P.SetRequest("trainer.lr", 1e-3)), P.SetReply) and hub.cfg.trainer.lr == 1e-3
+    assert operator.ask(P.StatusRequest()).authenticated is True
     assert "generator key" in operator.ask(P.Register("op")).message  # and an operator is not a generator
     for p in (a, stranger, b, operator):
         p.close()

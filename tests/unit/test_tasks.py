@@ -74,3 +74,21 @@ def test_hugging_face_datasets_path_with_a_local_dataset_directory(tmp_path):
     (d / "train.jsonl").write_text("\n".join(lines) + "\n")
     rows = load_rows(DataConfig(path=str(d), split="train", prompt_column="question"))
     assert rows == [{"question": "1 + 1", "answer": "#### 2"}, {"question": "2 + 2", "answer": "#### 4"}]
+
+
+def test_conversational_prompts_reach_reward_functions_as_trl_hands_them():
+    seen = {}
+
+    def fn(prompts, completions, completion_ids, trainer_state, **kwargs):
+        seen.update(prompts=prompts, completions=completions, state=trainer_state, kwargs=kwargs)
+        return [len(c[0]["content"]) for c in completions]
+
+    from pipeline.tasks import TrainerState, is_conversational
+
+    prompt = [{"role": "user", "content": "1 2"}, {"role": "assistant", "content": "1"}]  # an answer started
+    totals, _ = score([("f", fn, 1.0)], prompt, [" 1", " 1 1"], [[5], [5, 5]], {"target": "1"}, TrainerState(3, 9, 0))
+    assert totals == [3.0, 5.0]  # the started answer is part of each completion, as in TRL
+    assert seen["prompts"] == [[{"role": "user", "content": "1 2"}]] * 2
+    assert seen["completions"][1] == [{"role": "assistant", "content": "1 1 1"}]
+    assert seen["kwargs"] == {"target": ["1", "1"]} and seen["state"].global_step == 3
+    assert is_conversational(prompt) and not is_conversational("1 2") and not is_conversational([{"role": "user"}])

@@ -10,45 +10,54 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline import protocol as P
-from pipeline.transports import ChecksumMismatch, ShmReceiver, checksum, remove_shm, serialize, write_shm
+from weights.files import ChecksumMismatch, remove_shm, write_shm
+from weights.plan import checksum, serialize
+from weights.shm import ShmReceiver
+from weights.zmq import ZmqReceiver
 
 
-class FakeZmq:
-    name = "zmq"
+def ready(version: int, size: int, crc: int, path: str = "") -> P.WeightsReady:
+    return P.WeightsReady(version, file=P.FileVersion(size, crc, path))
 
-    def __init__(self):
-        self.calls = 0
+
+@pytest.fixture
+def zmq_pulls(monkeypatch) -> list[int]:
+    """The shm receiver's fallback, the zmq pull, recorded instead of done."""
+    pulls = []
 
     async def fetch(self, ready):
-        self.calls += 1
+        pulls.append(ready.version)
         return "via-zmq"
 
+    monkeypatch.setattr(ZmqReceiver, "fetch", fetch)
+    return pulls
 
-async def test_shm_file_is_verified_and_corruption_refused():
+
+async def test_shm_file_is_verified_and_corruption_refused(zmq_pulls):
     blob = serialize([("w", torch.arange(1000, dtype=torch.float32))])
     path = write_shm("unit-test", 3, blob)
     try:
-        receiver = ShmReceiver(FakeZmq())
-        ready = P.WeightsReady(3, len(blob), checksum(blob), path)
-        assert await receiver.fetch(ready) == path and receiver.via == "shm"
+        receiver = ShmReceiver(None, 2**20)
+        announced = ready(3, len(blob), checksum(blob), path)
+        assert await receiver.fetch(announced) == path and receiver.via == "shm"
         assert torch.equal(load_file(path)["w"], torch.arange(1000, dtype=torch.float32))
         with pytest.raises(ChecksumMismatch, match="announced"):
-            await receiver.fetch(P.WeightsReady(3, len(blob), checksum(blob) ^ 1, path))
+            await receiver.fetch(ready(3, len(blob), checksum(blob) ^ 1, path))
         with open(path, "r+b") as f:  # a flipped byte in the file
             f.seek(len(blob) - 1)
             f.write(b"\x01" if blob[-1:] != b"\x01" else b"\x02")
         with pytest.raises(ChecksumMismatch):
-            await receiver.fetch(ready)
+            await receiver.fetch(announced)
+        assert zmq_pulls == []
     finally:
         remove_shm("unit-test")
 
 
-async def test_shm_falls_back_to_zmq_for_versions_not_in_shared_memory():
-    fallback = FakeZmq()
-    receiver = ShmReceiver(fallback)
-    assert await receiver.fetch(P.WeightsReady(1, 10, 0, "")) == "via-zmq"
-    assert await receiver.fetch(P.WeightsReady(2, 10, 0, "/dev/shm/pipeline-gone/weights-v2.safetensors")) == "via-zmq"
-    assert fallback.calls == 2
+async def test_shm_falls_back_to_zmq_for_versions_not_in_shared_memory(zmq_pulls):
+    receiver = ShmReceiver(None, 2**20)
+    assert await receiver.fetch(ready(1, 10, 0, "")) == "via-zmq"
+    assert await receiver.fetch(ready(2, 10, 0, "/dev/shm/pipeline-gone/weights-v2.safetensors")) == "via-zmq"
+    assert zmq_pulls == [1, 2]
     assert receiver.via == "zmq"  # what the generator reports in its weights_applied event
 
 
@@ -68,7 +77,7 @@ def test_nccl_buckets_carry_every_tensor_bit_exact(monkeypatch):
     manifest, unpacks them into the same names, dtypes, shapes and values."""
     import torch
 
-    from learner import collective as C
+    from weights import plan as C
 
     monkeypatch.setattr(C, "BUCKET_BYTES", 1000)
     named = [("a", torch.randn(3, 5, dtype=torch.bfloat16)), ("b", torch.arange(7, dtype=torch.int64)),
@@ -119,7 +128,7 @@ def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts()
     it, and a broadcast that fails because of the close does not mark it as a failed nccl peer."""
     import torch
 
-    from learner import collective as C
+    from weights import nccl as C
 
     peers = C.CollectivePeers("127.0.0.1", timeout_s=5.0)
 
@@ -156,7 +165,7 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     import subprocess
     import sys
 
-    from pipeline import transports
+    from weights import files as transports
 
     monkeypatch.setattr(transports, "SHM_ROOT", tmp_path)
     monkeypatch.setattr(transports.tempfile, "gettempdir", lambda: str(tmp_path))
@@ -168,7 +177,14 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     (stale / "weights-v1.safetensors").write_bytes(b"x")
     foreign = tmp_path / "pipeline-not-ours"  # no owner file: not made by this code, left alone
     foreign.mkdir()
-    assert transports.remove_stale() == [stale]
+    before = transports.shm_segments() | {"psm_0000aaaa"}
+    for name in ("psm_0000aaaa", "psm_1234abcd", "psm_5678ef01"):  # one was there before the engine started
+        (tmp_path / name).write_bytes(b"segment")
+    assert transports.record_segments(before) == ["psm_1234abcd", "psm_5678ef01"]  # the engine's
+    recv = transports.receiver_dir()
+    (recv / "owner").write_text(dead.stdout.strip())  # its generator and engine were killed with SIGKILL
+    assert sorted(transports.remove_stale()) == sorted([stale, recv])
+    assert sorted(p.name for p in tmp_path.glob("psm_*")) == ["psm_0000aaaa"]  # the engine's segments are gone
     assert not stale.exists() and foreign.exists() and path.exists()  # the live process's folder stays
     assert int((path.parent / "owner").read_text()) == os.getpid()
     transports.remove_shm("run-x")

@@ -1,4 +1,4 @@
-"""The learner's side of the `nccl` weight transport: one process group per generator.
+"""The nccl transport: one process group per generator, each version broadcast into its engine's workers.
 
 At registration the hub opens a TCPStore for the generator and tells it the port; the learner (rank 0
 of that group) and the generator's workers (ranks 1..tensor_parallel) meet there, so generators can
@@ -7,18 +7,20 @@ joiner is sent the current version from the learner's CPU copy (`on_join`), and 
 version is broadcast while it is gathered (ZeRO-3: in groups of up to 256 MB), straight from the learner's
 GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
 one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the
-same groups run over gloo, which is how the tests exercise this path.
+same groups run over gloo, which is how the tests exercise this path. The learner's side is
+`CollectivePeers`; the generator's is `NcclReceiver` (and, inside vLLM's workers, generator/worker_ext.py).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import math
 import threading
 
 import torch
 import torch.distributed as dist
+
+from pipeline import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -140,69 +142,19 @@ class CollectivePeers:
                     self._fail(peer, f"broadcast failed ({e})")
 
 
-# ---- buckets: a version travels as a few flat broadcasts, not one per parameter ---------------------
+class NcclReceiver:
+    """The generator's side: joins its process group at registration; every version, the one current at
+    registration too, arrives as broadcasts into the engine's workers, in order (the learner is sending it)."""
 
-BUCKET_BYTES = 256 * 2**20
-ALIGN = 16  # every tensor starts at a multiple of this many bytes inside its bucket
+    name = via = "nccl"
+    in_order = True
 
+    def accepts(self, ready: P.WeightsReady) -> bool:
+        return bool(ready.manifest)
 
-def _nbytes(dtype: str, shape: list) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
+        await engine.init_collective(host, welcome.collective)
 
+    async def apply(self, ready: P.WeightsReady, engine) -> float:
+        return await engine.load_collective(ready.version, ready.manifest)
 
-def buckets(manifest: list) -> list[tuple[list[int], list[int], int]]:
-    """Consecutive manifest entries grouped into broadcasts of about BUCKET_BYTES (a larger tensor alone):
-    [(entry indices, their byte offsets, bucket size)]. Learner and generators compute the same plan."""
-    plan, idx, offs, size = [], [], [], 0
-    for i, (_, dtype, shape) in enumerate(manifest):
-        idx.append(i)
-        offs.append(size)
-        size += -(-_nbytes(dtype, shape) // ALIGN) * ALIGN
-        if size >= BUCKET_BYTES:
-            plan.append((idx, offs, size))
-            idx, offs, size = [], [], 0
-    if idx:
-        plan.append((idx, offs, size))
-    return plan
-
-
-def unpack(flat: torch.Tensor, manifest: list, idx: list[int], offs: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into a received bucket."""
-    out = []
-    for i, off in zip(idx, offs, strict=True):
-        name, dtype, shape = manifest[i]
-        n = _nbytes(dtype, shape)
-        out.append((name, flat[off:off + n].view(getattr(torch, dtype)).view(shape)))
-    return out
-
-
-class Packer:
-    """Copies tensors (in manifest order, as they are gathered) into flat buckets on `device`; each full bucket
-    goes to `emit(flat, idx, offs)` (broadcast, CPU copy). ZeRO-3 may release a parameter once it is added:
-    the copy is queued on the current stream, ahead of any reuse of its memory."""
-
-    def __init__(self, manifest: list, device, emit):
-        self.plan, self.device, self.emit = buckets(manifest), device, emit
-        self.k, self.n, self.flat = 0, 0, None
-
-    def add(self, t: torch.Tensor) -> None:
-        idx, offs, size = self.plan[self.k]
-        if self.flat is None:
-            self.flat = torch.empty(size, dtype=torch.uint8, device=self.device)
-        nbytes = t.numel() * t.element_size()
-        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        self.flat[offs[self.n]:offs[self.n] + nbytes].copy_(src, non_blocking=True)
-        self.n += 1
-        if self.n == len(idx):
-            self.emit(self.flat, idx, offs)
-            self.k, self.n, self.flat = self.k + 1, 0, None
-
-    def finish(self) -> None:
-        if self.k != len(self.plan):  # the generators would wait for the rest until their timeout
-            raise RuntimeError(f"nccl transport: {self.k} of {len(self.plan)} buckets sent; parameters differ "
-                               "from the announced manifest")
-
-
-def manifest(named) -> list[list]:
-    """[name, dtype, shape] of (name, tensor) pairs in broadcast order (ZeRO-3 parameters: the full shape)."""
-    return [[name, str(t.dtype).removeprefix("torch."), list(getattr(t, "ds_shape", t.shape))] for name, t in named]

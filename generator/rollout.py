@@ -1,0 +1,56 @@
+"""A rollout: what a generator does with one leased prompt to make its group of samples.
+
+The generator calls the function named by `generator.rollout` (`module:function`) once per leased prompt:
+
+    async def rollout(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]   # ctx.n of them
+
+A trajectory is every token after the prompt, with the behaviour log-prob of each and a loss mask: 1 for a token
+the model sampled (trained), 0 for a token the environment put into the context (a tool's reply: the model reads
+it, the loss leaves it out; its log-prob is 0). The learner trains on the mask (learner/batching.py). The
+default, `single_turn`, is one completion per sample; generator/calculator.py is a two-turn example with a tool.
+Rewards are computed afterwards from each trajectory's text (`text`, else its tokens decoded), by the reward
+functions of the config, as TRL calls them (pipeline/tasks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline import protocol as P
+
+
+@dataclass
+class Context:
+    n: int  # samples in the group
+    sampling: P.Sampling  # the lease's: max_tokens bounds every trajectory's tokens after the prompt
+    tokenizer: object
+    item: P.PromptItem  # the prompt as leased (its text or messages, its dataset columns)
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-probs; 0.0 for the environment's tokens
+    mask: list[int]  # 1: sampled by the model (trained); 0: put there by the environment (not trained)
+    finish_reason: str
+    first_version: int  # weights version of its first sampled token
+    last_version: int  # and of its last
+    gen_ms: float = 0.0
+    text: str | None = None  # the completion reward functions see (None: the tokens decoded)
+    extra: dict = field(default_factory=dict)
+
+
+async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
+    outs = await engine.generate(prompt_ids, ctx.n, ctx.sampling)
+    return [Trajectory(o.token_ids, o.logprobs, [1] * len(o.token_ids), o.finish_reason, o.first_version,
+                       o.last_version, o.gen_ms) for o in outs]
+
+
+def load_rollout(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"generator.rollout: cannot load {spec!r}: {e}") from None

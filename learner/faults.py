@@ -1,0 +1,63 @@
+"""Faults that could end the run, counted only when confirmed: prompts no engine takes, reward functions that raise.
+
+A generator reports a group it could not make (GroupFailed): "engine" (lease it again, a few times), "prompt"
+(vLLM refused the prompt itself), "reward" (a reward function raised: an error of the run, not of the prompt).
+The prompt goes to another generator while one is there to try it; the fault counts once confirmed by two
+principals or by every registered one (learner/registry.py): a confirmed "prompt" (or a third "engine") rejects
+the prompt for the epoch, a confirmed "reward" counts toward hub.max_reward_errors. Past hub.max_rejected_prompts
+or hub.max_reward_errors the run stops with the reason (`fail`).
+"""
+
+from __future__ import annotations
+
+from learner.ledger import Key
+from pipeline import protocol as P
+
+MAX_ATTEMPTS = 3  # a prompt whose group failed this often in engines is rejected like an invalid one
+
+
+class Faults:
+    def __init__(self, cfg, ledger, registry, journal, counters: dict[str, int], fail):
+        self.cfg, self.ledger, self.registry, self.journal, self.counters = cfg, ledger, registry, journal, counters
+        self.fail = fail  # callable(why): the run cannot go on
+        self.confirmed_reward_errors = 0  # reward errors every principal that could try agreed on
+
+    def group_failed(self, msg: P.GroupFailed, principal: str) -> None:
+        """The group of a prompt leased to the sender failed (its lease entry is settled already)."""
+        key = (msg.epoch, msg.prompt_id)
+        attempts, tried = self.ledger.failed(key, principal)
+        confirmed = self.registry.confirmed(tried)
+        if msg.kind == "reward":
+            self._reward_error(key, msg, confirmed)
+        elif confirmed and (msg.kind == "prompt" or attempts >= MAX_ATTEMPTS):
+            self.reject_prompt(key, msg.generator_id, msg.reason)
+        else:
+            self.ledger.requeue([key])
+            self.journal.warn("failed", "hub: prompt %s failed on %s (%s: %s); leased again", key, msg.generator_id,
+                              msg.kind, msg.reason[:500])
+
+    def reject_prompt(self, key: Key, by: str, reason: str) -> None:
+        self.counters["rejected_prompts"] += 1
+        self.ledger.forgive(key)
+        self.journal.event("prompt_rejected", generator=by, epoch=key[0], prompt_id=key[1], reason=reason)
+        self.journal.warn("prompt_rejected", "hub: prompt %s rejected (%s): %s", key, by, reason)
+        limit = self.cfg.hub.max_rejected_prompts
+        if self.counters["rejected_prompts"] >= limit:
+            self.fail(f"{limit} prompts were rejected (hub.max_rejected_prompts), the last, prompt {key[1]}: "
+                      f"{reason}. Check data.prompt_column, the tokenizer and generator.max_model_len")
+
+    def _reward_error(self, key: Key, msg: P.GroupFailed, confirmed: bool) -> None:
+        self.ledger.requeue([key])
+        self.counters["reward_errors"] += 1
+        self.journal.event("reward_error", generator=msg.generator_id, epoch=key[0], prompt_id=key[1],
+                           error=msg.reason, confirmed=confirmed)
+        self.journal.warn("reward_error", "hub: a reward function failed in %s on prompt %s:\n%s", msg.generator_id,
+                          key, msg.reason)
+        if not confirmed:  # another generator tries the prompt first
+            return
+        self.ledger.forgive(key)  # the prompt is not at fault: anyone may take it again
+        self.confirmed_reward_errors += 1
+        limit = self.cfg.hub.max_reward_errors
+        if self.confirmed_reward_errors >= limit:
+            self.fail(f"reward functions raised {self.confirmed_reward_errors} times (hub.max_reward_errors="
+                      f"{limit}); the last, on prompt {key[1]} in {msg.generator_id}:\n{msg.reason}")

@@ -1,0 +1,47 @@
+"""The staleness rules, in one place: the hub's admission and leases, and the learner step's filter.
+
+A group's behaviour version is the oldest weights version any of its tokens came from. The step turning
+version v into v + 1 trains only groups with v - behaviour <= k (`trainer.max_staleness`). Admission keeps
+the groups in flight (leased + buffered + in the step being trained) at most (k + 1) x batch_size, so
+generation runs at most k versions ahead of training; a lease says the oldest version its groups may
+start from (`min_version`), which the generator waits for before generating.
+"""
+
+from __future__ import annotations
+
+from pipeline import protocol as P
+
+
+def behaviour_version(group: P.RolloutGroup) -> int:
+    return min(s.first_version for s in group.samples)
+
+
+def lag(group: P.RolloutGroup, step: int) -> int:
+    return step - behaviour_version(group)
+
+
+def room(version: int, in_flight: int, total_steps: int, batch_size: int, k: int) -> tuple[int, str]:
+    """Groups that may be leased now, and why none may (when 0)."""
+    still_needed = (total_steps - version) * batch_size - in_flight
+    free = min((k + 1) * batch_size - in_flight, still_needed)
+    if free > 0:
+        return free, ""
+    return 0, "waiting for the last steps" if still_needed <= 0 else "staleness window full"
+
+
+def min_version(version: int, in_flight: int, batch_size: int, k: int) -> int:
+    """The oldest weights a new lease's groups may start from: the first of them is trained at step
+    version + in_flight // batch_size at the latest, and must then lag at most k."""
+    return min(version, max(0, version + in_flight // batch_size - k))
+
+
+def split_stale(buffered: list, step: int, k: int) -> tuple[list, list]:
+    """(fresh, stale) of (group, arrival time) pairs for the step turning version `step` into step + 1."""
+    fresh = [(g, t) for g, t in buffered if lag(g, step) <= k]
+    stale = [(g, t) for g, t in buffered if lag(g, step) > k]
+    return fresh, stale
+
+
+def oldest_first(buffered: list) -> list:
+    """A batch takes the oldest groups first (by behaviour version, then arrival), before they go stale."""
+    return sorted(buffered, key=lambda gt: (behaviour_version(gt[0]), gt[1]))

@@ -1,0 +1,208 @@
+"""Weights on the local file system: private folders in /dev/shm, atomic writes, checks, and clean-up.
+
+The learner writes a version's safetensors blob to /dev/shm for the shm transport (`write_shm`); a zmq
+receiver pulls it into a folder of its own (`receiver_dir`). Folders are 0700 and files 0600 (weights are
+not everyone's), each folder names its owner process, so what a process killed with SIGKILL left behind is
+removed by the next learner or launcher (`remove_stale`), with the shared-memory segments its vLLM engine made
+(`record_segments`). `verify_file` checks size and crc32 against the
+announcement before an engine pauses for the update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import re
+import socket
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+from pipeline import protocol as P
+from weights import delta
+
+SHM_ROOT = Path("/dev/shm")
+
+
+def host_identity() -> tuple[str, str]:
+    """(hostname, boot id): two processes with the same boot id share /dev/shm."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+def shm_dir(run_id: str) -> Path:
+    return SHM_ROOT / f"pipeline-{run_id}"
+
+
+def private_dir(path: Path) -> Path:
+    """A folder only this user can enter, with an `owner` file naming this process (see remove_stale)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)
+    (path / "owner").write_text(str(os.getpid()))
+    return path
+
+
+def write_private(path: Path, data) -> None:
+    """Write `data` to `path` atomically, readable by this user only (weights are not everyone's)."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_shm(run_id: str, version: int, blob: bytes, keep: int = 2) -> str:
+    """Write the blob for `version` atomically; remove all but the newest `keep` versions."""
+    d = shm_dir(run_id)
+    if not (d / "owner").exists():
+        private_dir(d)
+    path = d / f"weights-v{version}.safetensors"
+    write_private(path, blob)
+    for old in d.glob("weights-v*.safetensors"):
+        if int(old.stem.split("-v")[1]) <= version - keep:
+            old.unlink(missing_ok=True)
+    return str(path)
+
+
+def remove_dir(d: Path) -> None:
+    for f in d.glob("*"):
+        f.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        d.rmdir()
+
+
+def remove_shm(run_id: str) -> None:
+    remove_dir(shm_dir(run_id))
+
+
+def remove_stale() -> list[Path]:
+    """Remove this user's pipeline folders in /dev/shm (and the temp folder) whose owner process is gone: a
+    learner or generator killed with SIGKILL cannot clean up after itself. Returns what was removed."""
+    removed = []
+    for root in {SHM_ROOT, Path(tempfile.gettempdir())}:
+        for d in root.glob("pipeline-*") if root.is_dir() else []:
+            try:
+                if d.stat().st_uid != os.getuid() or not d.is_dir():
+                    continue
+                pid = int((d / "owner").read_text())
+            except (OSError, ValueError):
+                continue
+            if not _alive(pid):
+                _remove_segments(d)
+                remove_dir(d)
+                removed.append(d)
+    return removed
+
+
+SEGMENT = re.compile(r"psm_[0-9a-f]{8,32}")
+
+
+def shm_segments() -> set[str]:
+    """Names of the shared-memory segments in /dev/shm (Python's multiprocessing.shared_memory: vLLM's)."""
+    return {p.name for p in SHM_ROOT.glob("psm_*")} if SHM_ROOT.is_dir() else set()
+
+
+def record_segments(before: set[str]) -> list[str]:
+    """Record in this process's folder the segments that appeared since `before` (a vLLM engine's, made while it
+    started): if the process is killed with its engine (SIGKILL to the group: nobody unlinks them), remove_stale
+    removes them with the folder."""
+    new = sorted(n for n in shm_segments() - before if (SHM_ROOT / n).stat().st_uid == os.getuid())
+    if new:
+        (private_dir(receiver_dir()) / "segments").write_text("\n".join(new))
+    return new
+
+
+def _remove_segments(d: Path) -> None:
+    try:
+        names = (d / "segments").read_text().split()
+    except OSError:
+        return
+    for name in names:
+        path = SHM_ROOT / name
+        with contextlib.suppress(OSError):
+            if SEGMENT.fullmatch(name) and path.stat().st_uid == os.getuid():
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def receiver_dir() -> Path:
+    """The zmq receiver's folder of this process (one version's file at a time)."""
+    return (SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())) / f"pipeline-recv-{os.getpid()}"
+
+
+def remove_receiver_dir() -> None:
+    remove_dir(receiver_dir())
+
+
+class ChecksumMismatch(P.ProtocolError):
+    pass
+
+
+async def verify_file(path: str, ready: P.WeightsReady) -> str:
+    """Check size and crc32 of the file against the announcement (in a thread: crc32 releases the GIL)."""
+
+    def crc() -> tuple[int, int]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return 0, 0
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return size, zlib.crc32(m)
+
+    size, got = await asyncio.to_thread(crc)
+    want = ready.file
+    if size != want.size or got != want.checksum:
+        raise ChecksumMismatch(
+            f"weights v{ready.version}: {path} has {size} bytes with crc32 {got:#x}, announced {want.size} bytes "
+            f"with crc32 {want.checksum:#x}"
+        )
+    return path
+
+
+class FileSender:
+    """The learner's side of the file transports (zmq and shm share it: one blob serves both). Each version's
+    CPU copy is serialised into a safetensors blob in a background thread, written to /dev/shm while a
+    generator uses shm, kept by the hub for zmq pulls, and announced. Only while some generator uses a file
+    transport (or none is registered: the next one may)."""
+
+    def __init__(self, hub, run_id: str, transport: str, delta: bool = False):
+        self.hub, self.run_id, self.transport, self.delta = hub, run_id, transport, delta
+        self.serialize_ms = 0.0  # of the last announced blob
+        self.sizes = (0, 0)  # of the last version: bytes of the blob, of its delta (0: none)
+        self._last: tuple[int, bytes] | None = None  # (version, blob): the base of the next delta
+
+    def wanted(self) -> bool:
+        return self.hub.wants_blobs()
+
+    def send(self, version: int, named, published_at: float) -> None:
+        from weights.plan import checksum, serialize
+
+        start = time.perf_counter()
+        blob = serialize(named)
+        shm_path = ""
+        if self.transport == "shm" or self.hub.uses_transport("shm"):
+            shm_path = write_shm(self.run_id, version, blob)
+        file, diff = P.FileVersion(len(blob), checksum(blob), shm_path), None
+        if self.delta and self._last is not None and self._last[0] == version - 1:
+            diff = delta.encode(self._last[1], blob)
+            if diff is not None:
+                file.delta_base, file.delta_size, file.delta_checksum = version - 1, len(diff), checksum(diff)
+        self._last = (version, blob) if self.delta else None
+        self.hub.announce(P.WeightsReady(version, published_at, file), blob, delta=diff)
+        self.sizes = (len(blob), len(diff) if diff is not None else 0)
+        self.serialize_ms = (time.perf_counter() - start) * 1000

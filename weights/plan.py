@@ -1,0 +1,91 @@
+"""The plan of a weights version, shared by the learner and the generators: what travels, in which order.
+
+A version is the model's named tensors. The file transports carry it as one safetensors blob (`serialize`)
+with a crc32 (`checksum`); the nccl transport as a few flat broadcasts of about BUCKET_BYTES each, in the
+order of a manifest ([name, dtype, shape] per tensor) that both sides turn into the same buckets (`buckets`,
+`Packer` on the learner, `unpack` on the generator's workers).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+
+import torch
+
+BUCKET_BYTES = 256 * 2**20
+ALIGN = 16  # every tensor starts at a multiple of this many bytes inside its bucket
+
+
+def _nbytes(dtype: str, shape: list) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def buckets(manifest: list) -> list[tuple[list[int], list[int], int]]:
+    """Consecutive manifest entries grouped into broadcasts of about BUCKET_BYTES (a larger tensor alone):
+    [(entry indices, their byte offsets, bucket size)]. Learner and generators compute the same plan."""
+    plan, idx, offs, size = [], [], [], 0
+    for i, (_, dtype, shape) in enumerate(manifest):
+        idx.append(i)
+        offs.append(size)
+        size += -(-_nbytes(dtype, shape) // ALIGN) * ALIGN
+        if size >= BUCKET_BYTES:
+            plan.append((idx, offs, size))
+            idx, offs, size = [], [], 0
+    if idx:
+        plan.append((idx, offs, size))
+    return plan
+
+
+def unpack(flat: torch.Tensor, manifest: list, idx: list[int], offs: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a received bucket."""
+    out = []
+    for i, off in zip(idx, offs, strict=True):
+        name, dtype, shape = manifest[i]
+        n = _nbytes(dtype, shape)
+        out.append((name, flat[off:off + n].view(getattr(torch, dtype)).view(shape)))
+    return out
+
+
+class Packer:
+    """Copies tensors (in manifest order, as they are gathered) into flat buckets on `device`; each full bucket
+    goes to `emit(flat, idx, offs)` (broadcast, CPU copy). ZeRO-3 may release a parameter once it is added:
+    the copy is queued on the current stream, ahead of any reuse of its memory."""
+
+    def __init__(self, manifest: list, device, emit):
+        self.plan, self.device, self.emit = buckets(manifest), device, emit
+        self.k, self.n, self.flat = 0, 0, None
+
+    def add(self, t: torch.Tensor) -> None:
+        idx, offs, size = self.plan[self.k]
+        if self.flat is None:
+            self.flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+        nbytes = t.numel() * t.element_size()
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        self.flat[offs[self.n]:offs[self.n] + nbytes].copy_(src, non_blocking=True)
+        self.n += 1
+        if self.n == len(idx):
+            self.emit(self.flat, idx, offs)
+            self.k, self.n, self.flat = self.k + 1, 0, None
+
+    def finish(self) -> None:
+        if self.k != len(self.plan):  # the generators would wait for the rest until their timeout
+            raise RuntimeError(f"nccl transport: {self.k} of {len(self.plan)} buckets sent; parameters differ "
+                               "from the announced manifest")
+
+
+def manifest(named) -> list[list]:
+    """[name, dtype, shape] of (name, tensor) pairs in broadcast order (ZeRO-3 parameters: the full shape)."""
+    return [[name, str(t.dtype).removeprefix("torch."), list(getattr(t, "ds_shape", t.shape))] for name, t in named]
+
+
+def serialize(named_tensors: Iterable) -> bytes:
+    """(name, tensor) pairs -> one safetensors blob (tensors are moved to CPU one at a time)."""
+    from safetensors.torch import save
+
+    return save({name: t.detach().to("cpu").contiguous() for name, t in named_tensors})
+
+
+def checksum(blob) -> int:
+    return zlib.crc32(blob)

@@ -1,0 +1,130 @@
+"""The zmq transport: a generator pulls each version's blob from the hub in chunks over its control channel.
+
+Works across hosts and for late joiners. The learner's side is the hub's `Blobs` (the newest blobs by version,
+served chunk by chunk to registered generators, a few chunks in flight per peer); the generator's side is
+`ZmqReceiver`, which writes the chunks straight into a private file, verifies it and hands the engine its path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from pipeline import protocol as P
+from weights.files import ChecksumMismatch, private_dir, receiver_dir, verify_file
+
+
+class Blobs:
+    """The learner's side: the safetensors blobs of the newest two versions."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self.by_version: dict[int, bytes] = {}
+        self.deltas: dict[int, bytes] = {}  # weights.delta: version -> the delta from the version before
+
+    def put(self, version: int, blob: bytes, delta: bytes | None = None) -> None:
+        self.by_version[version] = blob
+        if delta is not None:
+            self.deltas[version] = delta
+        for kept in (self.by_version, self.deltas):
+            for v in [v for v in kept if v < version - 1]:
+                del kept[v]
+
+    def chunk(self, msg: P.WeightsFetch, latest: int) -> P.Message:
+        blob = (self.deltas if msg.delta else self.by_version).get(msg.version)
+        if blob is None:
+            return P.Error(f"weights version {msg.version}{' (delta)' if msg.delta else ''} is no longer served "
+                           f"(latest: {latest})")
+        end = min(len(blob), msg.offset + min(msg.length, self.chunk_bytes))
+        return P.WeightsChunk(msg.version, msg.offset, memoryview(blob)[max(0, msg.offset):end], len(blob))
+
+
+class ZmqReceiver:
+    """The generator's side: several chunks in flight, each written where it belongs in a local file."""
+
+    name = "zmq"
+    in_order = False  # a file may skip to the newest announced version
+
+    def __init__(self, client, chunk_bytes: int, generator_id: str = "", window: int = 4):
+        self.client, self.chunk, self.window, self.generator_id = client, chunk_bytes, window, generator_id
+        self.dir = receiver_dir()
+        self.via = self.name
+        self.fetched = 0  # bytes pulled, blobs and deltas
+
+    def accepts(self, ready: P.WeightsReady) -> bool:
+        return ready.file is not None
+
+    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
+        pass
+
+    async def apply(self, ready: P.WeightsReady, engine) -> float:
+        """Fetch and verify the version, then load it; returns milliseconds the engine stopped generating."""
+        path = await self.fetch(ready)
+        return await engine.load(path, None, ready.version)
+
+    async def fetch(self, ready: P.WeightsReady) -> str:
+        if not (self.dir / "owner").exists():
+            private_dir(self.dir)
+        path = self.dir / f"weights-v{ready.version}.safetensors"
+        base = self.dir / f"weights-v{ready.file.delta_base}.safetensors"
+        if ready.file.delta_base < 0 or not base.exists():
+            self._remove_all_but(None)  # no delta to apply: the old files are not needed while the blob comes
+        try:
+            if ready.file.delta_base < 0 or not base.exists():
+                raise FileNotFoundError
+            self.via = f"{self.name}-delta"
+            await self._fetch_delta(ready, base, path)
+            path = await verify_file(str(path), ready)
+        except (FileNotFoundError, ChecksumMismatch, ValueError, P.ProtocolError):  # the full blob will do
+            self.via = self.name
+            await self._pull(ready, path, False, ready.file.size, os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+                                                                          0o600))
+            path = await verify_file(str(path), ready)
+        self._remove_all_but(path)  # the engine has loaded the previous version; this one is the next base
+        return path
+
+    def _remove_all_but(self, keep) -> None:
+        for old in self.dir.glob("weights-v*.safetensors"):
+            if keep is None or old.name != str(keep).rsplit("/", 1)[-1]:
+                old.unlink(missing_ok=True)
+
+    async def _fetch_delta(self, ready: P.WeightsReady, base, path) -> None:
+        import zlib
+
+        from weights.delta import apply
+
+        buf = bytearray(ready.file.delta_size)
+        await self._pull(ready, path, True, len(buf), buf)
+        if zlib.crc32(buf) != ready.file.delta_checksum:
+            raise ChecksumMismatch(f"weights v{ready.version}: delta crc32 mismatch")
+        blob = await asyncio.to_thread(lambda: apply(base.read_bytes(), bytes(buf)))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        self.fetched += len(buf)
+
+    async def _pull(self, ready: P.WeightsReady, path, delta: bool, size: int, into) -> None:
+        """`size` bytes of the version's blob (or delta) in chunks, several in flight, into a file descriptor
+        (closed here) or a bytearray."""
+        try:
+            if isinstance(into, int):
+                os.ftruncate(into, size)
+            sem = asyncio.Semaphore(self.window)  # chunks in flight: keeps the socket busy without flooding it
+
+            async def one(off: int) -> None:
+                async with sem:
+                    reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk, self.generator_id,
+                                                                     delta))
+                if not isinstance(reply, P.WeightsChunk):
+                    raise P.ProtocolError(f"weights v{ready.version} at {off}: {getattr(reply, 'message', reply)}")
+                if isinstance(into, int):
+                    os.pwrite(into, reply.data, off)
+                else:
+                    into[off:off + len(reply.data)] = reply.data
+
+            await asyncio.gather(*(one(o) for o in range(0, size, self.chunk)))
+            if not delta:
+                self.fetched += size
+        finally:
+            if isinstance(into, int):
+                os.close(into)
