@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--name", default="hostile_load")
     p.add_argument("--gpus", default=None, help="GPUs of the learner and the generator (default: none, CPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--kinds", default="insider,stranger", help="kinds of hostile peers, taken in turn")
     p.add_argument("--peer", choices=["stranger", "insider"], help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--rollouts", help=argparse.SUPPRESS)
@@ -92,8 +93,9 @@ def main() -> None:
         for phase in PHASES:
             peers = []
             if phase == "hostile":
-                peers = [_start_peer(i, "stranger" if i % 2 else "insider", address, keys, work, victim,
-                                     args.seconds) for i in range(args.peers)]
+                kinds = args.kinds.split(",")
+                peers = [_start_peer(i, kinds[i % len(kinds)], address, keys, work, victim, args.seconds)
+                         for i in range(args.peers)]
             phases[phase] = _measure(run_dir, rss, args.seconds)
             if peers:
                 phases[phase]["sent"] = _collect(peers)

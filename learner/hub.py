@@ -293,6 +293,7 @@ class Hub:
             if lease.generator_id != gen.generator_id:
                 self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
                                       "another generator", gen.generator_id)
+                self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
                 return
             expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
             self.ledger.settle(msg.lease_id, key)
@@ -301,6 +302,7 @@ class Hub:
             except Rejected as e:
                 self.ledger.requeue([key])  # its prompt is leased again
                 self._reject(e.reason, e.detail, gen.generator_id)
+                self._count_against(gen, f"{e.reason}: {e.detail}")
                 self.lock.notify_all()
                 return
             self.ledger.buffered(msg)
@@ -310,6 +312,22 @@ class Hub:
             gen.groups += 1
             gen.tokens += tokens
             self.lock.notify_all()
+
+    def _count_against(self, gen: GeneratorInfo, why: str) -> None:
+        """A rollout of `gen`'s own lease was invalid. Past hub.max_rejected_rollouts in one registration its
+        principal is quarantined: dropped (its leases re-queued), and refused for hub.quarantine_s, so a faulty
+        or compromised generator cannot keep taking prompts from the window to return them invalid."""
+        gen.rejected += 1
+        if gen.rejected < self.cfg.hub.max_rejected_rollouts:
+            return
+        until = self.registry.quarantine(gen.principal, self.cfg.hub.quarantine_s,
+                                         f"{gen.rejected} of its rollouts were rejected, the last: {why}")
+        log.error("hub: generator %s quarantined for %.0f s: %d of its rollouts were rejected, the last: %s",
+                  gen.generator_id, until, gen.rejected, why)
+        self.counters["quarantined"] = self.counters.get("quarantined", 0) + 1
+        self.journal.event("quarantine", generator=gen.generator_id, key=gen.user.split(":", 1)[-1], seconds=until,
+                           rejected=gen.rejected, reason=why)
+        self._drop_generator(gen.generator_id, "quarantined", why)
 
     def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
         """A generator could not generate a leased prompt: learner/faults.py decides what it costs."""

@@ -40,6 +40,7 @@ class GeneratorInfo:
     tokens: int = 0  # rollout tokens received from it
     draining: bool = False  # told us it is finishing its groups before it leaves
     received: int = 0  # rollouts of this registration that reached the hub (trained or not)
+    rejected: int = 0  # rollouts of its own leases that were invalid (learner/validation.py)
     joined_at: float = field(default_factory=time.time)
 
     @property
@@ -52,12 +53,17 @@ class Registry:
         self.max_generators = max_generators
         self.generators: dict[str, GeneratorInfo] = {}
         self._index = itertools.count()
+        self._quarantined: dict[str, tuple[float, str]] = {}  # principal -> (until, why)
 
     def refusal(self, msg: P.Register, user: str) -> tuple[str, bool]:
         """Why `msg` may not register (`""`: it may), and whether that is an attempt to speak for another."""
         problem = registration_problem(msg)
         if problem:
             return f"registration refused: {problem}", False
+        until, why = self._quarantined.get(user or msg.generator_id, (0.0, ""))
+        if time.monotonic() < until:
+            return (f"registration refused: quarantined for {until - time.monotonic():.0f} s more ({why}); "
+                    "hub.quarantine_s"), False
         old = self.generators.get(msg.generator_id)
         if old is not None:
             if not hmac.compare_digest(old.session, msg.session) or old.user != user:
@@ -98,6 +104,10 @@ class Registry:
         if not hmac.compare_digest(gen.session, group.session) or gen.user != user:
             return None, "identity", f"{where} under generator id {group.generator_id!r} without its session or key"
         return gen, "", ""
+
+    def quarantine(self, principal: str, seconds: float, why: str) -> float:
+        self._quarantined[principal] = (time.monotonic() + seconds, why)
+        return seconds
 
     def confirmed(self, principals: set[str]) -> bool:
         """A fault confirmed: reported by two principals, or by every one registered (a lone generator)."""

@@ -180,6 +180,12 @@ class HubConfig:
     leases its generator stops reporting in its heartbeats). Generous: long completions take minutes."""
     max_generators: int = 64
     """Registered generators at most; more are refused."""
+    max_rejected_rollouts: int = 8
+    """A generator whose own rollouts were rejected this often (invalid token ids, log-probs, lengths, versions,
+    ...) in one registration is dropped, its leases re-queued, and its key (its id without keys) refused for
+    hub.quarantine_s: a faulty or compromised generator cannot keep taking prompts to return them invalid."""
+    quarantine_s: float = 300.0
+    """How long a quarantined generator's key (or id) is refused."""
     allow_insecure: bool = False
     """Let the hub bind an interface other than loopback without `auth.keys`: anyone who reaches the port can
     then register, send rollouts and change run-time knobs. Keep false outside a trusted network."""
@@ -285,7 +291,8 @@ _RANGES = {
     "generator.gpu_memory_utilization": FRACTION, "generator.cpu_kvcache_gb": POSITIVE, "generator.seed": NON_NEGATIVE,
     "hub.port": Range(0, 65535), "hub.heartbeat_s": POSITIVE, "hub.heartbeat_timeout_s": POSITIVE,
     "hub.max_message_mb": Range(1, 2047), "hub.max_rejected_prompts": POSITIVE, "hub.max_reward_errors": POSITIVE,
-    "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE,
+    "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE, "hub.max_rejected_rollouts": POSITIVE,
+    "hub.quarantine_s": NON_NEGATIVE,
     "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
     "data.size": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
 }

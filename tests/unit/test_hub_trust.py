@@ -318,3 +318,29 @@ def test_a_flood_of_bad_messages_is_dropped_undecoded_and_others_are_served(hubs
     assert isinstance(flood.register(), P.Welcome)  # a second later it is heard again
     flood.close()
     honest.close()
+
+
+def test_a_generator_whose_rollouts_keep_being_rejected_is_quarantined_and_others_go_on(hubs):
+    """It took prompts from the window only to return them invalid: after hub.max_rejected_rollouts it is dropped,
+    its leases go back to the queue, and its registration is refused (with the reason) for hub.quarantine_s."""
+    hub = hubs(hub={"max_rejected_rollouts": 3})
+    rogue, honest = Peer(hub, "rogue"), Peer(hub, "honest")
+    rogue.register()
+    honest.register()
+    lease = rogue.lease(4)
+    for item in lease.groups[:3]:
+        rogue.send(rogue.group(lease, item, logprobs=(math.nan, -1.0)))
+    wait_until(lambda: "rogue" not in hub.registry.generators)
+    assert hub.counters["quarantined"] == 1 and hub.counters["rejected/logprob"] == 3 and not hub.ledger.leases
+    assert {(g.epoch, g.prompt_id) for g in lease.groups} <= set(hub.ledger.pending)  # nothing lost
+    assert rogue.lease(1).fatal  # forgotten: "register again"
+    refused = rogue.register()
+    assert refused.stop and "quarantined" in refused.message and "logprob" in refused.message
+    again = honest.lease(4)
+    honest.send_groups(again)
+    wait_until(lambda: len(hub.ledger.buffer) == 4)  # the honest generator is served as before
+    quarantine = [json.loads(line) for line in (hub.run_dir / "events.jsonl").read_text().splitlines()
+                  if '"quarantine"' in line]
+    assert quarantine and quarantine[0]["generator"] == "rogue"
+    rogue.close()
+    honest.close()

@@ -13,7 +13,7 @@ class Hub:  # records what the publisher announces
     def __init__(self):
         self.blobs, self.weights = {}, SimpleNamespace(last_ready=None, on_file_join=None)
 
-    def announce(self, ready, blob, to=None):
+    def announce(self, ready, blob, to=None, delta=None):
         self.blobs[ready.version] = blob
         self.weights.last_ready = ready
 
