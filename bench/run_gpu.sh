@@ -32,14 +32,12 @@ export BENCH_PGIDS=/tmp/bench-pgids.txt BENCH_RESULTS=/tmp/bench-logs/results  #
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT" /tmp/bench-logs/results
 T0=$(date +%s)
-# GPU processes left by an earlier, interrupted pass on this machine (our own; stopped by pid)
-for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done; sleep 2
-
 cleanup() {  # process groups the benchmarks started (each child runs in its own session)
   [ -f "$BENCH_PGIDS" ] || return 0
   while read -r pg; do kill -9 -- "-$pg" 2>/dev/null; done <"$BENCH_PGIDS"
   rm -f "$BENCH_PGIDS"
 }
+cleanup  # what an earlier, interrupted pass of ours left (recorded by pid); never other processes on the GPUs
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-logs/NAME.log
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s, t=$(( $(date +%s) - T0 ))s)"

@@ -44,13 +44,3 @@ async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Traje
     outs = await engine.generate(prompt_ids, ctx.n, ctx.sampling)
     return [Trajectory(o.token_ids, o.logprobs, [1] * len(o.token_ids), o.finish_reason, o.first_version,
                        o.last_version, o.gen_ms) for o in outs]
-
-
-def load_rollout(spec: str):
-    import importlib
-
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"generator.rollout: cannot load {spec!r}: {e}") from None

@@ -29,12 +29,12 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from generator.rollout import Context, load_rollout
+from generator.rollout import Context
 from pipeline import protocol as P
 from pipeline.client import HubClient
 from pipeline.config import Config
 from pipeline.security import client_keys, secure_client
-from pipeline.tasks import RewardError, TrainerState, encode_prompt, load_reward_fns, score
+from pipeline.tasks import RewardError, TrainerState, encode_prompt, load_callable, load_reward_fns, score
 from weights import receiver
 from weights.files import host_identity, record_segments, remove_receiver_dir, shm_segments
 
@@ -61,7 +61,7 @@ class Generator:
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rewards = load_reward_fns(cfg.rewards)
-        self.rollout = load_rollout(cfg.generator.rollout)
+        self.rollout = load_callable(cfg.generator.rollout, "generator.rollout")
         self.keys = client_keys(cfg.auth.keys, cfg.auth.identity)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now

@@ -158,17 +158,18 @@ class RewardError(Exception):
         self.name = name
 
 
+def load_callable(spec: str, field: str) -> Callable:
+    """The function named `module:function` by config field `field` (named in the error)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{field}: cannot load {spec!r}: {e}") from None
+
+
 def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[str, Callable, float]]:
     """(name, function, weight) of each configured reward."""
-    fns = []
-    for i, spec in enumerate(specs):
-        module, _, name = spec.fn.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"rewards[{i}].fn: cannot load {spec.fn!r}: {e}") from None
-        fns.append((spec.fn, fn, spec.weight))
-    return fns
+    return [(spec.fn, load_callable(spec.fn, f"rewards[{i}].fn"), spec.weight) for i, spec in enumerate(specs)]
 
 
 def score(fns, prompt: str | list, completions: list[str], completion_ids: list[list[int]], columns: dict,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import protocol as P
 from pipeline.metrics import read_metrics
 from tests.conftest import wait_for
 
@@ -49,3 +50,13 @@ def descendants(pid: int) -> list[tuple[int, str]]:
 def wait_steps(run_dir: Path, n: int, timeout: float, watch) -> list[dict]:
     return wait_for(lambda: (lambda r: r if len(r) >= n else None)(read_metrics(run_dir)),
                     timeout, f"{n} learner steps", watch)
+
+
+class Sink:
+    """Stands for a generator's rollouts socket in-process: keeps each group it is sent, decoded."""
+
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, data, copy=False):
+        self.sent.append(P.decode(data, limits=P.FROM_HUB)[0])

@@ -13,16 +13,9 @@ import pytest
 from pipeline import protocol as P
 from pipeline.config import apply_environment, config_from_dict
 from pipeline.tinymodel import resolve_model_path
+from tests.integration.helpers import Sink
 
 pytestmark = pytest.mark.integration
-
-
-class Sink:
-    def __init__(self):
-        self.sent = []
-
-    async def send(self, data, copy=False):
-        self.sent.append(P.decode(data, limits=P.FROM_HUB)[0])
 
 
 def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(model_cache):

@@ -13,19 +13,12 @@ from pipeline import protocol as P
 from pipeline.config import apply_environment, config_from_dict, load_config
 from pipeline.tinymodel import VOCAB, resolve_model_path
 from tests.integration import trl_rewards
+from tests.integration.helpers import Sink
 
 pytestmark = pytest.mark.integration
 MOD = "tests.integration.trl_rewards"
 STANDARD = {"prompt": "3 1 4 1 =", "ground_truth": "3"}
 CONVERSATIONAL = {"prompt": [{"role": "user", "content": "3 1 4 1"}], "ground_truth": "3"}
-
-
-class Sink:
-    def __init__(self):
-        self.sent = []
-
-    async def send(self, data, copy=False):
-        self.sent.append(P.decode(data, limits=P.FROM_HUB)[0])
 
 
 class Hub:
