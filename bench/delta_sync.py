@@ -50,7 +50,7 @@ def measure(size: str, lr: float, seed: int = 0) -> dict:
     diff = delta.encode(before, after)
     encode_s = time.perf_counter() - start
     start = time.perf_counter()
-    assert delta.apply(before, diff) == after
+    assert delta.apply(before, diff).tobytes() == after
     apply_s = time.perf_counter() - start
     return {"size": size, "lr": lr, "elements_changed": round(changed / total, 4), "blob_bytes": len(after),
             "delta_bytes": len(diff), "delta_over_blob": round(len(diff) / len(after), 4),

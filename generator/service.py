@@ -29,16 +29,24 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from generator.rollout import Context
+from generator.rollout import Context, group_message
 from pipeline import protocol as P
 from pipeline.client import HubClient
 from pipeline.config import Config
 from pipeline.security import client_keys, secure_client
-from pipeline.tasks import RewardError, TrainerState, encode_prompt, load_callable, load_reward_fns, score
+from pipeline.tasks import RewardError, encode_prompt, load_callable, load_reward_fns
 from weights import receiver
 from weights.files import host_identity, record_segments, remove_receiver_dir, shm_segments
 
 log = logging.getLogger(__name__)
+
+
+MAX_REFUSALS = 12  # registrations refused in a row (about 75 s with back-off) before the generator gives up
+
+
+class NotRegistered(P.PeerLost):
+    """The hub answered a registration with an error that may pass (its id still held by a connection the hub has
+    not dropped yet); MAX_REFUSALS in a row end the generator."""
 
 
 class Reregister(Exception):
@@ -65,6 +73,7 @@ class Generator:
         self.keys = client_keys(cfg.auth.keys, cfg.auth.identity)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
+        self.refusals = 0  # registrations refused in a row
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
         self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
@@ -87,12 +96,17 @@ class Generator:
             try:
                 await self._session()
                 return self.exit_code
-            except (EngineDied, Refused) as e:
+            except (EngineDied, Refused, P.SchemaMismatch) as e:
                 log.error("generator %s: %s", self.id, e)
                 return 1
             except (P.PeerLost, Reregister, P.ProtocolError) as e:
                 if self.stopping:
                     return self.exit_code
+                self.refusals = self.refusals + 1 if isinstance(e, NotRegistered) else 0
+                if self.refusals >= MAX_REFUSALS:
+                    log.error("generator %s: registration refused %d times in a row, the last: %s", self.id,
+                              self.refusals, e)
+                    return 1
                 log.warning("generator %s: %s; reconnecting in %.1f s (engine stays warm)", self.id, e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -116,7 +130,8 @@ class Generator:
                 self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", "")),
                 timeout=10.0)
             if not isinstance(welcome, P.Welcome):
-                raise P.PeerLost(f"registration refused: {getattr(welcome, 'message', welcome)}")
+                raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
+            self.refusals = 0
             log.info("generator %s registered (run %s, learner version %d, transport %s)", self.id, welcome.run_id,
                      welcome.version, welcome.transport)
             self.welcome, self.session, self.pushed = welcome, welcome.session, 0
@@ -125,7 +140,7 @@ class Generator:
             self.push.setsockopt(zmq.SNDHWM, 1000)
             self.push.setsockopt(zmq.LINGER, 5000)  # ms: flush queued rollouts on the way out
             secure_client(self.push, self.keys)
-            self.push.connect(welcome.rollouts_endpoint)
+            self.push.connect(_on_host_of(welcome.rollouts_endpoint, self.address))
             self.announced: asyncio.Queue = asyncio.Queue()
             self.version_changed = asyncio.Condition()
             try:
@@ -332,7 +347,8 @@ class Generator:
             ctx = Context(self.welcome.group_size, lease.sampling, self.tok, item)
             outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
             # decode, score and encode off the event loop, which keeps feeding the engine meanwhile
-            data = await asyncio.to_thread(self._rollout_message, lease, item, prompt_ids, outs)
+            data = await asyncio.to_thread(group_message, outs, ctx, lease, prompt_ids, self.rewards, self.id,
+                                           self.session, self.cfg.trainer.total_steps)
             self.tokens += sum(sum(o.mask) for o in outs)
             await self.push.send(data, copy=False)
             self.pushed += 1
@@ -356,24 +372,16 @@ class Generator:
         except P.PeerLost:  # the hub re-queues the lease when it drops this generator
             pass
 
-    def _rollout_message(self, lease: P.Lease, item: P.PromptItem, prompt_ids: list[int], outs) -> bytes:
-        texts = [o.text if o.text is not None else self.tok.decode(o.token_ids, skip_special_tokens=True)
-                 for o in outs]
-        state = TrainerState(min(o.first_version for o in outs), self.cfg.trainer.total_steps, item.epoch)
-        totals, per_fn = score(self.rewards, item.messages or item.prompt, texts, [o.token_ids for o in outs],
-                               item.columns, state)
-        samples = [
-            P.Sample(P.pack_ints(o.token_ids), P.pack_floats(o.logprobs), totals[i], per_fn[i], o.finish_reason,
-                     o.first_version, o.last_version, o.gen_ms, b"" if all(o.mask) else P.pack_mask(o.mask))
-            for i, o in enumerate(outs)
-        ]
-        return P.encode(P.RolloutGroup(lease.lease_id, self.id, item.prompt_id, item.epoch, P.pack_ints(prompt_ids),
-                                       samples, lease.sampling.temperature, self.session))
-
 
 def _host_of(address: str) -> str:
     """tcp://HOST:PORT -> HOST"""
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+def _on_host_of(endpoint: str, address: str) -> str:
+    """The hub's `endpoint` at the host this generator reached the hub by: a hub bound to 0.0.0.0 names its
+    rollouts socket on 127.0.0.1, which a generator on another host must not take literally."""
+    return f"{address.rsplit(':', 1)[0]}:{endpoint.rsplit(':', 1)[1]}"
 
 
 async def main(cfg: Config, address: str, gpus: str = "") -> int:

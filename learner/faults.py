@@ -5,13 +5,18 @@ A generator reports a group it could not make (GroupFailed): "engine" (lease it 
 The prompt goes to another generator while one is there to try it; the fault counts once confirmed by two
 principals or by every registered one (learner/registry.py): a confirmed "prompt" (or a third "engine") rejects
 the prompt for the epoch, a confirmed "reward" counts toward hub.max_reward_errors. Past hub.max_rejected_prompts
-or hub.max_reward_errors the run stops with the reason (`fail`).
+or hub.max_reward_errors the run stops with the reason (`fail`). A generator whose own rollouts keep being rejected
+is quarantined (`rejected_rollout`).
 """
 
 from __future__ import annotations
 
+import logging
+
 from learner.ledger import Key
 from pipeline import protocol as P
+
+log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # a prompt whose group failed this often in engines is rejected like an invalid one
 
@@ -45,6 +50,22 @@ class Faults:
         if self.counters["rejected_prompts"] >= limit:
             self.fail(f"{limit} prompts were rejected (hub.max_rejected_prompts), the last, prompt {key[1]}: "
                       f"{reason}. Check data.prompt_column, the tokenizer and generator.max_model_len")
+
+    def rejected_rollout(self, gen, why: str) -> bool:
+        """A rollout of `gen`'s own lease was invalid. Past hub.max_rejected_rollouts in one registration its
+        principal is quarantined (True: the hub drops it, its leases re-queued) and refused for hub.quarantine_s,
+        so a faulty or compromised generator cannot keep taking prompts from the window to return them invalid."""
+        gen.rejected += 1
+        if gen.rejected < self.cfg.hub.max_rejected_rollouts:
+            return False
+        until = self.registry.quarantine(gen.principal, self.cfg.hub.quarantine_s,
+                                         f"{gen.rejected} of its rollouts were rejected, the last: {why}")
+        log.error("hub: generator %s quarantined for %.0f s: %d of its rollouts were rejected, the last: %s",
+                  gen.generator_id, until, gen.rejected, why)
+        self.counters["quarantined"] = self.counters.get("quarantined", 0) + 1
+        self.journal.event("quarantine", generator=gen.generator_id, key=gen.user.split(":", 1)[-1], seconds=until,
+                           rejected=gen.rejected, reason=why)
+        return True
 
     def _reward_error(self, key: Key, msg: P.GroupFailed, confirmed: bool) -> None:
         self.ledger.requeue([key])

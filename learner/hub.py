@@ -53,7 +53,7 @@ class DatasetExhausted(HubStopped):
 
 class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
-                 state: dict | None = None, collective=None, *, encode, vocab_size: int):
+                 state: dict | None = None, *, encode, vocab_size: int):
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
         self.prompts = Prompts(rows, cfg.data.prompt_column, encode, vocab_size, cfg.generator.max_model_len)
         self.version = version  # trained
@@ -79,7 +79,7 @@ class Hub:
             self.counters.update(state.get("counters", {}))
         self.auth = ServerAuth.load(cfg.auth.keys)
         self.server = Server(cfg.hub.host, cfg.hub.port, self.auth, limits, self, self.counters)
-        self.weights = WeightServing(cfg, self.registry, self.server, collective, run_id, version)
+        self.weights = WeightServing(cfg, self, run_id, version)  # builds the weight senders (weights/__init__.py)
         self.journal = Journal(run_dir)
         self.faults = Faults(cfg, self.ledger, self.registry, self.journal, self.counters, self.failed)
         if cfg.hub.host not in ("127.0.0.1", "localhost", "::1") and self.auth is None:
@@ -161,7 +161,7 @@ class Hub:
             return self._refuse(refusal) if forged else P.Error(refusal, stop=True)
         old = self.registry.generators.get(msg.generator_id)
         if old is not None:  # a reconnect under the same id, with its session
-            self.weights.leave(old.generator_id, gave_up=old.transport == "nccl")
+            self.weights.leave(old.generator_id, again=True)
             self._drop_generator(msg.generator_id, "re-registered")
         try:
             transport, collective = self.weights.join(msg, ident, self.version)
@@ -172,7 +172,7 @@ class Hub:
         last = self.weights.last_ready
         self.journal.event("register", generator=gen.generator_id, host=gen.host, gpus=gen.gpus, transport=transport,
                     key=user.split(":", 1)[-1], version=self.version,
-                    weights=self.version if transport == "nccl" or last is None else last.version)
+                    weights=self.version if collective is not None or last is None else last.version)
         return P.Welcome(
             run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
             rollouts_endpoint=self.rollouts_address, transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s,
@@ -314,20 +314,9 @@ class Hub:
             self.lock.notify_all()
 
     def _count_against(self, gen: GeneratorInfo, why: str) -> None:
-        """A rollout of `gen`'s own lease was invalid. Past hub.max_rejected_rollouts in one registration its
-        principal is quarantined: dropped (its leases re-queued), and refused for hub.quarantine_s, so a faulty
-        or compromised generator cannot keep taking prompts from the window to return them invalid."""
-        gen.rejected += 1
-        if gen.rejected < self.cfg.hub.max_rejected_rollouts:
-            return
-        until = self.registry.quarantine(gen.principal, self.cfg.hub.quarantine_s,
-                                         f"{gen.rejected} of its rollouts were rejected, the last: {why}")
-        log.error("hub: generator %s quarantined for %.0f s: %d of its rollouts were rejected, the last: %s",
-                  gen.generator_id, until, gen.rejected, why)
-        self.counters["quarantined"] = self.counters.get("quarantined", 0) + 1
-        self.journal.event("quarantine", generator=gen.generator_id, key=gen.user.split(":", 1)[-1], seconds=until,
-                           rejected=gen.rejected, reason=why)
-        self._drop_generator(gen.generator_id, "quarantined", why)
+        """A rollout of `gen`'s own lease was invalid: past hub.max_rejected_rollouts it is quarantined."""
+        if self.faults.rejected_rollout(gen, why):
+            self._drop_generator(gen.generator_id, "quarantined", why)
 
     def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
         """A generator could not generate a leased prompt: learner/faults.py decides what it costs."""
@@ -419,17 +408,18 @@ class Hub:
             return self.lock.wait_for(lambda: not self.registry.generators, timeout)
 
     def announce(self, ready: P.WeightsReady, blob: bytes | None, to: list[str] | None = None,
-                 delta: bytes | None = None) -> None:
+                 delta: bytes | None = None, transports: set[str] | None = None) -> None:
         """Serve `blob` for zmq generators and push the announcement (any thread). A file announcement goes to
-        every file-transport generator (a later one gets it after its Welcome); a collective one to the
+        every generator of `transports` (a later one gets it after its Welcome); a collective one to the
         generators in `to`, the ones the broadcasts will reach."""
         with self.lock:
-            self.weights.announce(ready, blob, to, delta)
+            self.weights.announce(ready, blob, to, delta, transports)
         self.server.wake()
 
-    def wants_blobs(self) -> bool:
+    def wants_blobs(self, transports: set[str]) -> bool:
+        """Some generator uses one of the transports (a file of each version is needed), or none is registered."""
         with self.lock:
-            return self.registry.wants_files()
+            return self.registry.wants(transports)
 
     def uses_transport(self, name: str) -> bool:
         with self.lock:

@@ -1,14 +1,14 @@
-"""Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, broadcast, copy to CPU, announce.
+"""Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, send, copy to CPU, announce.
 
 On the learner's critical path: the gather, packing each parameter into flat buckets of about 256 MB on
-the learner's device (weights.plan.Packer), and the nccl broadcast of each full bucket to the
-generators. Each bucket is then copied into CPU buffers on a side CUDA stream (pinned; two sets,
-alternating by version), which nobody waits for until the copy is read: training goes on meanwhile.
-The CPU copy serves generators that join later: nccl joiners get it by broadcast (`_send_latest`), file
-transports (zmq, shm) as a safetensors blob, which a background thread serialises, checksums and writes
-to /dev/shm while the next step trains (weights.files.FileSender), only while some generator uses a file
-transport (or none is registered). Every rank calls `publish` (ZeRO-3 gathering is collective); only rank 0
-announces. The training loop, not the publisher, ends a step (Hub.finish_step)."""
+the learner's device (weights.plan.Packer), and handing each full bucket to the senders that take buckets
+while a version is gathered (nccl: broadcast to the generators). Each bucket is then copied into CPU buffers
+on a side CUDA stream (pinned; two sets, alternating by version), which nobody waits for until the copy is
+read: training goes on meanwhile. The CPU copy serves the senders that want it (the file transports: a
+safetensors blob serialised, checksummed and written while the next step trains) and generators that join
+later (`latest`). The senders are weights/__init__.py's, built by the hub. Every rank calls `publish`
+(ZeRO-3 gathering is collective); only rank 0 sends. The training loop, not the publisher, ends a step
+(Hub.finish_step)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from learner.model import gathered_weights
-from pipeline import protocol as P
-from weights.files import FileSender
 from weights.plan import Packer, manifest, unpack
 
 INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least this much, and up to half the
@@ -28,46 +26,40 @@ INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least t
 
 
 class WeightPublisher:
-    def __init__(self, cfg, engine, hub, run_id: str, rank: int, collective=None):
-        self.cfg, self.engine, self.hub, self.run_id, self.rank = cfg, engine, hub, run_id, rank
-        self.collective = collective  # weights.nccl.CollectivePeers (nccl transport) or None
-        self.files = FileSender(hub, run_id, cfg.weights.transport, cfg.weights.delta) if rank == 0 else None
+    def __init__(self, cfg, engine, hub, rank: int):
+        self.cfg, self.engine, self.rank = cfg, engine, rank
+        self.senders = list(dict.fromkeys(hub.weights.senders.values())) if rank == 0 else []
+        self.device = next((s.device for s in self.senders if s.device is not None), None) or _device(engine)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
-        self._pending: Future | None = None
+        self._pending: list[Future] = []
         self._buffers: list[dict[str, torch.Tensor]] = [{}, {}]
         self._latest: tuple | None = None  # (version, its CPU copy, event: copy complete)
         self._copy = HostCopy()
-        self.broadcast_ms = 0.0  # of the last version: the nccl broadcasts alone
+        self.broadcast_ms = 0.0  # of the last version: handing buckets to the senders (nccl: the broadcasts)
         self.copy_wait_ms = 0.0  # of the last version: waiting for CPU copies to free device buckets
-        self._lock = threading.Lock()  # the copy loop vs. sends to joiners and blob requests
-        if rank == 0:
-            if collective is not None:
-                collective.on_join = self._send_latest
-            hub.weights.on_file_join = self.request_blob
+        self._lock = threading.Lock()  # the copy loop vs. sends to joiners
+        for sender in self.senders:
+            sender.latest = self.latest
 
     def publish(self, version: int, step_end: float | None = None) -> float:
-        """Returns milliseconds on the learner's critical path: gathering, packing, the nccl broadcasts."""
+        """Returns milliseconds on the learner's critical path: gathering, packing, the buckets' sends."""
         start = time.perf_counter()
         step_end = step_end or time.time()
-        peers = self.collective.ready() if self.collective is not None and self.rank == 0 else []
         plan = manifest(self.engine.module.named_parameters())
-        if peers:  # the generators start receiving while the tensors are gathered and sent
-            self.hub.announce(P.WeightsReady(version, step_end, manifest=plan), None,
-                              to=[p.generator_id for p in peers])
+        live = [s for s in self.senders if s.begin(version, plan, step_end)]  # they start receiving meanwhile
         self.broadcast_ms = 0.0
         with self._lock:
             buffers = self._buffers[version % 2]
 
             def emit(flat, idx, offs):
-                if peers:
-                    t = time.perf_counter()
-                    self.collective.send(peers, flat)
-                    self.broadcast_ms += (time.perf_counter() - t) * 1000
+                t = time.perf_counter()
+                for sender in live:
+                    sender.bucket(flat)
+                self.broadcast_ms += (time.perf_counter() - t) * 1000
                 self._copy.store(buffers, unpack(flat, plan, idx, offs), flat)
 
-            device = (self.collective.device if self.collective is not None else None) or _device(self.engine)
-            self._copy.begin(device)
-            packer = Packer(plan, device, emit)
+            self._copy.begin(self.device)
+            packer = Packer(plan, self.device, emit)
             for _, t in gathered_weights(self.engine, self.cfg.trainer.zero_stage):
                 if self.rank == 0:
                     packer.add(t)
@@ -76,54 +68,40 @@ class WeightPublisher:
             packer.finish()
             self._latest = (version, buffers, self._copy.seal())
             self.copy_wait_ms = self._copy.waited_ms
-        if self._pending is not None:
-            self._pending.result()  # surfaces a failure of the previous announcement
-            self._pending = None
-        if self.files.wanted():
-            self._pending = self._pool.submit(self._announce, version, buffers, self._latest[2], step_end)
+        for pending in self._pending:
+            pending.result()  # surfaces a failure of the previous version's sends
+        self._pending = [self._pool.submit(self._send, s, version, buffers, self._latest[2], step_end)
+                         for s in self.senders if s.wanted()]
         return (time.perf_counter() - start) * 1000
 
-    @property
-    def serialize_ms(self) -> float:
-        """Of the last announced blob."""
-        return self.files.serialize_ms if self.files is not None else 0.0
+    def metrics(self) -> dict:
+        """Of the last version (a background send: of the last one done)."""
+        out = {"sync/broadcast_ms": self.broadcast_ms, "sync/copy_wait_ms": self.copy_wait_ms}
+        for sender in self.senders:
+            out.update(sender.metrics())
+        return out
 
-    def _announce(self, version: int, buffers: dict, copied, step_end: float) -> None:
+    def _send(self, sender, version: int, buffers: dict, copied, step_end: float) -> None:
         _wait(copied)
-        self.files.send(version, buffers.items(), step_end)
+        sender.send(version, list(buffers.items()), step_end)
 
-    def request_blob(self) -> None:
-        """A file-transport generator registered while the newest version has no blob (hub thread)."""
-        self._pool.submit(self._announce_latest)
-
-    def _announce_latest(self) -> None:
-        with self._lock:  # holds the buffers of that version against the copy loop
+    def latest(self, fn, background: bool = False) -> None:
+        """fn(version, named) with the newest version's CPU copy, held against the copy loop meanwhile: for a
+        generator that joins (nccl: on the rendezvous thread; `background`: on the publisher's)."""
+        if background:
+            self._pool.submit(self.latest, fn)
+            return
+        with self._lock:
             if self._latest is None:
                 return
             version, buffers, copied = self._latest
-            last = self.hub.weights.last_ready
-            if last is None or last.version < version:
-                self._announce(version, buffers, copied, 0.0)
-
-    def _send_latest(self, peer) -> None:
-        """A generator joined its nccl group (rendezvous thread): broadcast it the current version."""
-        with self._lock:
-            if self._latest is None or self._latest[0] == peer.loaded_version:
-                return
-            version, buffers, copied = self._latest
             _wait(copied)
-            plan = manifest(buffers.items())
-            self.hub.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
-            packer = Packer(plan, self.collective.device or "cpu",
-                            lambda flat, idx, offs: self.collective.send([peer], flat))
-            for t in buffers.values():
-                packer.add(t)
-            packer.finish()
+            fn(version, list(buffers.items()))
 
     def flush(self) -> None:
-        """Wait until the last version is announced."""
-        if self._pending is not None:
-            self._pending.result()
+        """Wait until the last version is sent."""
+        for pending in self._pending:
+            pending.result()
         self._pool.shutdown(wait=True)
 
 

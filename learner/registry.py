@@ -124,10 +124,9 @@ class Registry:
     def uses(self, transport: str) -> bool:
         return any(g.transport == transport for g in self.generators.values())
 
-    def wants_files(self) -> bool:
-        """A file of each version is needed while some generator uses a file transport, or none is registered
-        (the next one may)."""
-        return not self.generators or any(g.transport != "nccl" for g in self.generators.values())
+    def wants(self, transports: set[str]) -> bool:
+        """Some generator uses one of `transports`, or none is registered (the next one may)."""
+        return not self.generators or any(g.transport in transports for g in self.generators.values())
 
     def status(self, version: int, leases: dict[str, int]) -> list[P.GeneratorStatus]:
         now = time.monotonic()

@@ -169,7 +169,8 @@ class Server:
             msg, rid = P.decode(data.buffer, limits=P.FROM_PEER)
         except P.ProtocolError as e:
             self.handler.malformed(f"control: {e}", False)
-            self.reply(ident, P.Error(f"bad message: {e}"), 0)
+            self.reply(ident, P.Error(f"bad message: {e}", stop=isinstance(e, P.SchemaMismatch)),
+                       getattr(e, "rid", 0))
             return
         self.reply(ident, self.handler.control(msg, ident, user), rid)
 

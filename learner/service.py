@@ -62,17 +62,13 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         discarded = truncate_metrics(run_dir, version)
         log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
     run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
-    hub = collective = None
+    hub = None
     try:
         if rank == 0:
             for stale in remove_stale():
                 log.info("removed %s, left by a process that no longer runs", stale)
             save_config(cfg, run_dir / "config.yaml")
-            if cfg.weights.transport == "nccl" or (cfg.weights.transport == "auto" and torch.cuda.is_available()):
-                from weights.nccl import CollectivePeers
-
-                collective = CollectivePeers(cfg.hub.host, cfg.weights.collective_timeout_s)
-            hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state, collective,
+            hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
                       encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
                       vocab_size=engine.module.config.vocab_size)
             hub.start()
@@ -80,7 +76,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                                                           "run_id": run_id, "rollouts": hub.rollouts_address}))
             print(f"learner: hub listening on {hub.address}  (pipeline generator -c CONFIG --learner {hub.address})",
                   flush=True)
-        publisher = WeightPublisher(cfg, engine, hub, run_id, rank, collective)
+        publisher = WeightPublisher(cfg, engine, hub, rank)
         publisher.publish(version)
         version = train(cfg, engine, hub, publisher, MetricsWriter(run_dir), run_dir, version, rank, world, pad_id)
         publisher.flush()
@@ -134,9 +130,7 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
         record = {
             "step": step - 1, "version": step, **stats, **drop_stats, "time/wait_s": waited,
             "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
-            "sync/serialize_ms": publisher.serialize_ms, "sync/broadcast_ms": publisher.broadcast_ms,
-            "sync/blob_bytes": publisher.files.sizes[0], "sync/delta_bytes": publisher.files.sizes[1],
-            "sync/copy_wait_ms": publisher.copy_wait_ms,
+            **publisher.metrics(),
             "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
             "generators": len(hub.registry.generators), "max_staleness": cfg.trainer.max_staleness,
             "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],

@@ -43,6 +43,11 @@ class HubClient:
             data = await self.sock.recv()
             try:
                 msg, rid = P.decode(data, limits=P.FROM_HUB)
+            except P.SchemaMismatch as e:  # another release: the request it answers fails with it
+                fut = self._waiting.pop(e.rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(e)
+                continue
             except P.ProtocolError as e:
                 log.warning("hub sent a bad reply: %s", e)
                 continue

@@ -41,6 +41,14 @@ class ProtocolError(ValueError):
     """A message could not be decoded or failed validation."""
 
 
+class SchemaMismatch(ProtocolError):
+    """The peer speaks another schema version: another release of this project, which no retry will fix."""
+
+    def __init__(self, message: str, rid: int = 0):
+        super().__init__(message)
+        self.rid = rid
+
+
 _REGISTRY: dict[str, type[Message]] = {}
 DEFAULT_MAX_STR = 1024
 
@@ -100,9 +108,11 @@ def decode(data, limit: int | None = None, limits: Limits = FROM_PEER) -> tuple[
     if cls is None:
         raise ProtocolError(f"unknown message kind {kind!r}")
     version = body.pop("v", None)
-    if version != SCHEMA_VERSION:
-        raise ProtocolError(f"{cls.__name__}: schema version {version!r}, this side speaks {SCHEMA_VERSION}")
     rid = body.pop("r", 0)
+    if version != SCHEMA_VERSION:
+        raise SchemaMismatch(f"{cls.__name__}: schema version {version!r}, this side speaks {SCHEMA_VERSION} (run the "
+                             "same release of the project on the learner and the generators)",
+                             rid if isinstance(rid, int) else 0)
     if not isinstance(rid, int):
         raise ProtocolError(f"{cls.__name__}.r: request id must be an int, got {type(rid).__name__}")
     return _from_wire(cls, body, cls.__name__), rid

@@ -8,10 +8,7 @@ environment variables (`apply_environment`), so the rest of the code sees one so
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config field is unknown, of the wrong type or out of range; the message names it."""
+from pipeline.validate import ConfigError, build, check_range, check_value
 
 
 def runtime(default: Any) -> Any:
@@ -153,7 +148,8 @@ class GeneratorConfig:
     engines sharing a small machine are pinned to the same core and starve each other; `nobind` lets the
     OS schedule them."""
     seed: int = 0
-    """Sampling seed base (each generator adds its index)."""
+    """Sampling seed base; each generator adds its process id modulo 1000, so generators sample differently (an
+    asynchronous run is not reproducible sample for sample anyway)."""
 
 
 @dataclass
@@ -167,7 +163,8 @@ class HubConfig:
     heartbeat_timeout_s: float = 15.0
     """A generator silent this long is dropped and its leases re-queued."""
     max_message_mb: int = 64
-    """Largest message the hub decodes; bigger ones get an error reply."""
+    """Largest rollout message the hub accepts (capped further by what trainer.group_size and sampling.max_tokens
+    need); zmq drops the connection of a peer that sends more. Control messages are limited to 1 MiB."""
     max_rejected_prompts: int = 32
     """The run stops with an error once this many prompts were rejected (empty after tokenising, longer than
     generator.max_model_len, refused by every engine that tried them): a wrong prompt column or tokenizer would
@@ -256,113 +253,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric field: lo < v (or <=) and v < hi (or <=); None: unbounded."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_closed: bool = True
-    hi_closed: bool = True
-
-    def holds(self, v) -> bool:
-        above = self.lo is None or (v >= self.lo if self.lo_closed else v > self.lo)
-        below = self.hi is None or (v <= self.hi if self.hi_closed else v < self.hi)
-        return above and below
-
-    def __str__(self) -> str:
-        if self.hi is None:
-            return f"must be {'>=' if self.lo_closed else '>'} {self.lo}"
-        return f"must be in {'[' if self.lo_closed else '('}{self.lo}, {self.hi}{']' if self.hi_closed else ')'}"
-
-
-POSITIVE, NON_NEGATIVE, FRACTION = Range(0, lo_closed=False), Range(0), Range(0, 1, lo_closed=False)
-# Every numeric field is range-checked at load and on `pipeline set`; every float must also be finite.
-_RANGES = {
-    "trainer.total_steps": POSITIVE, "trainer.batch_size": POSITIVE, "trainer.group_size": Range(2),
-    "trainer.micro_batch_tokens": POSITIVE, "trainer.lr": POSITIVE, "trainer.max_staleness": NON_NEGATIVE,
-    "trainer.epochs": NON_NEGATIVE, "trainer.checkpoint_every": NON_NEGATIVE, "trainer.weight_decay": NON_NEGATIVE,
-    "trainer.grad_clip": NON_NEGATIVE, "trainer.clip_eps": FRACTION, "trainer.is_cap": POSITIVE,
-    "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,
-    "trainer.keep_checkpoints": Range(1), "trainer.max_skipped_steps": POSITIVE,
-    "sampling.max_tokens": POSITIVE, "sampling.temperature": POSITIVE, "sampling.top_p": FRACTION,
-    "generator.lease_size": POSITIVE, "generator.max_inflight_groups": POSITIVE, "generator.max_num_seqs": POSITIVE,
-    "generator.max_model_len": Range(2), "generator.tensor_parallel_size": POSITIVE,
-    "generator.gpu_memory_utilization": FRACTION, "generator.cpu_kvcache_gb": POSITIVE, "generator.seed": NON_NEGATIVE,
-    "hub.port": Range(0, 65535), "hub.heartbeat_s": POSITIVE, "hub.heartbeat_timeout_s": POSITIVE,
-    "hub.max_message_mb": Range(1, 2047), "hub.max_rejected_prompts": POSITIVE, "hub.max_reward_errors": POSITIVE,
-    "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE, "hub.max_rejected_rollouts": POSITIVE,
-    "hub.quarantine_s": NON_NEGATIVE,
-    "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
-    "data.size": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
-}
-
-
-def _check_range(name: str, value: Any) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name}: must be a finite number, got {value!r}")
-    rng = _RANGES.get(name)
-    if rng is not None and not rng.holds(value):
-        raise ConfigError(f"{name}: {rng}, got {value!r}")
-
-
-def _check_value(name: str, tp: Any, value: Any) -> Any:
-    """Coerce `value` to annotation `tp` or raise ConfigError naming `name`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _check_value(name, args[0], value)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{name}: expected a list, got {value!r}")
-        return [_check_value(f"{name}[{i}]", item_tp, v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, name)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}: expected true or false, got {value!r}")
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:
-            return float(value)  # YAML reads 1e-3 (no dot) as a string
-        except ValueError:
-            pass
-    if not isinstance(value, tp) or isinstance(value, bool) and tp is not bool:
-        raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}")
-    return value
-
-
-def _build(cls: type, data: Any, prefix: str = "") -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in hints:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
-            raise ConfigError(f"{dotted}: unknown field{hint}")
-        kwargs[key] = _check_value(dotted, hints[key], value)
-    obj = cls(**kwargs)
-    for f in dataclasses.fields(cls):
-        value = getattr(obj, f.name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            _check_range(f"{prefix}.{f.name}" if prefix else f.name, value)
-    return obj
-
-
 def _check_config(cfg: Config) -> None:
     """Checks that span several fields (each field's own range is checked where it is built)."""
     if cfg.sampling.max_tokens >= cfg.generator.max_model_len:
@@ -403,7 +293,7 @@ def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(data, key, value)
-    cfg = _build(Config, data)
+    cfg = build(Config, data)
     _check_config(cfg)
     return cfg
 
@@ -449,8 +339,8 @@ def apply_runtime_change(cfg: Config, key: str, value: Any) -> Any:
     """Validate and apply one run-time change in place; returns the coerced value."""
     section, name = runtime_field(cfg, key)
     tp = typing.get_type_hints(type(section))[name]
-    new = _check_value(key, tp, value)
-    _check_range(key, new)
+    new = check_value(key, tp, value)
+    check_range(key, new)
     setattr(section, name, new)
     return new
 

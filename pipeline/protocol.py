@@ -27,6 +27,7 @@ from pipeline.codec import (  # noqa: F401  (the codec is used through this modu
     Limits,
     Message,
     ProtocolError,
+    SchemaMismatch,
     as_dict,
     decode,
     encode,

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 def render(s) -> str:
     c = s.counters
+    shown = [("rollouts", "rollouts"), ("tokens", "tokens"), ("requeued", "re-queued"),
+             ("stale_dropped", "stale dropped"),
+             ("duplicates", "duplicates"), ("unknown_lease", "unknown lease"), ("lost_leases", "lost leases"),
+             ("bad_messages", "bad messages"), ("refused", "refused"), ("muted", "muted"),
+             ("quarantined", "quarantined"), ("rejected_prompts", "rejected prompts"),
+             ("reward_errors", "reward errors"), ("skipped_steps", "skipped steps")]
     lines = [
         f"run {s.run_id}  version {s.version}  max_staleness {s.max_staleness}  batch {s.batch_size}",
-        f"buffer {s.buffer}  in flight {s.in_flight}  pending {s.pending}  trained {s.trained}  "
-        f"re-queued {c.get('requeued', 0)}  stale dropped {c.get('stale_dropped', 0)}  duplicates "
-        f"{c.get('duplicates', 0)}  bad messages {c.get('bad_messages', 0)}  refused {c.get('refused', 0)}  "
-        f"rejected prompts {c.get('rejected_prompts', 0)}  lost leases {c.get('lost_leases', 0)}  reward errors "
-        f"{c.get('reward_errors', 0)}  skipped steps {c.get('skipped_steps', 0)}",
+        f"buffer {s.buffer}  in flight {s.in_flight}  pending {s.pending}  trained {s.trained}",
+        "  ".join(f"{label} {c.get(key, 0)}" for key, label in shown),
         "rejected rollouts " + (", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in sorted(c.items())
                                           if k.startswith("rejected/")) or "0"),
         *([f"FAILED: {s.failure}"] if s.failure else []),

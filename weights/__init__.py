@@ -1,34 +1,72 @@
 """How a weights version gets from the learner into the generators' engines: one strategy per transport.
 
-    transport  learner side                           generator side
-    zmq        files.FileSender, zmq.Blobs (the hub)  zmq.ZmqReceiver: pulls the blob in chunks (any host)
-    shm        files.FileSender (/dev/shm)            shm.ShmReceiver: reads the learner's file (same host)
-    nccl       nccl.CollectivePeers                   nccl.NcclReceiver, and generator/worker_ext.py inside vLLM's
-                                                      workers: broadcasts from the learner's GPU (gloo on CPU)
+    transport  learner side (a sender)                 generator side (a receiver)
+    zmq        files.FileSender: a blob the hub serves  zmq.ZmqReceiver: pulls the blob in chunks (any host)
+    shm        files.FileSender: the blob in /dev/shm   shm.ShmReceiver: reads the learner's file (same host)
+    nccl       nccl.NcclSender: broadcasts from the     nccl.NcclReceiver, and generator/worker_ext.py inside vLLM's
+               learner's GPU (gloo on CPU)              workers
 What a version is made of (manifest, buckets, the safetensors blob) is weights/plan.py, which both sides use.
 The hub picks a generator's transport once, at registration (`pick`), and names it in the Welcome; the
 generator builds the receiver of that name (`receiver`). A version reaches a generator by one route: a
 WeightsReady the hub pushes on the generator's control connection (`file` for the file transports, a
-`manifest` for nccl). Adding a transport: its sender, its receiver, its line in RECEIVERS.
+`manifest` for nccl).
+
+A sender (learner/publisher.py drives it; rank 0 only):
+    available() -> bool                      (static) usable here, for `weights.transport: auto`
+    join(register, ident, version)           a generator of this transport registers (hub thread, hub lock held):
+                                             its setup for the Welcome (P.CollectiveSetup) or None
+    leave(generator_id, again)               it drains, leaves, or registers again
+    begin(version, manifest, published_at)   a version is being gathered: True to get its buckets as they are packed
+    bucket(flat)                             one packed bucket (on `device`, None: wherever the learner packs)
+    wanted() -> bool                         wants the version's CPU copy: `send` runs in the background
+    send(version, named, published_at)
+    metrics() -> dict                        of the last version
+    transports                               set by `senders`: the transports it serves
+    latest                                   set by the publisher: latest(fn, background=False) calls
+                                             fn(version, named) with the newest version's CPU copy (late joiners)
+Adding a transport: its sender, its receiver, its line in TRANSPORTS.
 """
 
 from __future__ import annotations
 
-RECEIVERS = {
-    "zmq": lambda client, chunk_bytes, gen_id: _zmq().ZmqReceiver(client, chunk_bytes, gen_id),
-    "shm": lambda client, chunk_bytes, gen_id: _shm().ShmReceiver(client, chunk_bytes, gen_id),
-    "nccl": lambda client, chunk_bytes, gen_id: _nccl().NcclReceiver(),
+import importlib
+
+TRANSPORTS = {  # name: (the learner's sender, the generator's receiver); senders of one class are one object
+    "zmq": ("weights.files:FileSender", "weights.zmq:ZmqReceiver"),
+    "shm": ("weights.files:FileSender", "weights.shm:ShmReceiver"),
+    "nccl": ("weights.nccl:NcclSender", "weights.nccl:NcclReceiver"),
 }
+
+
+def _load(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def senders(cfg, hub, run_id: str) -> dict:
+    """The learner's senders by transport: the configured one's, or with `auto` every one available here."""
+    names = list(TRANSPORTS) if cfg.weights.transport == "auto" else [cfg.weights.transport]
+    made, out = {}, {}
+    for name in names:
+        cls = _load(TRANSPORTS[name][0])
+        if cfg.weights.transport == "auto" and not cls.available():
+            continue
+        if cls not in made:
+            made[cls] = cls(cfg, hub, run_id)
+            made[cls].transports = set()
+        out[name] = made[cls]
+        out[name].transports.add(name)
+    return out
 
 
 def receiver(transport: str, client, chunk_mb: int, generator_id: str):
     """The generator's receiver for the transport its Welcome names."""
-    if transport not in RECEIVERS:
-        raise ValueError(f"weights.transport: {transport!r} is not available here ({', '.join(RECEIVERS)})")
-    return RECEIVERS[transport](client, chunk_mb * 2**20, generator_id)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weights.transport: {transport!r} is not available here ({', '.join(TRANSPORTS)})")
+    return _load(TRANSPORTS[transport][1])(client, chunk_mb * 2**20, generator_id)
 
 
-def pick(configured: str, register, learner_boot_id: str, learner_gpus: list[str], collective) -> str:
+def pick(configured: str, register, learner_boot_id: str, learner_gpus: list[str], senders: dict) -> str:
     """The transport of a registering generator. `auto`: nccl when the learner has a collective transport (GPUs)
     and the generator reports GPUs other than the learner's (and its group never failed); else shm on the
     learner's host, zmq across hosts."""
@@ -36,24 +74,7 @@ def pick(configured: str, register, learner_boot_id: str, learner_gpus: list[str
         return configured
     same_host = bool(register.boot_id) and register.boot_id == learner_boot_id
     shares_gpu = same_host and bool(set(register.gpus.split(",")) & set(learner_gpus))
-    if collective is not None and register.gpus and not shares_gpu and register.generator_id not in collective.failed:
+    nccl = senders.get("nccl")
+    if nccl is not None and register.gpus and not shares_gpu and register.generator_id not in nccl.failed:
         return "nccl"
     return "shm" if same_host else "zmq"
-
-
-def _zmq():
-    from weights import zmq
-
-    return zmq
-
-
-def _shm():
-    from weights import shm
-
-    return shm
-
-
-def _nccl():
-    from weights import nccl
-
-    return nccl

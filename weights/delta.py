@@ -5,31 +5,57 @@ their bytes is zero wherever an element did not change; after an optimizer step 
 bf16 elements are unchanged, and zlib packs the zeros away. A generator holding the previous version's file
 fetches the delta, XORs it onto that file and checks the result against the announced crc32 of the full blob;
 one that is further behind, holds no file, or fails the check fetches the full blob (`weights.delta`).
+The blob is XORed and compressed in chunks of CHUNK bytes on up to THREADS threads (numpy and zlib release the GIL):
+a delta is a count, each chunk's compressed length (uint32 each), then the chunks.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+CHUNK = 16 * 2**20
+THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 def encode(base: bytes, new: bytes) -> bytes | None:
     """The delta from `base` to `new`, or None when their layouts differ (then only the full blob will do)."""
     if len(base) != len(new) or _header(base) != _header(new):
         return None
-    xor = np.bitwise_xor(np.frombuffer(base, np.uint8), np.frombuffer(new, np.uint8))
-    return zlib.compress(xor.data, 1)
+    base, new = np.frombuffer(base, np.uint8), np.frombuffer(new, np.uint8)
+
+    def chunk(start: int) -> bytes:
+        return zlib.compress(np.bitwise_xor(base[start:start + CHUNK], new[start:start + CHUNK]).data, 1)
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        chunks = list(pool.map(chunk, range(0, len(new), CHUNK)))
+    return struct.pack(f"<I{len(chunks)}I", len(chunks), *map(len, chunks)) + b"".join(chunks)
 
 
-def apply(base, delta: bytes) -> bytes:
-    """`base` (bytes or a buffer) with `delta` applied: the new version's blob."""
-    xor = np.frombuffer(zlib.decompress(delta), np.uint8)
-    base = np.frombuffer(base, np.uint8)
-    if len(xor) != len(base):
-        raise ValueError(f"delta of {len(xor)} bytes for a base of {len(base)} bytes")
-    return np.bitwise_xor(base, xor).tobytes()
+def apply(base, delta) -> np.ndarray:
+    """`base` with `delta` applied (buffers): the new version's blob, as bytes in an array."""
+    base, delta = np.frombuffer(base, np.uint8), memoryview(delta)
+    (count,) = struct.unpack_from("<I", delta)
+    sizes = struct.unpack_from(f"<{count}I", delta, 4)
+    if count != -(-len(base) // CHUNK) or 4 * (count + 1) + sum(sizes) != len(delta):
+        raise ValueError(f"a delta of {count} chunks ({len(delta)} bytes) for a base of {len(base)} bytes")
+    offsets = np.cumsum((4 * (count + 1), *sizes))
+    out = np.empty_like(base)
+
+    def chunk(i: int) -> None:
+        xor = np.frombuffer(zlib.decompress(delta[offsets[i]:offsets[i + 1]]), np.uint8)
+        start = i * CHUNK
+        if len(xor) != len(base[start:start + CHUNK]):
+            raise ValueError(f"delta chunk {i}: {len(xor)} bytes, the base has {len(base[start:start + CHUNK])}")
+        np.bitwise_xor(base[start:start + CHUNK], xor, out=out[start:start + CHUNK])
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(chunk, range(count)))
+    return out
 
 
 def _header(blob: bytes) -> bytes:

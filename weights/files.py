@@ -18,7 +18,6 @@ import re
 import socket
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 from pipeline import protocol as P
@@ -100,12 +99,14 @@ def remove_stale() -> list[Path]:
     return removed
 
 
-SEGMENT = re.compile(r"psm_[0-9a-f]{8,32}")
+SEGMENT = re.compile(r"psm_[0-9a-f]{8,32}|sem\.mp-[a-z0-9_]{8,16}")  # shared memory, semaphores
 
 
 def shm_segments() -> set[str]:
-    """Names of the shared-memory segments in /dev/shm (Python's multiprocessing.shared_memory: vLLM's)."""
-    return {p.name for p in SHM_ROOT.glob("psm_*")} if SHM_ROOT.is_dir() else set()
+    """Names in /dev/shm of Python's shared-memory segments and multiprocessing semaphores (vLLM's)."""
+    if not SHM_ROOT.is_dir():
+        return set()
+    return {p.name for p in SHM_ROOT.iterdir() if SEGMENT.fullmatch(p.name)}
 
 
 def record_segments(before: set[str]) -> list[str]:
@@ -156,13 +157,15 @@ class ChecksumMismatch(P.ProtocolError):
 async def verify_file(path: str, ready: P.WeightsReady) -> str:
     """Check size and crc32 of the file against the announcement (in a thread: crc32 releases the GIL)."""
 
+    from weights.plan import checksum
+
     def crc() -> tuple[int, int]:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return 0, 0
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                return size, zlib.crc32(m)
+                return size, checksum(m)
 
     size, got = await asyncio.to_thread(crc)
     want = ready.file
@@ -178,16 +181,43 @@ class FileSender:
     """The learner's side of the file transports (zmq and shm share it: one blob serves both). Each version's
     CPU copy is serialised into a safetensors blob in a background thread, written to /dev/shm while a
     generator uses shm, kept by the hub for zmq pulls, and announced. Only while some generator uses a file
-    transport (or none is registered: the next one may)."""
+    transport (or none is registered: the next one may). With `weights.delta`, the bytes that changed since the
+    version before are served too (weights/delta.py)."""
 
-    def __init__(self, hub, run_id: str, transport: str, delta: bool = False):
-        self.hub, self.run_id, self.transport, self.delta = hub, run_id, transport, delta
+    device = None  # packs wherever the learner does
+
+    def __init__(self, cfg, hub, run_id: str):
+        self.hub, self.run_id, self.transport, self.delta = hub, run_id, cfg.weights.transport, cfg.weights.delta
+        self.latest = None  # set by the publisher
+        self.transports = {self.transport}  # set by weights.senders: the ones it serves
         self.serialize_ms = 0.0  # of the last announced blob
         self.sizes = (0, 0)  # of the last version: bytes of the blob, of its delta (0: none)
         self._last: tuple[int, bytes] | None = None  # (version, blob): the base of the next delta
 
+    @staticmethod
+    def available() -> bool:
+        return True
+
+    def join(self, register: P.Register, ident: bytes, version: int) -> None:
+        """The newest file version right after the Welcome, on the one route versions take; if the newest
+        version has no blob (none yet, or it went by broadcast only), one is made in the background."""
+        last = self.hub.weights.last_ready
+        if last is not None:
+            self.hub.server.push(ident, P.encode(last))
+        if self.latest is not None and (last is None or last.version < version):
+            self.latest(self._send_newest, background=True)
+
+    def leave(self, generator_id: str, again: bool = False) -> None:
+        pass
+
+    def begin(self, version: int, plan, published_at: float) -> bool:
+        return False
+
+    def bucket(self, flat) -> None:
+        pass
+
     def wanted(self) -> bool:
-        return self.hub.wants_blobs()
+        return self.hub.wants_blobs(self.transports)
 
     def send(self, version: int, named, published_at: float) -> None:
         from weights.plan import checksum, serialize
@@ -203,6 +233,15 @@ class FileSender:
             if diff is not None:
                 file.delta_base, file.delta_size, file.delta_checksum = version - 1, len(diff), checksum(diff)
         self._last = (version, blob) if self.delta else None
-        self.hub.announce(P.WeightsReady(version, published_at, file), blob, delta=diff)
+        self.hub.announce(P.WeightsReady(version, published_at, file), blob, delta=diff, transports=self.transports)
         self.sizes = (len(blob), len(diff) if diff is not None else 0)
         self.serialize_ms = (time.perf_counter() - start) * 1000
+
+    def _send_newest(self, version: int, named) -> None:
+        last = self.hub.weights.last_ready
+        if last is None or last.version < version:
+            self.send(version, named, 0.0)
+
+    def metrics(self) -> dict:
+        return {"sync/serialize_ms": self.serialize_ms, "sync/blob_bytes": self.sizes[0],
+                "sync/delta_bytes": self.sizes[1]}

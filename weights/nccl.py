@@ -3,12 +3,12 @@
 At registration the hub opens a TCPStore for the generator and tells it the port; the learner (rank 0
 of that group) and the generator's workers (ranks 1..tensor_parallel) meet there, so generators can
 join at any time. Joining ends with a one-element broadcast (the communicator really exists), then the
-joiner is sent the current version from the learner's CPU copy (`on_join`), and from then on every new
+joiner is sent the current version from the learner's CPU copy (`NcclSender.latest`), and from then on every new
 version is broadcast while it is gathered (ZeRO-3: in groups of up to 256 MB), straight from the learner's
 GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
 one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the
 same groups run over gloo, which is how the tests exercise this path. The learner's side is
-`CollectivePeers`; the generator's is `NcclReceiver` (and, inside vLLM's workers, generator/worker_ext.py).
+`NcclSender`; the generator's is `NcclReceiver` (and, inside vLLM's workers, generator/worker_ext.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import protocol as P
+from weights.plan import Packer, manifest
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,75 @@ class Peer:
         self.failed = False
 
 
-class CollectivePeers:
-    def __init__(self, host: str, timeout_s: float):
+class NcclSender:
+    """The learner's side: a process group per generator, each version broadcast bucket by bucket while it is
+    gathered, to the generators that joined before it started; a joiner gets the newest CPU copy."""
+
+    def __init__(self, cfg, hub, run_id: str):
+        self.hub = hub
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
-        self.host, self.timeout_s = host, timeout_s
+        self.host, self.timeout_s = cfg.hub.host, cfg.weights.collective_timeout_s
         self.lock = threading.Lock()
         self.peers: dict[str, Peer] = {}
         self.failed: set[str] = set()  # generators whose group failed: `auto` gives them a file transport
-        self.on_join = None  # callable(peer): send the current version (set by the weight publisher)
+        self.latest = None  # set by the publisher
+        self.transports = {"nccl"}
+        self._sending: list[Peer] = []  # the peers of the version being broadcast
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def join(self, register: P.Register, ident: bytes, version: int) -> P.CollectiveSetup:
+        loaded = register.loaded_version if register.loaded_run == self.hub.run_id else -1  # another run's: resend
+        # the current version comes by broadcast once the group is joined
+        return P.CollectiveSetup(**self.open(register.generator_id, 1 + register.tensor_parallel, loaded))
+
+    def leave(self, generator_id: str, again: bool = False) -> None:
+        """Its group closes; `again`: it registers again, and never joined (`auto` gives it a file transport
+        next time)."""
+        with self.lock:
+            never_joined = generator_id in self.peers and not self.peers[generator_id].ready
+        if again and never_joined:
+            self.failed.add(generator_id)
+        self.close(generator_id)
+
+    def begin(self, version: int, plan: list, published_at: float) -> bool:
+        """Announce the version to the joined generators: they start receiving while it is gathered and sent."""
+        self._sending = self.ready()
+        if self._sending:
+            self.hub.announce(P.WeightsReady(version, published_at, manifest=plan), None,
+                              to=[p.generator_id for p in self._sending])
+        return bool(self._sending)
+
+    def bucket(self, flat: torch.Tensor) -> None:
+        self.broadcast(self._sending, flat)
+
+    def wanted(self) -> bool:
+        return False
+
+    def send(self, version: int, named, published_at: float) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+    def _send_latest(self, peer: Peer) -> None:
+        """A generator joined its group (rendezvous thread): broadcast it the newest version, unless it has it."""
+
+        def send(version: int, named: list) -> None:
+            if version == peer.loaded_version:
+                return
+            plan = manifest(named)
+            self.hub.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
+            packer = Packer(plan, self.device or "cpu", lambda flat, idx, offs: self.broadcast([peer], flat))
+            for _, t in named:
+                packer.add(t)
+            packer.finish()
+
+        if self.latest is not None:
+            self.latest(send)
 
     def open(self, generator_id: str, world: int, loaded_version: int = -1) -> dict:
         """Called by the hub at registration: a store for the rendezvous, joined in the background."""
@@ -85,8 +146,7 @@ class CollectivePeers:
             if self.device is not None:
                 torch.cuda.set_device(self.device)
             peer.group = make_group(peer.store, 0, peer.world, self.backend, self.timeout_s, self.device)
-            if self.on_join is not None:
-                self.on_join(peer)
+            self._send_latest(peer)
         except Exception as e:  # the generator never came: it re-registers (auto: with a file transport)
             self._fail(peer, f"did not join its process group: {e}")
             return
@@ -129,7 +189,7 @@ class CollectivePeers:
         with self.lock:
             return [p for p in self.peers.values() if p.ready and not p.failed]
 
-    def send(self, peers: list[Peer], t: torch.Tensor) -> None:
+    def broadcast(self, peers: list[Peer], t: torch.Tensor) -> None:
         """Broadcast a bucket (on this backend's device) to every peer; a peer that fails is dropped (it
         will re-register)."""
         for peer in peers:
@@ -148,6 +208,9 @@ class NcclReceiver:
 
     name = via = "nccl"
     in_order = True
+
+    def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
+        pass  # the group is made at `start`, from the Welcome
 
     def accepts(self, ready: P.WeightsReady) -> bool:
         return bool(ready.manifest)

@@ -1,9 +1,10 @@
 """The hub's side of the weight transports (it runs under the hub's lock, on the hub's thread or the learner's).
 
-At registration: the generator's transport (`weights.pick`), its nccl group opened, or the newest file version
-pushed right after its Welcome. Each new version: the announcement pushed to the generators it concerns (a
-file version to every file-transport generator, a broadcast to the ones the broadcasts will reach), its blob
-kept for zmq pulls, which are served chunk by chunk to registered generators, a few chunks in flight each.
+At registration: the generator's transport (`weights.pick`) and its sender's `join` (an nccl group opened, or
+the newest file version pushed right after the Welcome). Each new version: the announcement pushed to the
+generators it concerns (a file version to every generator of a file transport, a broadcast to the ones the
+broadcasts will reach), its blob kept for zmq pulls, which are served chunk by chunk to registered generators,
+a few chunks in flight each.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 
 from pipeline import protocol as P
-from weights import pick
+from weights import pick, senders
 from weights.files import host_identity
 from weights.zmq import Blobs
 
@@ -19,49 +20,40 @@ CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (th
 
 
 class WeightServing:
-    def __init__(self, cfg, registry, server, collective, run_id: str, version: int):
-        self.cfg, self.registry, self.server, self.collective, self.run_id = cfg, registry, server, collective, run_id
+    def __init__(self, cfg, hub, run_id: str, version: int):
+        self.cfg, self.registry, self.server, self.run_id = cfg, hub.registry, hub.server, run_id
         self.newest = version  # announced: a rollout may already come from it
         self.last_ready: P.WeightsReady | None = None  # the newest file version
         self.blobs = Blobs(cfg.weights.chunk_mb * 2**20)
-        self.on_file_join = None  # callable(): a file-transport generator needs a blob of the newest version
+        self.senders = senders(cfg, hub, run_id)  # by transport (weights/__init__.py); the publisher drives them
         self._boot_id = host_identity()[1]
 
     def join(self, msg: P.Register, ident: bytes, version: int) -> tuple[str, P.CollectiveSetup | None]:
-        """A generator registers: (its transport, its nccl setup). Raises ValueError if nccl cannot be had."""
+        """A generator registers: (its transport, its setup from the sender). ValueError: no sender for it here."""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # rank 0's device is the one in the nccl groups
         transport = pick(self.cfg.weights.transport, msg, self._boot_id, visible.split(",")[:1] if visible else ["0"],
-                         self.collective)
-        if transport == "nccl":
-            if self.collective is None:
-                raise ValueError("weights.transport nccl: this learner has no collective transport")
-            loaded = msg.loaded_version if msg.loaded_run == self.run_id else -1  # weights of another run: resend
-            # the current version comes by broadcast once the group is joined
-            return transport, P.CollectiveSetup(**self.collective.open(msg.generator_id, 1 + msg.tensor_parallel,
-                                                                       loaded))
-        if self.last_ready is not None:  # after the Welcome, on the one route versions take
-            self.server.push(ident, P.encode(self.last_ready))
-        if self.on_file_join is not None and (self.last_ready is None or self.last_ready.version < version):
-            self.on_file_join()  # versions were published by broadcast only: make a blob of the newest
-        return transport, None
+                         self.senders)
+        sender = self.senders.get(transport)
+        if sender is None:
+            raise ValueError(f"weights.transport {transport}: this learner cannot send it (it has "
+                             f"{', '.join(self.senders) or 'none'})")
+        return transport, sender.join(msg, ident, version)
 
-    def leave(self, generator_id: str, gave_up: bool = False) -> None:
-        """Its nccl group closes (it drains, left, went silent, or registers again: `gave_up` on its group)."""
-        if self.collective is None:
-            return
-        if gave_up and not self.collective.is_ready(generator_id):
-            self.collective.failed.add(generator_id)  # `auto` gives it a file transport next time
-        self.collective.close(generator_id)
+    def leave(self, generator_id: str, again: bool = False) -> None:
+        """It drains, left, went silent, or registers again (`again`)."""
+        for sender in set(self.senders.values()):
+            sender.leave(generator_id, again)
 
     def announce(self, ready: P.WeightsReady, blob: bytes | None, to: list[str] | None,
-                 delta: bytes | None = None) -> None:
+                 delta: bytes | None = None, transports: set[str] | None = None) -> None:
+        """A file version goes to every generator of `transports` (None: every one); a broadcast to those in `to`."""
         self.newest = max(self.newest, ready.version)
         if blob is not None:
             self.blobs.put(ready.version, blob, delta)
         gens = self.registry.generators
         if ready.file is not None:  # to every file-transport generator (a later one gets it after its Welcome)
             self.last_ready = ready
-            to = [g.generator_id for g in gens.values() if g.transport != "nccl"]
+            to = [g.generator_id for g in gens.values() if transports is None or g.transport in transports]
         data = P.encode(ready)  # on the control channel: reliable, in order with what follows
         for g in to or []:
             if g in gens:

@@ -89,15 +89,14 @@ class ZmqReceiver:
                 old.unlink(missing_ok=True)
 
     async def _fetch_delta(self, ready: P.WeightsReady, base, path) -> None:
-        import zlib
-
         from weights.delta import apply
+        from weights.plan import checksum
 
         buf = bytearray(ready.file.delta_size)
         await self._pull(ready, path, True, len(buf), buf)
-        if zlib.crc32(buf) != ready.file.delta_checksum:
+        if checksum(buf) != ready.file.delta_checksum:
             raise ChecksumMismatch(f"weights v{ready.version}: delta crc32 mismatch")
-        blob = await asyncio.to_thread(lambda: apply(base.read_bytes(), bytes(buf)))
+        blob = await asyncio.to_thread(lambda: apply(base.read_bytes(), buf))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(blob)

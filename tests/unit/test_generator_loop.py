@@ -295,7 +295,7 @@ async def test_a_generator_holding_the_previous_version_fetches_only_the_delta(t
     engine = FakeEngine()
     weights = torch.arange(1_000_000, dtype=torch.float32)
     async with running(cfg, tmp_path, engine, announce=False) as (hub, gen):
-        sender = FileSender(hub, "unit", "zmq", delta=True)
+        sender = FileSender(cfg, hub, "unit")
         sender.send(0, [("w", weights)], 0.0)
         await _until(lambda: engine.version == 0 and engine.loaded)
         for version in (1, 2):
@@ -308,3 +308,12 @@ async def test_a_generator_holding_the_previous_version_fetches_only_the_delta(t
             assert gen.receiver.via == "zmq-delta" and sender.sizes[1] < 20_000 < 4_000_000 < sender.sizes[0]
             assert gen.receiver.fetched - before == sender.sizes[1]  # the delta, not the blob
             assert engine.loaded[-1] == (version, checksum(serialize([("w", weights)])))
+
+
+def test_rollouts_go_to_the_host_the_generator_reached_the_hub_by():
+    """A hub bound to 0.0.0.0 names its rollouts socket on 127.0.0.1: a generator on another host pushes to the
+    address it registered at, with the rollouts port."""
+    from generator.service import _on_host_of
+
+    assert _on_host_of("tcp://127.0.0.1:41234", "tcp://10.1.2.3:5555") == "tcp://10.1.2.3:41234"
+    assert _on_host_of("tcp://127.0.0.1:41234", "tcp://[fe80::1]:5555") == "tcp://[fe80::1]:41234"

@@ -12,6 +12,8 @@ from learner.hub import HubStopped
 from pipeline import protocol as P
 from pipeline.status import render
 from tests.unit.peers import Peer, new_hub
+from weights.nccl import NcclSender
+from weights.nccl import Peer as NcclPeer
 
 
 @pytest.fixture
@@ -113,6 +115,7 @@ def test_bad_input_gets_clear_errors_and_the_hub_keeps_serving(make_hub):
     for data, message in cases:
         reply = peer.raw(data)
         assert isinstance(reply, P.Error) and message in reply.message, reply
+        assert reply.stop == (message == "schema version 7")  # another release: the peer leaves, no retries
     # rollouts: garbage, a wrong kind, and a group for a lease that does not exist are logged and counted
     peer.register()
     peer.push.send(b"\x00garbage")
@@ -210,29 +213,30 @@ def test_heartbeat_names_dead_leases_and_reregistration_voids_old_ones(make_hub)
     peer.close()
 
 
-class FakeCollective:
-    """What the hub asks of weights.nccl.CollectivePeers, without process groups."""
+class FakeNccl(NcclSender):
+    """weights.nccl.NcclSender as the hub drives it, without process groups."""
 
-    def __init__(self):
-        self.failed, self.opened, self.joined, self.closed = set(), [], set(), []
+    def __init__(self, hub):
+        self.hub, self.lock, self.peers, self.failed, self.transports = hub, threading.Lock(), {}, set(), {"nccl"}
+        self.opened, self.closed = [], []
 
     def open(self, generator_id, world, loaded_version=-1):
         self.opened.append((generator_id, world, loaded_version))
+        self.peers[generator_id] = NcclPeer(generator_id, None, world, loaded_version)
         return {"port": 1, "world_size": world, "backend": "gloo", "timeout_s": 1.0}
-
-    def is_ready(self, generator_id):
-        return generator_id in self.joined
 
     def close(self, generator_id):
         self.closed.append(generator_id)
+        self.peers.pop(generator_id, None)
 
 
 def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     hub = make_hub()
-    hub.weights.collective = FakeCollective()
+    nccl = hub.weights.senders["nccl"] = FakeNccl(hub)
     file_joins = []
-    hub.weights.on_file_join = lambda: file_joins.append(hub.version)
+    files = hub.weights.senders["shm"]
+    files.latest = lambda fn, background=False: file_joins.append(hub.version)
     peer = Peer(hub)
     here = hub.weights._boot_id
 
@@ -245,21 +249,21 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
         sessions[gen_id] = w.session
         return w
 
-    assert hub.wants_blobs()  # nobody registered yet: the next one may need a file
+    assert files.wanted()  # nobody registered yet: the next one may need a file
     w = register("a", "1", loaded=0)
     assert w.transport == "nccl" and w.collective.world_size == 3
-    assert hub.weights.collective.opened == [("a", 3, 0)]
-    assert not hub.wants_blobs()  # only nccl generators: no blob per version
+    assert nccl.opened == [("a", 3, 0)]
+    assert not files.wanted()  # only nccl generators: no blob per version
     assert register("b", "0").transport == "shm"  # the learner's GPU: colocated, shared memory
     assert register("c", "").transport == "shm"  # no GPUs reported (a CPU engine)
     assert register("d", "0", boot="elsewhere").transport == "nccl"  # GPU 0 of another host
     assert register("e", "", boot="elsewhere").transport == "zmq"
-    assert hub.wants_blobs()
-    hub.weights.collective.failed.add("f")
+    assert files.wanted()
+    nccl.failed.add("f")
     assert register("f", "2").transport == "shm"  # its group failed once
     assert register("a", "1").transport == "shm"  # re-registers without ever joining: it gave up on nccl
-    assert "a" in hub.weights.collective.failed
-    hub.weights.collective.joined.add("d")
+    assert "a" in nccl.failed
+    nccl.peers["d"].ready = True
     assert register("d", "0", boot="elsewhere").transport == "nccl"  # a joined one keeps nccl
     # a file joiner while the newest version has no blob (none yet, or broadcast only) asks for one
     assert file_joins == [0] * 5  # b, c, e, f and a's second registration
@@ -272,7 +276,7 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
 def test_explicit_transport_is_kept(make_hub):
     hub = make_hub()
     hub.cfg.weights.transport = "zmq"
-    hub.weights.collective = FakeCollective()
+    hub.weights.senders["nccl"] = FakeNccl(hub)
     peer = Peer(hub)
     assert peer.ask(P.Register("x", "h", hub.weights._boot_id, "1")).transport == "zmq"
     peer.close()
@@ -280,15 +284,15 @@ def test_explicit_transport_is_kept(make_hub):
 
 def test_a_draining_generator_gets_no_more_broadcasts_but_keeps_its_leases(make_hub, tmp_path):
     hub = make_hub()
-    hub.weights.collective = FakeCollective()
+    hub.weights.senders["nccl"] = FakeNccl(hub)
     peer = Peer(hub)
     peer.register()
     lease = peer.lease(2)
     assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id])).dead_leases == []
-    assert hub.weights.collective.closed == []
+    assert hub.weights.senders["nccl"].closed == []
     for _ in range(2):  # reported once, acted on once
         assert isinstance(peer.ask(P.Heartbeat(peer.id, 0, 0.0, 2, [lease.lease_id], draining=True)), P.HeartbeatReply)
-    assert hub.weights.collective.closed == [peer.id]  # its process group: out of the next broadcasts, aborted
+    assert hub.weights.senders["nccl"].closed == [peer.id]  # its process group: out of the next broadcasts, aborted
     assert hub.status().generators[0].draining is True
     assert render(hub.status()).splitlines()[-1].endswith("draining")  # `pipeline status` shows it
     peer.send_groups(lease)  # the groups it finishes while draining still count

@@ -118,3 +118,32 @@ def test_typed_payloads_round_trip_and_are_checked():
     body["sampling"] = {"temperature": 1.0}
     with pytest.raises(P.ProtocolError, match="Welcome.sampling.max_tokens: missing"):
         P.decode(msgpack.packb(body))
+
+
+async def test_a_reply_in_another_schema_version_fails_its_request_at_once():
+    """A hub of another release: the generator's request fails with SchemaMismatch (the generator exits), instead
+    of timing out and being retried forever."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from pipeline.client import HubClient
+
+    ctx = zmq.asyncio.Context.instance()
+    hub = ctx.socket(zmq.ROUTER)
+    port = hub.bind_to_random_port("tcp://127.0.0.1")
+    client = HubClient(f"tcp://127.0.0.1:{port}", timeout=30.0)
+
+    async def answer():
+        ident, data = await hub.recv_multipart()
+        _, rid = P.decode(data)
+        await hub.send_multipart([ident, msgpack.packb({"v": P.SCHEMA_VERSION + 1, "k": "error", "r": rid,
+                                                        "message": "x"})])
+
+    task = asyncio.ensure_future(answer())
+    with pytest.raises(P.SchemaMismatch, match="schema version"):
+        await asyncio.wait_for(client.request(P.Heartbeat("g")), 10)
+    await task
+    client.close()
+    hub.close(linger=0)

@@ -7,17 +7,19 @@ import torch
 from safetensors.torch import load
 
 from learner.publisher import WeightPublisher
+from weights.files import FileSender
 
 
-class Hub:  # records what the publisher announces
-    def __init__(self):
-        self.blobs, self.weights = {}, SimpleNamespace(last_ready=None, on_file_join=None)
+class Hub:  # records what the publisher's file sender announces
+    def __init__(self, cfg):
+        self.blobs, self.weights = {}, SimpleNamespace(last_ready=None)
+        self.weights.senders = {"zmq": FileSender(cfg, self, "run")}
 
-    def announce(self, ready, blob, to=None, delta=None):
+    def announce(self, ready, blob, to=None, delta=None, transports=None):
         self.blobs[ready.version] = blob
         self.weights.last_ready = ready
 
-    def wants_blobs(self):
+    def wants_blobs(self, transports):
         return True
 
     def uses_transport(self, name):
@@ -29,8 +31,8 @@ def test_each_version_blob_holds_that_version():
     module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3, bias=False))
     engine = SimpleNamespace(module=module, device=torch.device("cpu"))
     cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0), weights=SimpleNamespace(transport="zmq", delta=False))
-    hub = Hub()
-    pub = WeightPublisher(cfg, engine, hub, "run", rank=0)
+    hub = Hub(cfg)
+    pub = WeightPublisher(cfg, engine, hub, rank=0)
     want = {}
     for version in (1, 2, 3):
         with torch.no_grad():

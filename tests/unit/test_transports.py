@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,7 +131,8 @@ def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts()
 
     from weights import nccl as C
 
-    peers = C.CollectivePeers("127.0.0.1", timeout_s=5.0)
+    peers = C.NcclSender(SimpleNamespace(hub=SimpleNamespace(host="127.0.0.1"),
+                                         weights=SimpleNamespace(collective_timeout_s=5.0)), None, "run")
 
     def add(gen_id, group):
         peer = C.Peer(gen_id, None, 2, -1)
@@ -143,16 +145,16 @@ def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts()
 
     a, b = add("a", FakeGroup()), add("b", FakeGroup())
     bucket = torch.zeros(4)
-    peers.send(peers.ready(), bucket)
+    peers.broadcast(peers.ready(), bucket)
     assert (a.group.sent, b.group.sent) == (1, 1)
     snapshot = peers.ready()  # what a publish in progress holds
     peers.close("a")
     assert a.group.aborted.wait(5) and peers.ready() == [b]
-    peers.send(snapshot, bucket)
+    peers.broadcast(snapshot, bucket)
     assert (a.group.sent, b.group.sent) == (1, 2)  # the closed one is skipped from the next bucket on
     c = add("c", FakeGroup(on_broadcast=lambda: (peers.close("c"), failing())))  # closed while it sends
     d = add("d", FakeGroup(on_broadcast=failing))  # a real failure
-    peers.send(peers.ready(), bucket)
+    peers.broadcast(peers.ready(), bucket)
     assert b.group.sent == 3 and c.group.aborted.wait(5) and d.group.aborted.is_set()
     assert peers.failed == {"d"} and peers.ready() == [b]  # auto gives "d" a file transport next time; not "c"
     again = add("a", FakeGroup())  # "a" registered again: its old group failing late leaves the new one alone
@@ -178,14 +180,35 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     foreign = tmp_path / "pipeline-not-ours"  # no owner file: not made by this code, left alone
     foreign.mkdir()
     before = transports.shm_segments() | {"psm_0000aaaa"}
-    for name in ("psm_0000aaaa", "psm_1234abcd", "psm_5678ef01"):  # one was there before the engine started
+    for name in ("psm_0000aaaa", "psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"):  # one was there before
         (tmp_path / name).write_bytes(b"segment")
-    assert transports.record_segments(before) == ["psm_1234abcd", "psm_5678ef01"]  # the engine's
+    assert transports.record_segments(before) == ["psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"]  # the engine's
     recv = transports.receiver_dir()
     (recv / "owner").write_text(dead.stdout.strip())  # its generator and engine were killed with SIGKILL
     assert sorted(transports.remove_stale()) == sorted([stale, recv])
-    assert sorted(p.name for p in tmp_path.glob("psm_*")) == ["psm_0000aaaa"]  # the engine's segments are gone
+    assert sorted(p.name for p in tmp_path.iterdir() if transports.SEGMENT.fullmatch(p.name)) == ["psm_0000aaaa"]
     assert not stale.exists() and foreign.exists() and path.exists()  # the live process's folder stays
     assert int((path.parent / "owner").read_text()) == os.getpid()
     transports.remove_shm("run-x")
     assert not path.parent.exists()
+
+
+def test_a_delta_round_trips_across_chunks_and_refuses_another_layout(monkeypatch):
+    import struct
+
+    import numpy as np
+
+    from weights import delta
+
+    monkeypatch.setattr(delta, "CHUNK", 1000)  # several chunks, the last one short
+    header = b'{"w":{"dtype":"BF16","shape":[2500],"data_offsets":[0,5000]}}'
+    base = struct.pack("<Q", len(header)) + header + np.random.default_rng(0).bytes(5000)
+    new = bytearray(base)
+    new[100], new[2999], new[-1] = new[100] ^ 1, new[2999] ^ 4, new[-1] ^ 8  # three changed bytes, three chunks
+    diff = delta.encode(base, bytes(new))
+    assert delta.apply(base, diff).tobytes() == bytes(new) and len(diff) < len(base) // 4
+    assert delta.encode(base, base[:8] + header.replace(b"2500", b"2501") + base[8 + len(header):]) is None
+    with pytest.raises(ValueError, match="chunks"):
+        delta.apply(base, diff[:-1])  # truncated
+    with pytest.raises(ValueError, match="chunks"):
+        delta.apply(base + b"\0" * 1000, diff)  # another base
