@@ -43,8 +43,6 @@ def build_model(size: str, dest: Path, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from pipeline.tinymodel import qwen_shaped_config
-
     cfg = qwen_shaped_config(size)
     # single characters first (letters, digits, byte-level space "Ġ"): prompts of letters encode to ids whether
     # transformers honours tokenizer.json or rebuilds a byte-level BPE from the vocabulary (no merges)
@@ -66,6 +64,22 @@ def build_model(size: str, dest: Path, seed: int = 0) -> Path:
     _pin_tokenizer_class(tmp)
     os.replace(tmp, dest)
     return dest
+
+
+def qwen_shaped_config(size: str):
+    """A Qwen2Config of a Qwen2.5 model's shape ("0.5b", "1.5b", "7b"), for random weights."""
+    from transformers import Qwen2Config
+
+    shapes = {
+        "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+        "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+        "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, tie_word_embeddings=False),
+    }
+    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                       bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16", **shapes[size])
 
 
 MODELS, RUNS = Path("/tmp/bench-models"), Path("/tmp/bench-runs")

@@ -19,8 +19,7 @@ import time
 
 import torch
 
-from bench.common import write_result
-from pipeline.tinymodel import qwen_shaped_config
+from bench.common import qwen_shaped_config, write_result
 from weights import delta
 from weights.plan import serialize
 

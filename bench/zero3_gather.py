@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -25,10 +26,9 @@ import torch
 def rank_main(args) -> None:
     import deepspeed
 
-    from bench.common import median
+    from bench.common import median, qwen_shaped_config
     from learner.model import GATHER_BYTES, gathered_weights, init_distributed
     from learner.publisher import HostCopy
-    from pipeline.tinymodel import qwen_shaped_config
     from weights.plan import Packer, manifest, unpack
 
     rank, _ = init_distributed()
@@ -111,11 +111,19 @@ def main(argv=None) -> int:
     if args.rank:
         rank_main(args)
         return 0
-    from learner.launch import spawn_ranks  # as the learner's ranks: one failing stops the other
-
     if not args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo) even on a machine with GPUs
-    return spawn_ranks([*args.argv, "--rank"], 2, args.gpus, module="bench.zero3_gather")
+    return _spawn_ranks([*args.argv, "--rank"], 2, args.gpus)
+
+
+def _spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
+    """This module once per rank, as the learner's ranks are started: one failing stops the other."""
+    from learner.launch import rank_env, supervise
+    from pipeline.netutil import free_port
+
+    port, command = str(free_port()), [sys.executable, "-m", "bench.zero3_gather", *argv]
+    return supervise([subprocess.Popen(command, env=rank_env(rank, world, gpus, port)) for rank in range(world)])
+
 
 if __name__ == "__main__":
     sys.exit(main())
