@@ -71,12 +71,13 @@ def rank_main(args) -> None:
     if cuda:
         out["profile"] = _profile(lambda: one_pass(GATHER_BYTES, True), rank)
     if rank == 0:
-        from bench.common import write_result
+        from bench.common import result_name, write_result
 
         a, b = out["group_bytes_0"]["ms_median"], out[f"group_bytes_{GATHER_BYTES}"]["ms_median"]
         out["speedup"] = a / b
         print(out, flush=True)
-        write_result(args.name, "python -m bench.zero3_gather " + " ".join(args.argv),
+        name = args.name or result_name("zero3_gather", args.model_size, gpus=bool(args.gpus))
+        write_result(name, "python -m bench.zero3_gather " + " ".join(args.argv),
                      f"random-weight Qwen2.5-{args.model_size} shape, bf16, ZeRO-3 over 2 ranks", out)
 
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-size", default="0.5b")
     p.add_argument("--gpus", default=None, help="two GPUs, e.g. 0,1 (default: CPU, gloo)")
     p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--name", default="zero3_gather")
+    p.add_argument("--name", default=None, help="result file name (default: zero3_gather_SIZE_MACHINE)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--rank"]
