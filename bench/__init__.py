@@ -1,1 +1,1 @@
-"""Benchmarks of the pipeline on GPUs; each script writes bench/results/NAME.json (see bench/RESULTS.md)."""
+"""The benchmarks: each writes bench/results/NAME.json; the parts, commands and current table are in bench/README.md."""

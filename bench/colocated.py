@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import ROOT, add_model_args, model_from_args, start_child, write_dataset, write_result
+from bench.common import ROOT, add_model_args, model_from_args, result_name, start_child, write_dataset, write_result
 from pipeline.metrics import read_jsonl
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     add_model_args(p, "colocated")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timeout", type=float, default=240)
-    p.add_argument("--name", default="colocated", help="result file name")
+    p.add_argument("--name", default=None, help="result file name (default: colocated_SIZE_MACHINE)")
     args = p.parse_args()
     model = str(model_from_args(args))
     run_dir = Path(args.run_dir)
@@ -87,7 +87,8 @@ def main() -> None:
            "gpu_memory_peak_gib": peak[0] / 2**30,
            "reward_first_last": [records[0]["reward/mean"], records[-1]["reward/mean"]] if records else None,
            "config": "configs/gpu-single.yaml (placement, memory split), bench model/data/reward"}
-    write_result(args.name, "python -m bench.colocated " + " ".join(sys.argv[1:]),
+    name = args.name or result_name("colocated", args.model_size)
+    write_result(name, "python -m bench.colocated " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", out)
 
 

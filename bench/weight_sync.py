@@ -25,7 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Services, build_model, log_times, median, run_config, write_dataset, write_result
+from bench.common import (
+    Services,
+    build_model,
+    log_times,
+    median,
+    result_name,
+    run_config,
+    write_dataset,
+    write_result,
+)
 
 APPLIED = re.compile(r"weights v(\d+) applied: (\d+) ms \((\d+) ms stopped\), (\d+) ms after the optimizer step"
                      r"(?:; received in (\d+) ms)?")
@@ -144,7 +153,7 @@ def main() -> None:
     p.add_argument("--learner-gpus", default="0", help="several: one learner rank each (7B: 0,1 with ZeRO-3)")
     p.add_argument("--generator-gpus", default="1")
     p.add_argument("--zero-stage", type=int, default=0)
-    p.add_argument("--name", default="weight_sync", help="result file name")
+    p.add_argument("--name", default=None, help="result file name (default: weight_sync_TRANSPORTS_SIZES_MACHINE)")
     args = p.parse_args()
     data = str(write_dataset(Path(args.runs) / "sync.jsonl", rows=2048))
     results = {}
@@ -166,7 +175,9 @@ def main() -> None:
             if nccl.get("learner_broadcast_ms_median"):
                 nccl["raw_fraction_broadcasts"] = raw_ms / nccl["learner_broadcast_ms_median"]
         results[size] = entry
-    write_result(args.name, "python -m bench.weight_sync " + " ".join(sys.argv[1:]),
+    zero = f"zero{args.zero_stage}" if args.zero_stage else ""
+    name = args.name or result_name("weight_sync", args.transports, args.sizes, zero, gpus=not args.cpu)
+    write_result(name, "python -m bench.weight_sync " + " ".join(sys.argv[1:]),
                  "random-weight Qwen2.5 shapes, bf16 (" + args.sizes + ")", results)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -25,10 +26,9 @@ import torch
 def rank_main(args) -> None:
     import deepspeed
 
-    from bench.common import median
+    from bench.common import median, qwen_shaped_config
     from learner.model import GATHER_BYTES, gathered_weights, init_distributed
     from learner.publisher import HostCopy
-    from pipeline.tinymodel import qwen_shaped_config
     from weights.plan import Packer, manifest, unpack
 
     rank, _ = init_distributed()
@@ -71,12 +71,13 @@ def rank_main(args) -> None:
     if cuda:
         out["profile"] = _profile(lambda: one_pass(GATHER_BYTES, True), rank)
     if rank == 0:
-        from bench.common import write_result
+        from bench.common import result_name, write_result
 
         a, b = out["group_bytes_0"]["ms_median"], out[f"group_bytes_{GATHER_BYTES}"]["ms_median"]
         out["speedup"] = a / b
         print(out, flush=True)
-        write_result(args.name, "python -m bench.zero3_gather " + " ".join(args.argv),
+        name = args.name or result_name("zero3_gather", args.model_size, gpus=bool(args.gpus))
+        write_result(name, "python -m bench.zero3_gather " + " ".join(args.argv),
                      f"random-weight Qwen2.5-{args.model_size} shape, bf16, ZeRO-3 over 2 ranks", out)
 
 
@@ -104,18 +105,26 @@ def main(argv=None) -> int:
     p.add_argument("--model-size", default="0.5b")
     p.add_argument("--gpus", default=None, help="two GPUs, e.g. 0,1 (default: CPU, gloo)")
     p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--name", default="zero3_gather")
+    p.add_argument("--name", default=None, help="result file name (default: zero3_gather_SIZE_MACHINE)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--rank"]
     if args.rank:
         rank_main(args)
         return 0
-    from learner.launch import spawn_ranks  # as the learner's ranks: one failing stops the other
-
     if not args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo) even on a machine with GPUs
-    return spawn_ranks([*args.argv, "--rank"], 2, args.gpus, module="bench.zero3_gather")
+    return _spawn_ranks([*args.argv, "--rank"], 2, args.gpus)
+
+
+def _spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
+    """This module once per rank, as the learner's ranks are started: one failing stops the other."""
+    from learner.launch import rank_env, supervise
+    from pipeline.netutil import free_port
+
+    port, command = str(free_port()), [sys.executable, "-m", "bench.zero3_gather", *argv]
+    return supervise([subprocess.Popen(command, env=rank_env(rank, world, gpus, port)) for rank in range(world)])
+
 
 if __name__ == "__main__":
     sys.exit(main())

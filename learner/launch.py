@@ -22,17 +22,25 @@ def world_size(ranks: int, gpus: str | None) -> int:
     return len(gpus.split(",")) if gpus else 1
 
 
-def spawn_ranks(argv: list[str], world: int, gpus: str | None, module: str = "pipeline.cli") -> int:
-    """Run `python -m module *argv` once per rank; returns the exit code (a failed rank's, if any)."""
-    devices = gpus.split(",") if gpus else None
+def spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
+    """Run `pipeline.cli *argv` once per rank; returns the exit code (a failed rank's, if any)."""
     port = str(free_port())
-    children = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0" if devices else str(rank),
-               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        if devices:
-            env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
-        children.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+    command = [sys.executable, "-m", "pipeline.cli", *argv]
+    return supervise([subprocess.Popen(command, env=rank_env(rank, world, gpus, port)) for rank in range(world)])
+
+
+def rank_env(rank: int, world: int, gpus: str | None, port: str) -> dict:
+    """The environment of one rank: the torch.distributed variables and, on GPUs, its own GPU alone."""
+    devices = gpus.split(",") if gpus else None
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0" if devices else str(rank),
+           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
+    return env
+
+
+def supervise(children: list[subprocess.Popen]) -> int:
+    """Pass SIGTERM and SIGINT on to the ranks and wait for them all; when one fails, kill the others (by PID)."""
 
     def forward(sig, _frame):
         for c in children:

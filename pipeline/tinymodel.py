@@ -62,18 +62,3 @@ def build_tiny_model(dest: Path, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
-
-def qwen_shaped_config(size: str):
-    """A Qwen2Config of a real model's shape (random weights, for GPU tests and benchmarks)."""
-    from transformers import Qwen2Config
-
-    shapes = {
-        "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, tie_word_embeddings=True),
-        "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                     num_key_value_heads=2, tie_word_embeddings=True),
-        "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                   num_key_value_heads=4, tie_word_embeddings=False),
-    }
-    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-                       bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16", **shapes[size])

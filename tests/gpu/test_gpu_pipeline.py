@@ -1,7 +1,7 @@
 """GPU end to end: `pipeline learner --gpus 0` and `pipeline generator --gpus N` as separate processes.
 
 A random-weight model of Qwen2.5-0.5B's shape is built locally (no download), with a word-level
-tokenizer covering its 151936 ids.
+tokenizer covering its 151936 ids (tests/gpu/helpers.py).
 - 2 GPUs: learner on 0, generator on 1. Versions advance, the transport picked by `auto` is nccl, the
   generator acknowledges every version it received by broadcast, and its staged receive's replayed copies
   were checked equal to vLLM's load_weights.
@@ -27,6 +27,7 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
+from tests.gpu.helpers import build_model, write_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -123,7 +124,7 @@ def _config(model_dir: Path, tmp_path: Path, **trainer) -> Path:
     cfg = {
         "model": {"path": str(model_dir), "dtype": "bfloat16"},
         "data": {"path": str(model_dir.parent / "data.jsonl")},
-        "rewards": [{"fn": "bench.common:parity_reward"}],
+        "rewards": [{"fn": "tests.gpu.helpers:parity_reward"}],
         "sampling": {"max_tokens": 32, "ignore_eos": True},
         "trainer": {"total_steps": STEPS, "batch_size": 4, "group_size": 4, "max_staleness": 1, "lr": 1e-6,
                     **trainer},
@@ -149,12 +150,9 @@ def _tail(log: Path) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(ROOT))
-    from bench.common import build_model, write_dataset
-
     root = tmp_path_factory.mktemp("qwen05")
     write_dataset(root / "data.jsonl", rows=256, prompt_tokens=16)
-    return build_model("0.5b", root / "model")
+    return build_model(root / "model")
 
 
 def _run_to_end(cfg_path: Path, run_dir: Path, tmp_path: Path, learner_gpus: str, generator_gpus: str,

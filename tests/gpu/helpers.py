@@ -1,0 +1,79 @@
+"""The GPU tests' model, data and reward, built locally (no download).
+
+A random-weight Qwen2 of Qwen2.5-0.5B's shape in bf16 with a word-level tokenizer over all its 151936 ids
+(letters and digits first, then "tN" for id N), so prompts of letters encode to ids and every sampled id
+decodes; prompts of random letters; and a reward with variance, so no group is skipped. The generator
+imports the reward by name (`tests.gpu.helpers:parity_reward`), so this module imports nothing heavy at the top.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+VOCAB_SIZE = 151936
+SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+             num_key_value_heads=2, tie_word_embeddings=True)  # Qwen2.5-0.5B
+
+
+def build_model(dest: Path, seed: int = 0) -> Path:
+    """The model and its tokenizer, saved in Hugging Face format into `dest`."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    chars = ["<unk>", *LETTERS, *"0123456789", "Ġ"]  # "Ġ": byte-level space, should the BPE be rebuilt
+    vocab = {SPECIAL.get(i, chars[i] if i < len(chars) else f"t{i}"): i for i in range(VOCAB_SIZE)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    cfg = Qwen2Config(vocab_size=VOCAB_SIZE, max_position_embeddings=32768, rope_theta=1000000.0,
+                      bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16", **SHAPE)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    _pin_tokenizer_class(Path(dest))
+    return Path(dest)
+
+
+def _pin_tokenizer_class(path: Path) -> None:
+    """Make AutoTokenizer load tokenizer.json as is: some transformers 5 releases map model_type qwen2 to
+    Qwen2Tokenizer, whose BPE has no merges for this vocabulary and encodes the prompts to nothing."""
+    from transformers import AutoTokenizer
+
+    cfg_path = path / "tokenizer_config.json"
+    base = json.loads(cfg_path.read_text())
+    best = base
+    for cls in ("PreTrainedTokenizerFast", "TokenizersBackend", None):
+        cfg = {k: v for k, v in base.items() if k != "tokenizer_class"} | ({"tokenizer_class": cls} if cls else {})
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        try:
+            ids = list(AutoTokenizer.from_pretrained(path)("a b c", add_special_tokens=False)["input_ids"])
+        except Exception:  # this class does not load here: try the next
+            continue
+        if ids == [1, 2, 3]:
+            return
+        if ids:
+            best = cfg
+    cfg_path.write_text(json.dumps(best, indent=2))  # not word-level, but prompts still encode to ids
+
+
+def write_dataset(path: Path, rows: int, prompt_tokens: int, seed: int = 0) -> Path:
+    """JSONL with `prompt` (letters separated by spaces) and `answer` columns."""
+    rng = random.Random(seed)
+    with Path(path).open("w") as f:
+        for _ in range(rows):
+            prompt = " ".join(rng.choice(LETTERS) for _ in range(prompt_tokens))
+            f.write(json.dumps({"prompt": prompt, "answer": str(rng.randrange(100))}) + "\n")
+    return Path(path)
+
+
+def parity_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
+    """Fraction of odd token ids: random weights still give rewards with variance."""
+    return [sum(t & 1 for t in ids) / max(1, len(ids)) for ids in completion_ids]
