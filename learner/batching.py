@@ -27,15 +27,21 @@ class Row:
     mask: np.ndarray  # one per completion token: 1 trained, 0 not (the environment's)
     advantage: float
     temperature: float
+    lag: int = 0  # of its group at the step
+    prox: np.ndarray | None = None  # proximal log-probs of the completion (trainer.minibatches > 1)
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.completion)
 
 
-def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool) -> tuple[list[Row], dict]:
+def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool,
+               overlong: tuple[int, int, float] = (0, 0, 0.0)) -> tuple[list[Row], dict]:
+    """`overlong`: (max_tokens, buffer, penalty) of DAPO's soft overlong punishment (buffer 0: off)."""
     rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float64)
-    adv, zero = group_advantages(rewards, scale=scale_rewards)
+    penalty = torch.tensor([[overlong_penalty(len(s.token_ids) // 4, *overlong) for s in g.samples] for g in groups],
+                           dtype=torch.float64)
+    adv, zero = group_advantages(rewards - penalty, scale=scale_rewards)
     rows = []
     for gi, g in enumerate(groups):
         if zero[gi]:
@@ -45,18 +51,28 @@ def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool) -> 
             tokens = P.unpack_ints(s.token_ids)
             if len(tokens):
                 rows.append(Row(prompt, tokens, P.unpack_floats(s.logprobs), P.unpack_mask(s.mask, len(tokens)),
-                                float(adv[gi, si]), g.temperature))
+                                float(adv[gi, si]), g.temperature, lag(g, step)))
     lags = [lag(g, step) for g in groups]
     samples = [s for g in groups for s in g.samples]
+    lengths = [len(s.token_ids) // 4 for s in samples]
     stats = {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/overlong_penalty": float(penalty.mean()),
         "groups/zero_variance": int(zero.sum()),
         "staleness/max_lag": max(lags), "staleness/mean_lag": float(np.mean(lags)),
         "staleness/min_behaviour_version": min(behaviour_version(g) for g in groups),
         "inflight/mixed_samples": sum(s.first_version < s.last_version for s in samples),
-        "tokens/completion_mean": float(np.mean([len(s.token_ids) // 4 for s in samples])),
+        "tokens/completion_mean": float(np.mean(lengths)), "tokens/completion_max": max(lengths),
+        "samples/truncated": float(np.mean([s.finish_reason == "length" for s in samples])),
     }
     return rows, stats
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """0 up to max_tokens - buffer tokens, then rising linearly to `penalty` at max_tokens (DAPO)."""
+    if buffer <= 0 or length <= max_tokens - buffer:
+        return 0.0
+    return penalty * min(1.0, (length - (max_tokens - buffer)) / buffer)
 
 
 def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
@@ -86,6 +102,8 @@ def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
     mu = torch.zeros((n, L - 1))
     adv = torch.zeros((n, L - 1))
     temp = torch.ones((n, 1, 1))
+    prox = torch.zeros((n, L - 1))
+    lags = torch.tensor([r.lag for r in rows], dtype=torch.long)
     for i, r in enumerate(rows):
         p, c = len(r.prompt), len(r.completion)
         ids[i, :p] = torch.from_numpy(r.prompt.astype(np.int64))
@@ -95,7 +113,11 @@ def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
         mu[i, p - 1:p + c - 1] = torch.from_numpy(r.behaviour.astype(np.float32))
         adv[i, p - 1:p + c - 1] = r.advantage
         temp[i] = r.temperature
-    out = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp)
+        if r.prox is not None:
+            prox[i, p - 1:p + c - 1] = torch.from_numpy(r.prox)
+    out = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp, lag=lags)
+    if all(r.prox is not None for r in rows):
+        out["prox"] = prox
     return {k: v.to(device) for k, v in out.items()}
 
 

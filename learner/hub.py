@@ -285,7 +285,7 @@ class Hub:
             gen.received += 1
             lease = self.ledger.leases.get(msg.lease_id)
             if lease is None or key not in lease.items:
-                name = "duplicates" if key in self.ledger.trained or self.ledger.is_buffered(key) else "unknown_lease"
+                name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
                 self.counters[name] += 1
                 self.journal.warn(name, "hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
                            "a known" if lease else "an unknown", msg.lease_id, name)
@@ -305,7 +305,10 @@ class Hub:
                 self._count_against(gen, f"{e.reason}: {e.detail}")
                 self.lock.notify_all()
                 return
-            self.ledger.buffered(msg)
+            if self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1:
+                self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
+            else:
+                self.ledger.buffered(msg)
             tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
             self.counters["rollouts"] += 1
             self.counters["tokens"] += tokens

@@ -1,7 +1,8 @@
 """The prompt ledger: where every prompt of the run is, with no sockets and no threads (the hub holds its lock).
 
 A prompt (epoch, prompt_id) lives in exactly one place: pending (a deque; epochs are appended in a seeded
-shuffle as they are needed), a lease, the buffer of received groups, the step being trained, or trained.
+shuffle as they are needed), a lease, the buffer of received groups, the step being trained, trained, or filtered
+(trainer.dynamic_sampling: its group's rewards were all equal, so it is done for the epoch without a step).
 Moving it is the ledger's job and nobody else's: grant and settle leases, take a lease back (expired, its
 generator gone), buffer a group, hand a batch to the learner, finish or abandon that step. Faults are
 remembered per prompt (engine attempts, and which principals failed it), so a prompt one generator fails is
@@ -43,6 +44,7 @@ class PromptLedger:
         self.buffer: list[tuple[P.RolloutGroup, float]] = []  # (group, arrival time)
         self.in_step: list[P.RolloutGroup] = []
         self.trained: set[Key] = set()
+        self.filtered: set[Key] = set()  # done for their epoch without a step (dynamic sampling)
         self.next_epoch = 0
         self.attempts: dict[Key, int] = {}  # engine failures per prompt
         self.failed_by: dict[Key, set[str]] = {}  # principals (keys, or ids) that failed the prompt, any kind
@@ -56,7 +58,7 @@ class PromptLedger:
         while len(out) < n and (self.pending or self._refill()):
             key = self.pending.popleft()
             tried = self.failed_by.get(key)
-            if key in self.trained:
+            if self.done(key):
                 continue
             if tried and principal in tried and not confirmed(tried):
                 skipped.append(key)
@@ -121,6 +123,15 @@ class PromptLedger:
     def buffered(self, group: P.RolloutGroup) -> None:
         self.buffer.append((group, time.monotonic()))
 
+    def filter(self, group: P.RolloutGroup) -> None:
+        """Its rewards were all equal (no signal, dynamic sampling): done for its epoch, a fresh group takes its
+        place in the batch."""
+        self.filtered.add((group.epoch, group.prompt_id))
+        self.counters["filtered_groups"] = self.counters.get("filtered_groups", 0) + 1
+
+    def done(self, key: Key) -> bool:
+        return key in self.trained or key in self.filtered
+
     def is_buffered(self, key: Key) -> bool:
         return any((g.epoch, g.prompt_id) == key for g, _ in self.buffer) or any(
             (g.epoch, g.prompt_id) == key for g in self.in_step)
@@ -157,7 +168,7 @@ class PromptLedger:
     def exhausted(self) -> bool:
         """Every prompt of the last epoch is trained or gone, and nothing is out: no batch can come any more."""
         return bool(self.epochs) and self.next_epoch >= self.epochs and not self.leases and not self.in_step \
-            and all(key in self.trained for key in self.pending)
+            and all(self.done(key) for key in self.pending)
 
     # ---- checkpoint state ---------------------------------------------------------------------------
 
@@ -166,9 +177,10 @@ class PromptLedger:
         unfinished = [k for lease in self.leases.values() for k in lease.items]
         unfinished += [(g.epoch, g.prompt_id) for g, _ in self.buffer]
         return {"next_epoch": self.next_epoch, "pending": [list(k) for k in unfinished + list(self.pending)],
-                "trained": sorted(list(k) for k in self.trained)}
+                "trained": sorted(list(k) for k in self.trained), "filtered": sorted(list(k) for k in self.filtered)}
 
     def restore(self, state: dict) -> None:
         self.next_epoch = state["next_epoch"]
         self.pending = deque(tuple(k) for k in state["pending"])
         self.trained = {tuple(k) for k in state["trained"]}
+        self.filtered = {tuple(k) for k in state.get("filtered", [])}

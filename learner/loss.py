@@ -1,17 +1,19 @@
 """GRPO advantages and the policy loss with its off-policy corrections.
 
-Per token, with log-prob `logp` under the weights being trained, behaviour log-prob `mu` (vLLM,
-the weights that sampled the token) and the group advantage `A`:
+Per token, with log-prob `logp` under the weights being trained, behaviour log-prob `mu` (vLLM, the weights
+that sampled the token), the proximal log-prob `prox` (the weights before the batch's first update) and the
+group advantage `A`:
 
   ppo        r = exp(logp - mu);                 loss = -min(r A, clip(r, 1-eps, 1+eps) A)
   tis        w = min(exp(sg(logp) - mu), C);     loss = -w A exp(logp - sg(logp))     (value -wA, grad -wA dlogp)
   decoupled  w = min(exp(prox - mu), C); r = exp(logp - prox);
                                                  loss = -w min(r A, clip(r, 1-eps, 1+eps) A)
+  masked     w = exp(prox - mu), 0 outside [lo, hi] (IcePop: masked, not truncated); r and loss as decoupled
 
-`sg` stops the gradient; `prox` is the proximal policy of decoupled PPO, the weights before this
-update. The learner takes one optimizer step per batch, so prox = sg(logp) unless given.
-Token-level normalisation: the step's loss is the sum over all completion tokens of the step
-divided by their count (each micro-batch contributes its sum / the step's total).
+`sg` stops the gradient. With one optimizer step per batch (trainer.minibatches 1) prox = sg(logp), so r = 1
+in value and its clip never acts; with several, later updates see r move away from 1 and the clip acts.
+Token-level normalisation: an update's loss is the sum over its trained tokens divided by their count (each
+micro-batch contributes its sum / the update's total).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
 
 
 def token_loss(logp: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, variant: str, clip_eps: float = 0.2,
-               is_cap: float = 2.0, prox: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Per-token loss (same shape as logp) and detached statistics of the correction."""
+               is_cap: float = 2.0, prox: torch.Tensor | None = None,
+               token_mask: tuple[float, float] = (0.5, 2.0)) -> tuple[torch.Tensor, dict]:
+    """Per-token loss (same shape as logp) and detached per-token statistics of the correction: `is_weight`
+    (the weight applied), `clipped` (the ratio's clip acted), `masked` (the token mask left it out)."""
+    prox = logp.detach() if prox is None else prox
+    masked = torch.zeros_like(logp)
     if variant == "ppo":
         ratio = torch.exp(logp - mu)
         loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
@@ -47,16 +53,20 @@ def token_loss(logp: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, variant:
         weight = torch.exp(sg - mu).clamp(max=is_cap)
         ratio = torch.exp(logp - sg)
         loss = -weight * adv * ratio
-    elif variant == "decoupled":
-        prox = logp.detach() if prox is None else prox
-        weight = torch.exp(prox - mu).clamp(max=is_cap)
+    elif variant in ("decoupled", "masked"):
+        weight = torch.exp(prox - mu)
+        if variant == "masked":
+            masked = ((weight < token_mask[0]) | (weight > token_mask[1])).to(logp.dtype)
+            weight = weight * (1 - masked)
+        else:
+            weight = weight.clamp(max=is_cap)
         ratio = torch.exp(logp - prox)
         loss = -weight * torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     else:
         raise ValueError(f"trainer.loss: unknown variant {variant!r}")
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float() if variant != "tis" else torch.zeros_like(ratio)
-        stats = {"is_weight": weight.detach(), "clipped": clipped, "behaviour_kl": (mu - logp.detach())}
+        stats = {"is_weight": weight.detach(), "clipped": clipped, "masked": masked}
     return loss, stats
 
 

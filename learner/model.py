@@ -60,6 +60,11 @@ def build_engine(cfg: Config, model_path: str):
     guard = FiniteGuard(model, optimizer)  # hooks on the parameters: before DeepSpeed wraps them
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.finite_guard = guard
+    engine.reference = None
+    if t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device).eval()
+        ref.config.use_cache = False
+        engine.reference = ref.requires_grad_(False)
     return engine
 
 

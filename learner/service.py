@@ -78,7 +78,10 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                   flush=True)
         publisher = WeightPublisher(cfg, engine, hub, rank)
         publisher.publish(version)
-        version = train(cfg, engine, hub, publisher, MetricsWriter(run_dir), run_dir, version, rank, world, pad_id)
+        metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
+        version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id)
+        if metrics is not None:
+            metrics.close()
         publisher.flush()
         save_hf(engine, cfg, tokenizer, run_dir / "final", rank)
         if rank == 0:

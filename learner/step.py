@@ -1,18 +1,25 @@
-"""One learner step: rows -> micro-batches -> loss -> backward -> one optimizer step.
+"""One learner step: rows -> mini-batches -> micro-batches -> loss -> backward -> one optimizer step per mini-batch.
 
-Every rank runs the same number of micro-batches (padded with empty ones) because ZeRO's
-collectives must line up; the loss is normalised by the step's total completion tokens over all
-ranks, so the gradient is the same however the rows are split. A step whose loss or gradient is not
-finite on any rank is skipped (learner.model.FiniteGuard): `stats["skipped"]` is then True, and the
-weights and optimizer state are those before it.
+A batch's rows are split into `trainer.minibatches` parts in an order fixed by the step (the same on every
+rank), one optimizer step each. Before the first, when there are several, the proximal log-probs of the rows
+of the later parts are computed with the batch's starting weights (a no-grad forward): decoupled and masked
+measure each update against them. Every rank runs the same number of micro-batches per part (padded with
+empty ones) because ZeRO's collectives must line up; a part's loss is normalised by its trained tokens over
+all ranks, so the gradient is the same however the rows are split. A part whose loss or gradient is not
+finite on any rank changes nothing (learner.model.FiniteGuard); `stats["skipped"]` is True when no part
+updated the weights. learner/health.py turns the step's tokens into its health metrics.
 """
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from learner.batching import Row, build_rows, collate, micro_batches, token_logprobs
+from learner.health import StepHealth
 from learner.loss import masked_sum, token_loss
 from pipeline import protocol as P
 from pipeline.config import Config
@@ -20,49 +27,113 @@ from pipeline.config import Config
 
 def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int) -> dict:
     t = cfg.trainer
-    rows, stats = build_rows(groups, step, t.scale_rewards)
+    rows, stats = build_rows(groups, step, t.scale_rewards, (cfg.sampling.max_tokens, t.overlong_buffer,
+                                                            t.overlong_penalty))
     for group in engine.optimizer.param_groups:
         group["lr"] = t.lr  # a run-time change of trainer.lr applies from this step
+    parts = split(rows, t.minibatches, step)
+    if len(parts) > 1:
+        proximal(engine, [r for part in parts[1:] for r in part], cfg, pad_id, rows, groups)
+    health = StepHealth(max(t.max_staleness, max(r.lag for r in rows) if rows else 0))
+    losses, norms, applied = [], [], 0
+    for part in parts:
+        loss, grad_norm, finite = _update(engine, part, cfg, pad_id, rows, groups, health)
+        losses.append(loss)
+        norms.append(grad_norm)
+        applied += finite
+    stats.update(health.summary())
+    stats.update({
+        "skipped": applied == 0, "updates": applied, "loss": float(np.mean(losses)), "lr": t.lr,
+        "grad_norm": float(np.mean(norms)), "tokens/trained": int(sum(r.mask.sum() for r in rows)),
+    })
+    return stats
+
+
+def split(rows: list[Row], n: int, step: int) -> list[list[Row]]:
+    """`n` parts of nearly equal size, in an order drawn from the step (every rank draws the same)."""
+    if n <= 1 or len(rows) < 2:
+        return [rows]
+    order = list(range(len(rows)))
+    random.Random(step).shuffle(order)
+    parts = [[rows[i] for i in order[j::n]] for j in range(min(n, len(rows)))]
+    return [p for p in parts if p]
+
+
+def proximal(engine, rows: list[Row], cfg: Config, pad_id: int, all_rows: list[Row], groups) -> None:
+    """Set each row's `prox`: its completion's log-probs under the current weights (no gradient)."""
+    for batch, mb in _micro_batches(rows, cfg, pad_id, all_rows, groups, engine.device):
+        with torch.no_grad():
+            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logp = token_logprobs(logits, batch["input_ids"], batch["temperature"]).float().cpu().numpy()
+        for i, r in enumerate(mb or []):
+            p = len(r.prompt)
+            r.prox = logp[i, p - 1:p + len(r.completion) - 1].copy()
+
+
+def _micro_batches(rows, cfg, pad_id, all_rows, groups, device):
+    """This rank's micro-batches of `rows` as (tensors, rows), padded with empty ones to the count every rank runs
+    (rows None: a padding micro-batch, mask all 0)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    batches = micro_batches(rows, t.micro_batch_tokens)
+    batches = micro_batches(rows, cfg.trainer.micro_batch_tokens)
     mine = batches[rank::world]
-    n_steps = max(1, -(-len(batches) // world))
-    total_tokens = max(1, int(sum(r.mask.sum() for r in rows)))  # the trained tokens (mask 1)
-    sums = {"loss": 0.0, "is_weight": 0.0, "clipped": 0.0, "behaviour_kl": 0.0}
-    device = engine.device
-    for i in range(n_steps):
+    for i in range(max(1, -(-len(batches) // world))):
         mb = mine[i] if i < len(mine) else None
-        engine.set_gradient_accumulation_boundary(i == n_steps - 1)
-        batch = collate(mb or [_empty_row(rows, groups)], pad_id, device)
+        batch = collate(mb or [_empty_row(all_rows, groups)], pad_id, device)
         if mb is None:
-            batch["mask"].zero_()  # padding micro-batch: zero gradient, keeps collectives in step
+            batch["mask"].zero_()
+        yield batch, mb
+
+
+def _update(engine, part: list[Row], cfg: Config, pad_id: int, rows, groups, health: StepHealth):
+    """One optimizer step on `part`: (its loss, gradient norm, whether it was applied)."""
+    t = cfg.trainer
+    total_tokens = max(1, int(sum(r.mask.sum() for r in part)))  # the trained tokens (mask 1)
+    batches = list(_micro_batches(part, cfg, pad_id, rows, groups, engine.device))
+    total_loss = 0.0
+    for i, (batch, _) in enumerate(batches):
+        last = i == len(batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
         logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logp = token_logprobs(logits, batch["input_ids"], batch["temperature"])
-        loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap)
-        loss = masked_sum(loss_tok, batch["mask"]) / total_tokens
+        prox = batch.get("prox", logp.detach())
+        loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap, prox, t.token_mask)
+        st["ref_kl"] = torch.zeros_like(logp)
+        if engine.reference is not None:  # trainer.kl_coef: k3 of KL(learner || initial model), per token
+            with torch.no_grad():
+                ref = engine.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                ref = token_logprobs(ref, batch["input_ids"], batch["temperature"])
+            ref_kl = torch.exp(ref - logp) - (ref - logp) - 1
+            loss_tok = loss_tok + t.kl_coef * ref_kl
+            st["ref_kl"] = ref_kl.detach()
+        kept = seq_kept(prox, batch, t.seq_mask)
+        loss = masked_sum(loss_tok, batch["mask"] * kept[:, None]) / total_tokens
+        health.add(batch, logits[:, :-1], prox, st, kept)
         engine.finite_guard.add_loss(loss)
         engine.backward(loss, scale_wrt_gas=False)
-        if i == n_steps - 1:
+        if last:
             grad_norm = _grad_norm(engine, t.zero_stage)
-            finite = engine.finite_guard.step_is_finite(device)
+            finite = engine.finite_guard.step_is_finite(engine.device)
             engine.finite_guard.optimizer.skip = not finite
         try:
             engine.step()
         finally:
             engine.finite_guard.optimizer.skip = False
-        sums["loss"] += float(loss.detach())
-        for k in ("is_weight", "clipped", "behaviour_kl"):
-            sums[k] += float(masked_sum(st[k], batch["mask"]))
-    stats.update({
-        "skipped": not finite,
-        "loss": sums["loss"], "lr": t.lr, "micro_batches": len(batches),
-        "grad_norm": grad_norm if grad_norm >= 0 or not finite else float(engine.get_global_grad_norm() or 0.0),
-        "tokens/trained": total_tokens if rows else 0,
-        "correction/is_weight_mean": sums["is_weight"] / total_tokens,
-        "correction/clip_frac": sums["clipped"] / total_tokens,
-        "correction/behaviour_kl": sums["behaviour_kl"] / total_tokens,
-    })
-    return stats
+        total_loss += float(loss.detach())
+    if grad_norm < 0 and finite:
+        grad_norm = float(engine.get_global_grad_norm() or 0.0)
+    return total_loss, grad_norm, finite
+
+
+def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> torch.Tensor:
+    """[rows] 1.0 for a sample the geometric sequence mask keeps: exp(mean over its trained tokens of prox - mu)
+    within `bounds` (None: every sample)."""
+    mask = batch["mask"]
+    if bounds is None:
+        return torch.ones(mask.shape[0], device=mask.device)
+    with torch.no_grad():
+        mean = ((prox - batch["mu"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        g = torch.exp(mean)
+        return ((g >= bounds[0]) & (g <= bounds[1])).to(mask.dtype)
 
 
 def _grad_norm(engine, zero_stage: int) -> float:
@@ -75,11 +146,9 @@ def _grad_norm(engine, zero_stage: int) -> float:
 
 
 def _empty_row(rows: list[Row], groups: list[P.RolloutGroup]) -> Row:
-    import numpy as np
-
     if rows:
         r = rows[0]
-        return Row(r.prompt, r.completion, r.behaviour, r.mask, 0.0, r.temperature)
+        return Row(r.prompt, r.completion, r.behaviour, r.mask, 0.0, r.temperature, 0, r.prox)
     prompt = P.unpack_ints(groups[0].prompt_ids)
     return Row(prompt, np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), 0.0,
                1.0)

@@ -1,1 +1,1 @@
-"""What learner and generators share: config, protocol, transports, tasks, metrics, CLI."""
+"""What learner and generators share: config, protocol, tasks, metrics, security; and the command line."""

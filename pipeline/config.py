@@ -92,8 +92,31 @@ class TrainerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip (0: off)."""
-    loss: Literal["ppo", "tis", "decoupled"] = "decoupled"
-    """Off-policy correction: PPO clip against behaviour, truncated IS, or decoupled PPO (AReaL)."""
+    loss: Literal["ppo", "tis", "decoupled", "masked"] = "decoupled"
+    """Off-policy correction (learner/loss.py): PPO clip against behaviour, truncated IS, decoupled PPO (AReaL), or
+    masked: decoupled PPO whose behaviour weight masks tokens outside trainer.token_mask instead of truncating
+    them (IcePop)."""
+    minibatches: int = 1
+    """Optimizer steps per batch (PPO mini-batches): its rows are split into this many parts, one update each.
+    The proximal policy of decoupled and masked is the weights before the batch's first update."""
+    token_mask: list[float] = field(default_factory=lambda: [0.5, 2.0])
+    """masked: [low, high] of a token's behaviour weight exp(proximal - behaviour log-prob) inside which it is
+    trained; outside, it is left out of the loss."""
+    dynamic_sampling: bool = False
+    """DAPO: a group whose rewards are all equal (no signal) is not buffered but done for its epoch, and a fresh
+    group takes its place in the batch (counted as hub/filtered_groups)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a completion longer than sampling.max_tokens - overlong_buffer tokens loses
+    up to overlong_penalty from its reward, linearly, all of it at max_tokens. 0: off."""
+    overlong_penalty: float = 1.0
+    """The largest overlong punishment (see overlong_buffer)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the frozen initial model (k3 estimator per trained token); > 0 keeps a copy of the
+    model on each learner rank."""
+    seq_mask: list[float] | None = None
+    """Geometric sequence mask, with any loss: a sample whose geometric mean behaviour weight over its trained
+    tokens, exp(mean(proximal - behaviour log-prob)), falls outside [low, high] is left out of the loss (e.g.
+    [0.999, 1.001]). None: off."""
     clip_eps: float = 0.2
     """PPO clip range."""
     is_cap: float = 2.0
@@ -234,6 +257,11 @@ class RunConfig:
     colocated placement (split its memory with generator.gpu_memory_utilization)."""
     log_level: str = "INFO"
     """Python logging level."""
+    tensorboard: bool = True
+    """Also write each step's metrics as TensorBoard scalars to RUN_DIR/tensorboard (`tensorboard --logdir`)."""
+    wandb_project: str | None = None
+    """Also log each step's metrics to this Weights & Biases project (needs `pip install wandb` and a login; the
+    run's name is the run directory's)."""
 
 
 @dataclass
@@ -261,6 +289,13 @@ def _check_config(cfg: Config) -> None:
     if cfg.hub.heartbeat_timeout_s <= cfg.hub.heartbeat_s:
         raise ConfigError(f"hub.heartbeat_timeout_s: must exceed hub.heartbeat_s ({cfg.hub.heartbeat_s}), got "
                           f"{cfg.hub.heartbeat_timeout_s}")
+    if cfg.trainer.overlong_buffer >= cfg.sampling.max_tokens:
+        raise ConfigError(f"trainer.overlong_buffer: {cfg.trainer.overlong_buffer} must be below sampling.max_tokens="
+                          f"{cfg.sampling.max_tokens}")
+    for name in ("token_mask", "seq_mask"):
+        bounds = getattr(cfg.trainer, name)
+        if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
+            raise ConfigError(f"trainer.{name}: expected [low, high] with 0 <= low < 1 < high, got {bounds!r}")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     if ":" not in cfg.generator.rollout:

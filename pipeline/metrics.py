@@ -10,8 +10,26 @@ log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path):
+    """metrics.jsonl always; TensorBoard scalars (run.tensorboard) and Weights & Biases (run.wandb_project) for the
+    numbers of each record, when their packages are installed (else one warning)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb_project: str | None = None):
         self.path = run_dir / "metrics.jsonl"
+        self.tb = self.wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError as e:
+                log.warning("run.tensorboard: no TensorBoard writer (%s); metrics.jsonl only", e)
+        if wandb_project:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=wandb_project, name=run_dir.name, dir=str(run_dir))
+            except ImportError:
+                log.warning("run.wandb_project: wandb is not installed (pip install wandb); metrics.jsonl only")
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -21,6 +39,19 @@ class MetricsWriter:
             record["step"], record["reward/mean"], record["staleness/max_lag"], record["time/wait_s"],
             record["time/step_s"], record["sync/weights_ms"], record["throughput/tokens_per_s"],
         )
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for key, value in numbers.items():
+                self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def read_jsonl(path: Path) -> list[dict]:

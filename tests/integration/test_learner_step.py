@@ -53,3 +53,31 @@ def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage):
     after = _state(engine, stage)
     assert not _same(before, after)
     assert all(torch.isfinite(t).all() for t in after["weights"].values())
+
+
+def test_several_minibatches_measure_each_update_against_the_proximal_policy(model_cache):
+    """trainer.minibatches: one optimizer step per part of the batch. With one, decoupled PPO's ratio to the
+    proximal policy is 1 and its clip never acts; with four, the later parts are measured against the weights
+    before the batch's first update (a no-grad forward), which the earlier updates moved: the clip acts. With a
+    learning rate of 0 nothing moves, so the proximal log-probs equal the trained ones and the clip does not act."""
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01}})
+    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    one = train_step(engine, _groups(8), cfg, 0, PAD_ID)
+    assert one["updates"] == 1 and one["correction/clip_frac"] == 0
+    cfg.trainer.minibatches = 4
+    four = train_step(engine, _groups(8), cfg, 1, PAD_ID)
+    assert four["updates"] == 4 and four["correction/clip_frac"] > 0.05
+    cfg.trainer.lr = 0.0
+    still = train_step(engine, _groups(8), cfg, 2, PAD_ID)
+    assert still["updates"] == 4 and still["correction/clip_frac"] == 0
+
+
+def test_the_kl_penalty_measures_the_distance_to_the_frozen_initial_model(model_cache):
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "kl_coef": 0.1}})
+    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    first = train_step(engine, _groups(4), cfg, 0, PAD_ID)
+    assert first["kl/reference"] < 1e-6  # the weights are still the initial ones
+    later = [train_step(engine, _groups(4), cfg, step, PAD_ID)["kl/reference"] for step in (1, 2)]
+    assert later[-1] > 1e-4

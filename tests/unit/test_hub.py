@@ -301,3 +301,23 @@ def test_a_draining_generator_gets_no_more_broadcasts_but_keeps_its_leases(make_
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events.count("drain") == 1 and events.index("drain") < events.index("leave")
     peer.close()
+
+
+def test_dynamic_sampling_filters_groups_without_signal_as_they_arrive(make_hub):
+    """trainer.dynamic_sampling: a group whose rewards are all equal is not buffered (done for its epoch, counted),
+    so the batch fills with fresh groups; without it, the group is buffered like any other."""
+    for dynamic in (True, False):
+        hub = make_hub(dynamic_sampling=dynamic)
+        peer = Peer(hub)
+        peer.register()
+        lease = peer.lease(3)
+        same = {"reward": 1.0, "rewards": [1.0]}
+        peer.send(peer.group(lease, lease.groups[0], sample=same))
+        for item in lease.groups[1:]:
+            peer.send(peer.group(lease, item))
+        _wait_buffer(hub, 2 if dynamic else 3)
+        time.sleep(0.1)
+        assert len(hub.ledger.buffer) == (2 if dynamic else 3)
+        assert hub.counters.get("filtered_groups", 0) == (1 if dynamic else 0)
+        assert hub.ledger.done((lease.groups[0].epoch, lease.groups[0].prompt_id)) == dynamic
+        peer.close()

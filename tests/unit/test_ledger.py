@@ -31,7 +31,7 @@ def places(book: PromptLedger) -> Counter:
     """How often each prompt of epoch 0 appears across the ledger's places (each must be exactly once)."""
     where = list(book.pending) + [k for le in book.leases.values() for k in le.items]
     where += [(g.epoch, g.prompt_id) for g, _ in book.buffer] + [(g.epoch, g.prompt_id) for g in book.in_step]
-    where += list(book.trained)
+    where += list(book.trained) + list(book.filtered)
     return Counter(k for k in where if k[0] == 0)
 
 
@@ -105,3 +105,24 @@ def test_admission_bounds_groups_in_flight_by_k_plus_one_batches():
     assert staleness.room(9, 4, 10, 4, 1) == (0, "waiting for the last steps")
     assert staleness.min_version(version=5, in_flight=8, batch_size=4, k=1) == 5
     assert staleness.min_version(version=5, in_flight=0, batch_size=4, k=1) == 4
+
+
+def test_dynamic_sampling_filters_a_group_without_signal_once_and_for_its_epoch():
+    """A filtered group's prompt is done for its epoch: never leased again, kept across a checkpoint, and counted;
+    every prompt is still in exactly one place, and the epoch ends when all are trained or filtered."""
+    book = ledger(n=4, epochs=1)
+    keys = list(lease(book, 1, 4).items)
+    for key in keys:
+        book.settle(1, key)
+    book.filter(group(keys[0]))
+    for key in keys[1:]:
+        book.buffered(group(key))
+    assert book.counters["filtered_groups"] == 1 and book.done(keys[0]) and book.in_flight() == 3
+    assert set(places(book).values()) == {1} and len(places(book)) == 4
+    batch, _ = book.batch(step=0, k=0, size=3)
+    book.finish_step()
+    again = ledger(n=4, epochs=1)
+    again.restore(book.snapshot())
+    assert again.filtered == {keys[0]} and again.exhausted()
+    book.requeue([keys[0]])  # a late duplicate lease of it: skipped when taken
+    assert book.take(4, "g", lambda t: False) == []

@@ -116,3 +116,53 @@ def test_micro_batches_respect_the_token_budget():
     batches = micro_batches(rows, token_budget=20)
     assert sum(len(b) for b in batches) == 8
     assert all(len(b) * max(r.length for r in b) <= 20 for b in batches)
+
+
+def test_masked_leaves_tokens_outside_the_bounds_out_instead_of_truncating():
+    """IcePop: a token whose behaviour weight exp(prox - mu) is outside [0.5, 2] gets no gradient at all; inside,
+    the weight is applied untruncated."""
+    logp = torch.log(_t(0.5, 0.5, 0.5)).requires_grad_()
+    mu = torch.log(_t(0.4, 0.1, 0.9))  # weights 1.25 (kept), 5 (too high), 0.56 (kept)
+    loss, stats = token_loss(logp, mu, _t(1.0, 1.0, 1.0), "masked", token_mask=(0.5, 2.0))
+    assert stats["masked"].tolist() == [0.0, 1.0, 0.0]
+    assert stats["is_weight"].tolist() == pytest.approx([1.25, 0.0, 0.5 / 0.9])
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-1.25, 0.0, -0.5 / 0.9])
+    decoupled, _ = token_loss(logp.detach(), mu, _t(1.0, 1.0, 1.0), "decoupled", is_cap=2.0)
+    assert decoupled.tolist() == pytest.approx([-1.25, -2.0, -0.5 / 0.9])  # truncated to 2, not masked
+
+
+def test_the_geometric_sequence_mask_and_the_step_health_by_lag():
+    from learner.health import StepHealth
+    from learner.step import seq_kept
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    mu = torch.zeros(3, 3)
+    prox = torch.tensor([[0.0005, -0.0005, 9.0], [0.01, 0.01, 0.01], [0.0, 0.0, 0.0]])  # row 0: mean 0 (9 is padding)
+    batch = {"mask": mask, "mu": mu, "lag": torch.tensor([0, 2, 0]), "temperature": torch.ones(3, 1, 1)}
+    kept = seq_kept(prox, batch, [0.999, 1.001])
+    assert kept.tolist() == [1.0, 0.0, 1.0]  # row 1: exp(0.01) = 1.01 is outside
+    assert seq_kept(prox, batch, None).tolist() == [1.0, 1.0, 1.0]
+    health = StepHealth(max_lag=2)
+    stats = {"is_weight": torch.exp(prox - mu), "masked": torch.zeros(3, 3), "clipped": torch.zeros(3, 3)}
+    logits = torch.zeros(3, 3, 7)  # uniform over 7 tokens: entropy log 7 at each trained position
+    health.add(batch, logits, prox, stats, kept)
+    out = health.summary()
+    assert out["mismatch/kl_lag0"] < 1e-6 < out["mismatch/kl_lag2"]  # lag 0: prox == mu up to 5e-4
+    assert "mismatch/kl_lag1" not in out  # no sample of lag 1
+    assert out["correction/seq_masked"] == pytest.approx(3 / 6)  # row 1's three of the six trained tokens
+    assert out["entropy/mean"] == pytest.approx(math.log(7))
+    assert out["correction/is_weight_max"] == pytest.approx(math.exp(0.01), rel=1e-5)
+    assert out["correction/is_weight_p50"] == pytest.approx((math.exp(0.0005) + math.exp(0.01)) / 2, rel=1e-5)
+
+
+def test_overlong_punishment_rises_linearly_over_the_buffer():
+    from learner.batching import overlong_penalty
+
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (50, 80, 90, 100, 120)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # buffer 0: off
+    groups = [P.RolloutGroup(1, "g", 0, 0, P.pack_ints([3]), [
+        P.Sample(P.pack_ints([4] * n), P.pack_floats([-1.0] * n), 1.0, [1.0], "stop", 0, 0) for n in (4, 10)])]
+    rows, stats = build_rows(groups, 0, False, (10, 4, 1.0))  # 10 tokens: the whole penalty; 4: none
+    assert [r.advantage for r in rows] == pytest.approx([0.5, -0.5]) and stats["reward/overlong_penalty"] == 0.5
+    assert stats["reward/mean"] == 1.0  # the task's reward, before shaping

@@ -1,0 +1,96 @@
+"""What a step says about the run's health: the train-inference mismatch by lag, the importance weights and what
+the corrections left out, the entropy of the trained tokens.
+
+Per trained token, with x = prox - mu (the learner's log-prob before the batch's first update minus vLLM's):
+
+    mismatch/kl            k3 = exp(x) - 1 - x >= 0, averaged: an estimate of KL(behaviour || learner). Split by
+                           the sample's lag: mismatch/kl_lag{j}. At lag 0 both sides hold the same weights version,
+                           so what is left is the engines' numerical difference, the train-inference mismatch.
+    correction/is_weight_{mean,max,p50,p90,p99}   exp(x), before truncation or masks; _mean also by lag
+    correction/weight_mean the weight the loss applied (truncated, masked)
+    correction/token_masked, correction/seq_masked   the fraction of trained tokens the token mask (masked) and the
+                           geometric sequence mask (trainer.seq_mask) left out
+    correction/clip_frac   the ratio's clip acted (ppo; decoupled and masked once an update moved the weights)
+    entropy/mean           of the learner's distribution at the trained tokens (at the temperature sampled)
+    kl/reference           k3 of KL(learner || the frozen initial model), with trainer.kl_coef > 0
+
+Sums are all-reduced over the learner's ranks; the quantiles come from rank 0's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SUMS = ("tokens", "kl", "is_weight", "weight", "token_masked", "seq_masked", "clipped", "entropy", "ref_kl")
+ENTROPY_CHUNK = 512  # positions per chunk: the entropy needs the whole distribution at each
+
+
+class StepHealth:
+    def __init__(self, max_lag: int):
+        self.max_lag = max_lag
+        self.sums = torch.zeros(len(SUMS) + 3 * (max_lag + 1), dtype=torch.float64)
+        self.weights: list[torch.Tensor] = []  # exp(x) of this rank's trained tokens
+
+    def add(self, batch: dict, logits: torch.Tensor, prox: torch.Tensor, stats: dict, seq_kept: torch.Tensor) -> None:
+        """One micro-batch: `batch["mask"]` the trained tokens, `seq_kept` [rows] 0 for a sample the sequence
+        mask left out."""
+        with torch.no_grad():
+            mask = batch["mask"]
+            x = (prox - batch["mu"]) * mask
+            k3 = (torch.exp(x) - 1 - x) * mask
+            w = torch.exp(x)
+            row_tokens = mask.sum(1)
+            values = {
+                "tokens": mask.sum(), "kl": k3.sum(), "is_weight": (w * mask).sum(),
+                "weight": (stats["is_weight"] * mask * seq_kept[:, None]).sum(),
+                "token_masked": (stats["masked"] * mask).sum(), "seq_masked": (row_tokens * (1 - seq_kept)).sum(),
+                "clipped": (stats["clipped"] * mask).sum(), "entropy": entropy_sum(logits, batch, mask),
+                "ref_kl": (stats.get("ref_kl", torch.zeros_like(mask)) * mask).sum(),
+            }
+            sums = [values[k].double().cpu() for k in SUMS]
+            lag = batch["lag"].clamp(max=self.max_lag)
+            by_lag = torch.zeros(3, self.max_lag + 1, dtype=torch.float64)
+            for i, v in enumerate((row_tokens, k3.sum(1), (w * mask).sum(1))):
+                by_lag[i].index_add_(0, lag.cpu(), v.double().cpu())
+            self.sums += torch.cat([torch.stack(sums), by_lag.flatten()])
+            self.weights.append(w[mask > 0].float().cpu())
+
+    def summary(self) -> dict:
+        sums = self.sums
+        if dist.is_initialized():
+            backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            sums = sums.to(backend_device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        s = dict(zip(SUMS, sums[:len(SUMS)].tolist(), strict=True))
+        by_lag = sums[len(SUMS):].view(3, self.max_lag + 1)
+        n = max(1.0, s["tokens"])
+        out = {
+            "mismatch/kl": s["kl"] / n, "correction/is_weight_mean": s["is_weight"] / n,
+            "correction/weight_mean": s["weight"] / n, "correction/token_masked": s["token_masked"] / n,
+            "correction/seq_masked": s["seq_masked"] / n, "correction/clip_frac": s["clipped"] / n,
+            "entropy/mean": s["entropy"] / n, "kl/reference": s["ref_kl"] / n,
+        }
+        for j in range(self.max_lag + 1):
+            tokens = float(by_lag[0, j])
+            if tokens:
+                out[f"mismatch/kl_lag{j}"] = float(by_lag[1, j]) / tokens
+                out[f"correction/is_weight_mean_lag{j}"] = float(by_lag[2, j]) / tokens
+        weights = torch.cat(self.weights) if self.weights else torch.ones(1)
+        q = torch.quantile(weights[:2**24], torch.tensor([0.5, 0.9, 0.99])).tolist()
+        out.update({"correction/is_weight_max": float(weights.max()), "correction/is_weight_p50": q[0],
+                    "correction/is_weight_p90": q[1], "correction/is_weight_p99": q[2]})
+        return out
+
+
+def entropy_sum(logits: torch.Tensor, batch: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over the trained positions of the entropy of softmax(logits / temperature), in chunks of positions."""
+    rows, cols = torch.nonzero(mask, as_tuple=True)
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for i in range(0, len(rows), ENTROPY_CHUNK):
+        r, c = rows[i:i + ENTROPY_CHUNK], cols[i:i + ENTROPY_CHUNK]
+        z = logits[r, c].float() / batch["temperature"][r, 0]
+        logp = torch.log_softmax(z, dim=-1)
+        total += -(logp.exp() * logp).sum().double()
+    return total
