@@ -344,7 +344,7 @@ class Generator:
                           else encode_prompt(self.tok, self.cfg.data, item.messages or item.prompt))
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
-            ctx = Context(self.welcome.group_size, lease.sampling, self.tok, item)
+            ctx = Context(lease.group_size or self.welcome.group_size, lease.sampling, self.tok, item)
             outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
             # decode, score and encode off the event loop, which keeps feeding the engine meanwhile
             data = await asyncio.to_thread(group_message, outs, ctx, lease, prompt_ids, self.rewards, self.id,

@@ -29,7 +29,7 @@ ENTROPY_CHUNK = 512  # positions per chunk: the entropy needs the whole distribu
 class StepHealth:
     def __init__(self, max_lag: int):
         self.max_lag = max_lag
-        self.sums = torch.zeros(len(SUMS) + 3 * (max_lag + 1), dtype=torch.float64)
+        self.sums: torch.Tensor | None = None  # on the learner's device: no synchronisation per micro-batch
         self.weights: list[torch.Tensor] = []  # exp(x) of this rank's trained tokens
 
     def add(self, batch: dict, logits: torch.Tensor, prox: torch.Tensor, stats: dict, seq_kept: torch.Tensor) -> None:
@@ -37,7 +37,7 @@ class StepHealth:
         mask left out."""
         with torch.no_grad():
             mask = batch["mask"]
-            x = (prox - batch["mu"]) * mask
+            x = ((prox - batch["mu"]) * mask).double()  # float64: at lag 0 on CPU x is about 1e-8, k3 about 1e-16
             k3 = (torch.exp(x) - 1 - x) * mask
             w = torch.exp(x)
             row_tokens = mask.sum(1)
@@ -48,21 +48,21 @@ class StepHealth:
                 "clipped": (stats["clipped"] * mask).sum(), "entropy": entropy_sum(logits, batch, mask),
                 "ref_kl": (stats.get("ref_kl", torch.zeros_like(mask)) * mask).sum(),
             }
-            sums = [values[k].double().cpu() for k in SUMS]
+            by_lag = torch.zeros(3, self.max_lag + 1, dtype=torch.float64, device=mask.device)
             lag = batch["lag"].clamp(max=self.max_lag)
-            by_lag = torch.zeros(3, self.max_lag + 1, dtype=torch.float64)
             for i, v in enumerate((row_tokens, k3.sum(1), (w * mask).sum(1))):
-                by_lag[i].index_add_(0, lag.cpu(), v.double().cpu())
-            self.sums += torch.cat([torch.stack(sums), by_lag.flatten()])
-            self.weights.append(w[mask > 0].float().cpu())
+                by_lag[i].index_add_(0, lag, v.double())
+            add = torch.cat([torch.stack([values[k].double() for k in SUMS]), by_lag.flatten()])
+            self.sums = add if self.sums is None else self.sums + add
+            self.weights.append(w[mask > 0].float())
 
     def summary(self) -> dict:
-        sums = self.sums
+        sums = self.sums if self.sums is not None else torch.zeros(len(SUMS) + 3 * (self.max_lag + 1),
+                                                                    dtype=torch.float64)
         if dist.is_initialized():
-            backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            sums = sums.to(backend_device)
+            sums = sums.to("cuda" if dist.get_backend() == "nccl" else "cpu")
             dist.all_reduce(sums)
-            sums = sums.cpu()
+        sums = sums.cpu()
         s = dict(zip(SUMS, sums[:len(SUMS)].tolist(), strict=True))
         by_lag = sums[len(SUMS):].view(3, self.max_lag + 1)
         n = max(1.0, s["tokens"])
@@ -77,7 +77,8 @@ class StepHealth:
             if tokens:
                 out[f"mismatch/kl_lag{j}"] = float(by_lag[1, j]) / tokens
                 out[f"correction/is_weight_mean_lag{j}"] = float(by_lag[2, j]) / tokens
-        weights = torch.cat(self.weights) if self.weights else torch.ones(1)
+        weights = torch.cat(self.weights).cpu() if self.weights else torch.ones(1)
+        weights = weights if len(weights) else torch.ones(1)
         q = torch.quantile(weights[:2**24], torch.tensor([0.5, 0.9, 0.99])).tolist()
         out.update({"correction/is_weight_max": float(weights.max()), "correction/is_weight_p50": q[0],
                     "correction/is_weight_p90": q[1], "correction/is_weight_p99": q[2]})

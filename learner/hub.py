@@ -4,6 +4,8 @@
     learner/registry.py   generators, bound to their connection, key and session
     learner/ledger.py     where every prompt is (pending, leased, buffered, in the step, trained)
     learner/staleness.py  admission, lease minimum versions, the stale filter
+    learner/leases.py     lease requests, heartbeats' lease lists, expiry
+    learner/evaluation.py held-out prompts sampled every eval.every versions, scored, not trained
     learner/prompts.py    a prompt's text, columns and token ids, as leased
     learner/validation.py what a rollout says, checked against its lease and the run
     learner/faults.py     failed groups and rejected prompts: what they cost the run, once confirmed
@@ -27,10 +29,11 @@ import threading
 import time
 from pathlib import Path
 
-from learner import operators, staleness
+from learner import leases, operators
+from learner.evaluation import Evaluation
 from learner.faults import Faults
 from learner.journal import Journal
-from learner.ledger import Key, LeaseState, PromptLedger
+from learner.ledger import PromptLedger
 from learner.prompts import Prompts
 from learner.registry import GeneratorInfo, Registry
 from learner.server import Server
@@ -53,7 +56,7 @@ class DatasetExhausted(HubStopped):
 
 class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
-                 state: dict | None = None, *, encode, vocab_size: int):
+                 state: dict | None = None, *, encode, vocab_size: int, eval_rows: list[dict] | None = None):
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
         self.prompts = Prompts(rows, cfg.data.prompt_column, encode, vocab_size, cfg.generator.max_model_len)
         self.version = version  # trained
@@ -73,10 +76,14 @@ class Hub:
             8 * cfg.sampling.max_tokens + 64 * len(cfg.rewards) + 512) + 4 * cfg.generator.max_model_len + 2**16),
             containers=2 * t.group_size + 16)  # the group, its samples list, each sample and its rewards
         # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
-        self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
+        self.lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
         if state:
             self.ledger.restore(state)
             self.counters.update(state.get("counters", {}))
+        eval_prompts = Prompts(eval_rows or [], (cfg.eval.data or cfg.data).prompt_column, encode, vocab_size,
+                               cfg.generator.max_model_len)
+        self.evaluation = Evaluation(cfg, eval_prompts, self.shape, run_dir)  # eval.every: held-out prompts
+        self.evaluation.start(version)
         self.auth = ServerAuth.load(cfg.auth.keys)
         self.server = Server(cfg.hub.host, cfg.hub.port, self.auth, limits, self, self.counters)
         self.weights = WeightServing(cfg, self, run_id, version)  # builds the weight senders (weights/__init__.py)
@@ -149,9 +156,7 @@ class Hub:
                 log.warning("hub: generator %s silent for %.1f s: dropped, its leases re-queued", gen.generator_id,
                             now - gen.last_seen)
                 self._drop_generator(gen.generator_id, "heartbeat timeout")
-            for lease in list(self.ledger.leases.values()):
-                if now - lease.granted > self.cfg.hub.lease_timeout_s:
-                    self._expire(lease, f"not returned within hub.lease_timeout_s={self.cfg.hub.lease_timeout_s}")
+            leases.expire_old(self, now)
 
     # ---- generators ---------------------------------------------------------------------------------
 
@@ -176,10 +181,10 @@ class Hub:
         return P.Welcome(
             run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
             rollouts_endpoint=self.rollouts_address, transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s,
-            sampling=self._sampling(), group_size=self.cfg.trainer.group_size, index=gen.index,
+            sampling=self.sampling(), group_size=self.cfg.trainer.group_size, index=gen.index,
             collective=collective, session=gen.session)
 
-    def _sampling(self) -> P.Sampling:
+    def sampling(self) -> P.Sampling:
         s = self.cfg.sampling
         return P.Sampling(s.max_tokens, s.temperature, s.top_p, s.ignore_eos)
 
@@ -189,17 +194,7 @@ class Hub:
             gen.draining = True
             self.weights.leave(msg.generator_id)
             self.journal.event("drain", generator=msg.generator_id)
-        held = set(msg.lease_ids)
-        settled = gen.received >= msg.pushed  # every rollout it sent so far is here (PUSH/PULL keeps their order)
-        mine = self.ledger.leases_of(gen.generator_id)
-        for lease in mine:
-            if lease.lease_id in held or not settled:
-                lease.unreported = 0
-                continue
-            lease.unreported += 1
-            if lease.unreported >= 2:  # two heartbeats in a row: not a heartbeat sent before the lease arrived
-                self._expire(lease, "its generator no longer reports it")
-        return P.HeartbeatReply(self.version, sorted(held - {lease.lease_id for lease in mine}))
+        return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen))
 
     def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
         gen.version = msg.version
@@ -223,55 +218,14 @@ class Hub:
         if gen is not None:
             self.server.forget(gen.ident)
         self.weights.leave(gen_id)
-        n = self.ledger.take_back_all(gen_id)
+        n = self.ledger.take_back_all(gen_id) + self.evaluation.take_back(gen_id)
         self.journal.event("requeue" if why != "left" else "leave", generator=gen_id, reason=detail or why, prompts=n)
         self.lock.notify_all()
 
-    # ---- leases -------------------------------------------------------------------------------------
+    # ---- leases (learner/leases.py) ------------------------------------------------------------------
 
     def _on_lease_request(self, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
-        t = self.cfg.trainer
-        if self.complete or self.version >= t.total_steps:
-            return P.RunComplete(self.version)
-        in_flight = self.ledger.in_flight()
-        room, why = staleness.room(self.version, in_flight, t.total_steps, t.batch_size, t.max_staleness)
-        room = min(room, msg.max_groups, self.cfg.generator.lease_size)
-        if room <= 0:
-            return P.Wait(why or "no room", retry_s=0.05)
-        items = self._lease_items(room, gen)
-        if not items:
-            return P.Wait("dataset exhausted", retry_s=0.5)
-        min_version = staleness.min_version(self.version, in_flight, t.batch_size, t.max_staleness)
-        sampling = self._sampling()
-        lease = LeaseState(next(self._lease_ids), gen.generator_id, items, sampling.temperature, min_version,
-                           time.monotonic())
-        self.ledger.grant(lease)
-        return P.Lease(lease.lease_id, min_version, list(items.values()), sampling=sampling)
-
-    def _lease_items(self, n: int, gen: GeneratorInfo) -> dict[Key, P.PromptItem]:
-        """Up to n prompts for `gen`, tokenised here (a rollout must echo these ids); a prompt no engine can
-        take (empty, too long) is rejected without asking one."""
-        items: dict[Key, P.PromptItem] = {}
-        while len(items) < n:
-            keys = self.ledger.take(n - len(items), gen.principal, self.registry.confirmed)
-            if not keys:
-                break
-            for key in keys:
-                try:
-                    items[key] = self.prompts.item(*key)
-                except Rejected as e:
-                    self.faults.reject_prompt(key, "hub", e.detail)
-        return items
-
-    def _expire(self, lease: LeaseState, why: str) -> None:
-        """A lease goes back to the queue while its generator stays (its late rollouts are dropped as unknown)."""
-        keys = self.ledger.take_back(lease.lease_id)
-        self.counters["lost_leases"] += 1
-        self.journal.event("lease_expired", generator=lease.generator_id, lease=lease.lease_id, prompts=len(keys),
-                           reason=why)
-        log.warning("hub: lease %d of %s re-queued (%d prompts): %s", lease.lease_id, lease.generator_id, len(keys),
-                    why)
-        self.lock.notify_all()
+        return leases.request(self, msg, gen)
 
     # ---- rollouts and failed groups -----------------------------------------------------------------
 
@@ -283,6 +237,14 @@ class Hub:
                 self._reject(reason, detail, msg.generator_id)
                 return
             gen.received += 1
+            if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
+                try:
+                    self.evaluation.received(msg, gen.generator_id, max(self.version, self.weights.newest))
+                except Rejected as e:
+                    self._reject(e.reason, e.detail, gen.generator_id)
+                    self._count_against(gen, f"{e.reason}: {e.detail}")
+                self.lock.notify_all()
+                return
             lease = self.ledger.leases.get(msg.lease_id)
             if lease is None or key not in lease.items:
                 name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
@@ -324,6 +286,9 @@ class Hub:
     def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
         """A generator could not generate a leased prompt: learner/faults.py decides what it costs."""
         key = (msg.epoch, msg.prompt_id)
+        if self.evaluation.owns(msg.lease_id):
+            self.evaluation.failed(msg.lease_id, msg.prompt_id)
+            return P.Ack()
         lease = self.ledger.leases.get(msg.lease_id)
         if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
             return P.Ack(known=False)
@@ -392,6 +357,7 @@ class Hub:
         with self.lock:
             self.ledger.finish_step()
             self.version = version
+            self.evaluation.start(version)
             self.weights.newest = max(self.weights.newest, version)
             self.lock.notify_all()
 
@@ -405,6 +371,12 @@ class Hub:
         """Training is over (all steps, or the dataset ran out): generators hear RunComplete and leave."""
         with self.lock:
             self.complete = True
+
+    def evaluations(self, wait_s: float = 0.0) -> list[dict]:
+        """Evaluation rounds done since the last call; `wait_s`: first wait that long for running ones."""
+        with self.lock:
+            self.lock.wait_for(lambda: not self.evaluation.busy() or self.server.stopped, wait_s)
+            return self.evaluation.done()
 
     def wait_generators_gone(self, timeout: float) -> bool:
         with self.lock:

@@ -35,7 +35,7 @@ from learner.step import train_step
 from pipeline import protocol as P
 from pipeline.config import Config, ConfigError, apply_runtime_change, runtime_keys, save_config
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
-from pipeline.tasks import encode_prompt, load_rows
+from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
 from weights.files import remove_shm, remove_stale
 
@@ -70,7 +70,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             save_config(cfg, run_dir / "config.yaml")
             hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
                       encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
-                      vocab_size=engine.module.config.vocab_size)
+                      vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg))
             hub.start()
             (run_dir / "hub.json").write_text(json.dumps({"address": hub.address, "pid": os.getpid(),
                                                           "run_id": run_id, "rollouts": hub.rollouts_address}))
@@ -85,6 +85,8 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         publisher.flush()
         save_hf(engine, cfg, tokenizer, run_dir / "final", rank)
         if rank == 0:
+            if cfg.eval.every:  # the last version's evaluation (eval.jsonl), a while at most
+                hub.evaluations(wait_s=cfg.hub.lease_timeout_s)
             plot(run_dir)
             hub.finish_run()
             hub.wait_generators_gone(timeout=15.0)  # let generators hear "run complete" and leave
@@ -140,6 +142,8 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
             "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
             **{f"hub/{k}": v for k, v in hub.counters.items()},
         }
+        for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
+            record.update({"eval/version": done["version"], **{k: v for k, v in done.items() if k.startswith("eval/")}})
         last_tokens, last_time = tokens, now
         metrics.write(record)
     checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)

@@ -242,6 +242,25 @@ class AuthConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate the held-out prompts at every N-th weights version (0: no evaluation). The generators sample them
+    at that version, before training leases, while training goes on; results go to RUN_DIR/eval.jsonl and to
+    the metrics as eval/*."""
+    data: DataConfig | None = None
+    """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None: the
+    builtin echo task with data.seed + 1 when training on builtin:echo, else required."""
+    samples: int = 4
+    """Samples per prompt: k of pass@k and avg@k."""
+    temperature: float = 1.0
+    """Sampling temperature of the evaluation."""
+    max_prompts: int = 64
+    """At most this many held-out prompts per evaluation (the first ones)."""
+    pass_threshold: float = 1.0
+    """A sample whose reward reaches this passes (pass@k)."""
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs"
     """Parent of the run directories."""
@@ -269,6 +288,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -296,6 +316,8 @@ def _check_config(cfg: Config) -> None:
         bounds = getattr(cfg.trainer, name)
         if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
             raise ConfigError(f"trainer.{name}: expected [low, high] with 0 <= low < 1 < high, got {bounds!r}")
+    if cfg.eval.every and cfg.eval.data is None and cfg.data.path not in ("builtin:echo", "builtin:reverse"):
+        raise ConfigError("eval.data: needed with eval.every > 0 (the held-out prompts: a split or a file)")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     if ":" not in cfg.generator.rollout:

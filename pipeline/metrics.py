@@ -80,7 +80,7 @@ def truncate_metrics(run_dir: Path, version: int) -> int:
 
 
 def plot(run_dir: Path) -> Path | None:
-    """reward.png: mean reward and staleness (max/mean lag) against step."""
+    """reward.png: mean reward (and the held-out reward of eval.every) and staleness (max/mean lag) against step."""
     records = read_metrics(run_dir)
     if not records:
         return None
@@ -92,6 +92,10 @@ def plot(run_dir: Path) -> Path | None:
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(steps, [r["reward/mean"] for r in records], marker=".", label="mean reward")
+    evals = read_jsonl(Path(run_dir) / "eval.jsonl")  # eval.every: held-out reward at version v (after step v - 1)
+    if evals:
+        ax1.plot([e["version"] - 1 for e in evals], [e["eval/reward_mean"] for e in evals], marker="s",
+                 label="held-out reward (eval)")
     ax1.set_ylabel("reward")
     ax1.grid(alpha=0.3)
     ax1.legend()

@@ -227,6 +227,8 @@ class Lease(Message):
     min_version: int
     groups: list[PromptItem]
     sampling: Sampling
+    group_size: int = 0  # samples per prompt; 0: the run's (Welcome.group_size)
+    eval: bool = False  # an evaluation lease: scored by the hub, not trained
 
 
 @dataclass

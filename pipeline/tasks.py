@@ -29,9 +29,9 @@ def load_rows(cfg: DataConfig) -> list[dict]:
     """All rows of the dataset as dicts; each has the prompt under `cfg.prompt_column`."""
     path = cfg.path
     if path.startswith("builtin:"):
-        if path != "builtin:echo":
-            raise ValueError(f"data.path: unknown builtin dataset {path!r} (known: builtin:echo)")
-        rows = echo_rows(cfg.size, cfg.seed)
+        if path not in BUILTIN:
+            raise ValueError(f"data.path: unknown builtin dataset {path!r} (known: {', '.join(BUILTIN)})")
+        rows = BUILTIN[path](cfg.size, cfg.seed)
     elif path.endswith((".jsonl", ".json", ".parquet")):
         rows = _load_file(Path(path))
     else:
@@ -43,6 +43,17 @@ def load_rows(cfg: DataConfig) -> list[dict]:
     if cfg.prompt_column not in rows[0]:
         raise ValueError(f"data.prompt_column: column {cfg.prompt_column!r} not in {path} (columns: {sorted(rows[0])})")
     return rows
+
+
+def load_eval_rows(cfg) -> list[dict]:
+    """The held-out prompts of eval.every: eval.data, or the builtin echo task with data.seed + 1."""
+    if not cfg.eval.every:
+        return []
+    if cfg.eval.data is not None:
+        return load_rows(cfg.eval.data)
+    if cfg.data.path not in BUILTIN:
+        raise ValueError("eval.data: needed with eval.every > 0 (the held-out prompts)")
+    return BUILTIN[cfg.data.path](cfg.data.size, cfg.data.seed + 1)
 
 
 def _load_file(path: Path) -> list[dict]:
@@ -83,6 +94,32 @@ def echo_reward(prompts, completions, completion_ids=None, target=None, **_) -> 
         out.append(sum(c == t for c in chars) / ECHO_LEN)
     return out
 
+
+REVERSE_LEN = 5  # digits of a reverse prompt
+
+
+def reverse_rows(size: int, seed: int) -> list[dict]:
+    """A harder toy task: five random digits and '='; the answer is the digits in reverse order. Each position of
+    the answer must attend to a different position of the prompt (echo needs one), so the tiny model learns it
+    position by position, over hundreds of steps rather than tens: long enough for stale samples to matter."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        digits = [str(rng.randrange(10)) for _ in range(REVERSE_LEN)]
+        rows.append({"prompt": " ".join(digits) + " =", "target": "".join(reversed(digits))})
+    return rows
+
+
+def reverse_reward(prompts, completions, completion_ids=None, target=None, **_) -> list[float]:
+    """Fraction of the target's positions the completion's first characters (spaces removed) get right."""
+    out = []
+    for text, t in zip(completions, target, strict=True):
+        chars = text.replace(" ", "")[:len(t)]
+        out.append(sum(a == b for a, b in zip(chars, t, strict=False)) / len(t))
+    return out
+
+
+BUILTIN = {"builtin:echo": echo_rows, "builtin:reverse": reverse_rows}
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

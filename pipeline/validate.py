@@ -55,7 +55,8 @@ RANGES = {
     "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE, "hub.max_rejected_rollouts": POSITIVE,
     "hub.quarantine_s": NON_NEGATIVE,
     "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
-    "data.size": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
+    "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": POSITIVE,
+    "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
 }
 
 

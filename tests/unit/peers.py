@@ -20,13 +20,13 @@ def encode(text: str) -> list[int]:
     return [3 if w == "=" else 4 + int(w) for w in text.split() if w == "=" or w.isdigit()]
 
 
-def new_hub(run_dir, rows=None, version: int = 0, state=None, **sections) -> Hub:
+def new_hub(run_dir, rows=None, version: int = 0, state=None, eval_rows=None, **sections) -> Hub:
     data = {"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10}, "generator": {"lease_size": 8},
             "hub": {"max_message_mb": 1}}
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     hub = Hub(config_from_dict(data), rows or echo_rows(16, 0), run_dir, "test", version, state, encode=encode,
-              vocab_size=VOCAB)
+              vocab_size=VOCAB, eval_rows=eval_rows)
     hub.start()
     return hub
 

@@ -11,7 +11,7 @@ import pytest
 from learner.hub import HubStopped
 from pipeline import protocol as P
 from pipeline.status import render
-from tests.unit.peers import Peer, new_hub
+from tests.unit.peers import Peer, new_hub, wait_until
 from weights.nccl import NcclSender
 from weights.nccl import Peer as NcclPeer
 
@@ -321,3 +321,49 @@ def test_dynamic_sampling_filters_groups_without_signal_as_they_arrive(make_hub)
         assert hub.counters.get("filtered_groups", 0) == (1 if dynamic else 0)
         assert hub.ledger.done((lease.groups[0].epoch, lease.groups[0].prompt_id)) == dynamic
         peer.close()
+
+
+def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
+    """eval.every: at version 0 and every 2 versions, the held-out prompts are leased before training prompts,
+    outside admission, with eval.samples samples each; what comes back is scored (eval.jsonl and `evaluations`),
+    never buffered; a lease lost with its generator goes back to its round; heartbeats keep eval leases alive."""
+    from pipeline.tasks import echo_rows
+    from tests.unit.peers import new_hub
+
+    hub = new_hub(tmp_path, eval_rows=echo_rows(3, 1), eval={"every": 2, "samples": 3, "max_prompts": 3,
+                                                              "temperature": 0.7})
+    try:
+        peer = Peer(hub)
+        peer.register()
+        first = peer.lease(2)
+        assert first.eval and first.group_size == 3 and first.sampling.temperature == 0.7 and len(first.groups) == 2
+        assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 0, [first.lease_id])).dead_leases == []
+        peer.close()
+        with hub.lock:
+            hub._drop_generator(peer.id, "left")  # its eval lease goes back to the round
+        peer = Peer(hub, "gen-u")
+        peer.register()
+        lease = peer.lease(8)
+        assert lease.eval and len(lease.groups) == 3
+        rewards = {0: [1.0, 0.0, 0.0], 1: [0.0, 0.0, 0.0], 2: [1.0, 1.0, 1.0]}
+        for i, item in enumerate(lease.groups):
+            group = peer.group(lease, item, group_size=3)
+            for s, r in zip(group.samples, rewards[i], strict=True):
+                s.reward, s.rewards = r, [r]
+            peer.send(group)
+        training = peer.lease(2)
+        assert not training.eval and training.sampling.temperature == 1.0  # the round is fully leased
+        wait_until(lambda: hub.evaluation.finished)
+        (done,) = hub.evaluations()
+        assert done["version"] == 0 and done["eval/prompts"] == 3
+        assert done["eval/reward_mean"] == pytest.approx(4 / 9) and done["eval/pass@3"] == pytest.approx(2 / 3)
+        assert done["eval/pass@1"] == pytest.approx(4 / 9)
+        assert not hub.ledger.buffer and len(hub.ledger.leases) == 1  # nothing of it buffered for training
+        assert json.loads((tmp_path / "eval.jsonl").read_text())["eval/pass@3"] == pytest.approx(2 / 3)
+        hub.finish_step(1)
+        assert not peer.lease(2).eval  # version 1: no round
+        hub.finish_step(2)
+        assert peer.lease(2).eval  # version 2: the next round
+        peer.close()
+    finally:
+        hub.stop()

@@ -1,0 +1,218 @@
+"""Learning curves under staleness: reward against samples trained and against wall time, for max_staleness k
+crossed with the loss, over seeds (issue: "asynchronous training learns as well as on-policy").
+
+    python -m bench.learning_curves [--ks 0,1,2,4,8] [--losses ppo,tis,decoupled,masked] [--seeds 3]
+        [--steps 150] [--generators 1] [--parallel 1] [--model builtin:tiny] [--gpus]
+
+The task is builtin:reverse (pipeline/tasks.py: five digits, answer them reversed; partial credit per position).
+Echo is learned in tens of steps; reverse takes hundreds, so stale samples have time to matter. Each run is
+`pipeline run` with its own run directory; the k-th run's lag distribution comes from the keys each step trained
+(a run whose lag never reaches k says nothing about k). Per (k, loss) over seeds: steps to a reward threshold
+(the first step whose 10-step moving average reaches it), the area under the reward curve (mean reward over the
+run), the final reward (last 10 steps), the held-out reward (eval.every), and the mismatch KL at lag 0, each
+with a 95 % t-interval. Writes bench/results/learning_curves_<task>_<model>_<machine>.json and the plot
+docs/learning_curves_<model>_<machine>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import ROOT, machine_key, start_child, write_result
+from pipeline.metrics import read_jsonl
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
+
+
+def run_config(k: int, loss: str, seed: int, args) -> dict:
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["model"] = {"path": args.model, "dtype": "float32" if args.model == "builtin:tiny" else "bfloat16"}
+    cfg["data"] = {"path": "builtin:reverse", "size": args.prompts, "seed": 0}
+    cfg["rewards"] = [{"fn": "pipeline.tasks:reverse_reward"}]
+    cfg["sampling"] = {"max_tokens": 6, "temperature": 1.0}
+    cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, lr=args.lr,
+                          checkpoint_every=0, batch_size=args.batch_size, group_size=args.group_size)
+    cfg["eval"] = {"every": args.eval_every, "max_prompts": 32, "samples": 4}
+    cfg["hub"]["port"] = _free_port()
+    cfg["generator"]["seed"] = seed
+    cfg["run"] = {"generators": args.generators, "tensorboard": False}
+    if args.gpus:
+        cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
+        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, enforce_eager=False)
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name: str, cfg: dict, root: Path):
+    run_dir = root / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", str(run_dir / "bench.yaml"), "--run-dir",
+            str(run_dir / "run")]
+    return start_child(name, argv, run_dir / "run.log"), run_dir
+
+
+def summarise_run(run_dir: Path, k: int, threshold: float) -> dict:
+    records = read_jsonl(run_dir / "run" / "metrics.jsonl")
+    rewards = [r["reward/mean"] for r in records]
+    per_step = [len(r["trained"]) for r in records]
+    lags: dict[int, int] = {}
+    for r in records:
+        for _, _, behaviour, _ in r["trained"]:
+            lag = r["step"] - behaviour
+            lags[lag] = lags.get(lag, 0) + 1
+    smooth = [statistics.mean(rewards[max(0, i - 9):i + 1]) for i in range(len(rewards))]
+    reached = next((i for i, v in enumerate(smooth) if v >= threshold), None)
+    evals = read_jsonl(run_dir / "run" / "eval.jsonl")
+    kl0 = [r["mismatch/kl_lag0"] for r in records if "mismatch/kl_lag0" in r]
+    return {
+        "rewards": [round(x, 4) for x in rewards], "groups_per_step": per_step,
+        "elapsed_s": [round(r["time/elapsed_s"], 2) for r in records],
+        "lags": {str(lag): n for lag, n in sorted(lags.items())}, "max_lag": max(lags) if lags else 0,
+        "steps_to_threshold": reached, "auc": statistics.mean(rewards) if rewards else 0.0,
+        "final": statistics.mean(rewards[-10:]) if rewards else 0.0,
+        "eval": [[e["version"], round(e["eval/reward_mean"], 4)] for e in evals],
+        "mismatch_kl_lag0": statistics.mean(kl0) if kl0 else None,
+        "wall_to_threshold_s": records[reached]["time/elapsed_s"] if reached is not None else None,
+        "k": k,
+    }
+
+
+def interval(values: list[float]) -> dict:
+    """Mean and the half-width of its 95 % t-interval."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return {"mean": None, "ci95": None, "n": 0}
+    mean = statistics.mean(values)
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 \
+        else None
+    return {"mean": round(mean, 4), "ci95": round(half, 4) if half is not None else None, "n": len(values)}
+
+
+def summarise(runs: dict, steps: int) -> dict:
+    out = {}
+    for key in sorted({name.rsplit("/", 1)[0] for name in runs}):
+        seeds = [r for name, r in runs.items() if name.rsplit("/", 1)[0] == key]
+        # a seed that never reached the threshold counts as the run's length (a lower bound on its true value)
+        out[key] = {
+            "steps_to_threshold": interval([r["steps_to_threshold"] if r["steps_to_threshold"] is not None
+                                            else steps for r in seeds]),
+            "reached": sum(r["steps_to_threshold"] is not None for r in seeds),
+            "auc": interval([r["auc"] for r in seeds]), "final": interval([r["final"] for r in seeds]),
+            "eval_final": interval([r["eval"][-1][1] if r["eval"] else None for r in seeds]),
+            "wall_to_threshold_s": interval([r["wall_to_threshold_s"] for r in seeds]),
+            "max_lag": max(r["max_lag"] for r in seeds),
+            "mismatch_kl_lag0": interval([r["mismatch_kl_lag0"] for r in seeds]),
+        }
+    return out
+
+
+def plot(runs: dict, losses: list[str], ks: list[int], path: Path, batch: int, group: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(losses), figsize=(4 * len(losses), 7), squeeze=False, sharey=True)
+    for col, loss in enumerate(losses):
+        for k in ks:
+            seeds = [r for name, r in runs.items() if name.startswith(f"k{k}/{loss}/")]
+            if not seeds:
+                continue
+            n = min(len(r["rewards"]) for r in seeds)
+            mean = [statistics.mean(r["rewards"][i] for r in seeds) for i in range(n)]
+            samples = [(i + 1) * batch * group for i in range(n)]
+            wall = [statistics.mean(r["elapsed_s"][i] for r in seeds) for i in range(n)]
+            axes[0][col].plot(samples, _smooth(mean), label=f"k={k}")
+            axes[1][col].plot(wall, _smooth(mean), label=f"k={k}")
+        axes[0][col].set_title(loss)
+        axes[0][col].set_xlabel("samples trained")
+        axes[1][col].set_xlabel("wall time (s)")
+        for row in axes:
+            row[col].grid(alpha=0.3)
+    axes[0][0].set_ylabel("reward (10-step mean, mean over seeds)")
+    axes[1][0].set_ylabel("reward")
+    axes[0][-1].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _smooth(xs: list[float], w: int = 10) -> list[float]:
+    return [statistics.mean(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ks", default="0,1,2,4,8")
+    p.add_argument("--losses", default="ppo,tis,decoupled,masked")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--prompts", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--generators", type=int, default=1)
+    p.add_argument("--parallel", type=int, default=1, help="runs at once")
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--gpus", action="store_true", help="learner on GPU 0, generators on GPU 1 (or 0)")
+    p.add_argument("--gpus-per-run", type=int, default=2)
+    p.add_argument("--gpu-memory", type=float, default=0.2)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--runs-dir", default="")
+    p.add_argument("--name", default="")
+    args = p.parse_args()
+    ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
+    todo = [(k, loss, s) for s in range(args.seeds) for k in ks for loss in losses]
+    root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-"))
+    runs, running, deadline = {}, [], time.monotonic() + args.timeout
+    while todo or running:
+        while todo and len(running) < args.parallel:
+            k, loss, seed = todo.pop(0)
+            name = f"k{k}/{loss}/s{seed}"
+            child, run_dir = launch(name, run_config(k, loss, seed, args), root)
+            running.append((name, k, child, run_dir))
+        for item in list(running):
+            name, k, child, run_dir = item
+            if child.proc.poll() is None and time.monotonic() < deadline:
+                continue
+            code = child.stop(grace=30)
+            running.remove(item)
+            if code == 0:
+                runs[name] = summarise_run(run_dir, k, args.threshold)
+                print(f"{name}: final {runs[name]['final']:.3f}, steps to {args.threshold}: "
+                      f"{runs[name]['steps_to_threshold']}, lags {runs[name]['lags']}", flush=True)
+            else:
+                print(f"{name}: exit {code}\n{child.tail(20)}", flush=True)
+        time.sleep(1)
+    model = "tiny" if args.model == "builtin:tiny" else Path(args.model).name
+    name = args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}"
+    plot(runs, losses, ks, ROOT / "docs" / f"{name}.png", args.batch_size, args.group_size)
+    write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), args.model,
+                 {"summary": summarise(runs, args.steps), "runs": runs},
+                 settings={k: v for k, v in vars(args).items() if k not in ("runs_dir", "name")},
+                 plot=f"docs/{name}.png")
+    print(json.dumps(summarise(runs, args.steps), indent=1))
+    return 0 if len(runs) == args.seeds * len(ks) * len(losses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

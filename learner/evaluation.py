@@ -1,0 +1,152 @@
+"""Evaluation during training (eval.every > 0): the held-out prompts, sampled by the generators at a version.
+
+When the step that makes version v ends with v a multiple of eval.every, a round starts: each held-out prompt
+is leased once (eval.samples samples at eval.temperature, min_version v) before any training lease, outside the
+staleness admission, so neither the learner nor training leases wait for it. What comes back is checked like a
+training rollout, then scored here, not trained:
+
+    eval/reward_mean   the mean reward over every sample (avg@k)
+    eval/pass@k        the fraction of prompts with a sample whose reward reaches eval.pass_threshold
+    eval/pass@1        the same per sample (the unbiased pass@1 estimate)
+    eval/behaviour_version   the oldest weights version that sampled the round (v, or later if v was gone)
+
+A lease lost with its generator, or not returned in time, goes back to its round; a prompt whose group failed
+is left out of it (eval/failed). A round ends when every prompt is in; it is written to RUN_DIR/eval.jsonl and
+reported with the learner's next step (`done`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from learner.prompts import Prompts
+from learner.validation import Expected, Rejected, RunShape, check_rollout
+from pipeline import protocol as P
+
+EPOCH = -1  # the epoch of an evaluation prompt: never one of training's
+
+
+@dataclass
+class Round:
+    version: int
+    pending: list[int]
+    rewards: dict[int, list[float]] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)
+    failed: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class EvalLease:
+    lease_id: int
+    generator_id: str
+    round: Round
+    items: dict[int, P.PromptItem]
+    granted: float = field(default_factory=time.monotonic)
+
+
+class Evaluation:
+    def __init__(self, cfg, prompts: Prompts, shape: RunShape, run_dir: Path):
+        self.cfg, self.prompts, self.run_dir = cfg.eval, prompts, run_dir
+        self.shape = RunShape(shape.vocab_size, cfg.eval.samples, shape.max_tokens, shape.max_model_len, shape.rewards)
+        s = cfg.sampling
+        self.sampling = P.Sampling(s.max_tokens, cfg.eval.temperature, s.top_p, s.ignore_eos)
+        self.rounds: list[Round] = []
+        self.leases: dict[int, EvalLease] = {}
+        self.finished: list[dict] = []  # rounds done, not yet reported with a step
+
+    def start(self, version: int) -> None:
+        if self.cfg.every and version % self.cfg.every == 0 and len(self.prompts):
+            self.rounds.append(Round(version, list(range(min(self.cfg.max_prompts, len(self.prompts))))))
+
+    def lease(self, lease_id: int, generator_id: str, n: int) -> P.Lease | None:
+        """Up to n prompts of the oldest round with prompts left, or None."""
+        rnd = next((r for r in self.rounds if r.pending), None)
+        if rnd is None:
+            return None
+        items = {}
+        while rnd.pending and len(items) < n:
+            pid = rnd.pending.pop(0)
+            try:
+                items[pid] = self.prompts.item(EPOCH, pid)
+            except Rejected:
+                rnd.failed += 1  # a prompt no engine can take
+        if not items:
+            self._maybe_done(rnd)
+            return None
+        self.leases[lease_id] = EvalLease(lease_id, generator_id, rnd, items)
+        return P.Lease(lease_id, rnd.version, list(items.values()), self.sampling, self.cfg.samples, eval=True)
+
+    def leases_of(self, generator_id: str) -> set[int]:
+        return {lease.lease_id for lease in self.leases.values() if lease.generator_id == generator_id}
+
+    def owns(self, lease_id: int) -> bool:
+        return lease_id in self.leases
+
+    def received(self, msg: P.RolloutGroup, generator_id: str, version: int) -> None:
+        """A group for an evaluation lease, scored; Rejected if it is not valid (its prompt is asked again)."""
+        lease = self.leases[msg.lease_id]
+        if lease.generator_id != generator_id or msg.prompt_id not in lease.items:
+            raise Rejected("lease", f"evaluation rollout for prompt {msg.prompt_id} of lease {msg.lease_id}, which "
+                                    "is not the sender's or does not hold it")
+        item = lease.items.pop(msg.prompt_id)
+        if not lease.items:
+            del self.leases[msg.lease_id]
+        try:
+            check_rollout(msg, Expected(item.prompt_ids, self.sampling.temperature, lease.round.version), version,
+                          self.shape)
+        except Rejected:
+            lease.round.pending.append(msg.prompt_id)  # asked again
+            raise
+        lease.round.rewards[msg.prompt_id] = [s.reward for s in msg.samples]
+        lease.round.versions.append(min(s.first_version for s in msg.samples))
+        self._maybe_done(lease.round)
+
+    def failed(self, lease_id: int, prompt_id: int) -> None:
+        lease = self.leases[lease_id]
+        if lease.items.pop(prompt_id, None) is not None:
+            lease.round.failed += 1
+        if not lease.items:
+            del self.leases[lease_id]
+        self._maybe_done(lease.round)
+
+    def take_back(self, generator_id: str | None = None, older_than: float | None = None) -> int:
+        """Leases of a generator that is gone, or not returned within `older_than` seconds, back to their rounds."""
+        now, n = time.monotonic(), 0
+        for lease in list(self.leases.values()):
+            if lease.generator_id == generator_id or (older_than is not None and now - lease.granted > older_than):
+                lease.round.pending[:0] = list(lease.items)
+                n += len(lease.items)
+                del self.leases[lease.lease_id]
+        return n
+
+    def busy(self) -> bool:
+        return bool(self.rounds)
+
+    def done(self) -> list[dict]:
+        out, self.finished = self.finished, []
+        return out
+
+    def _maybe_done(self, rnd: Round) -> None:
+        if rnd.pending or any(lease.round is rnd for lease in self.leases.values()) or rnd not in self.rounds:
+            return
+        self.rounds.remove(rnd)
+        rewards = np.array([r for r in rnd.rewards.values()], dtype=np.float64).reshape(-1, self.cfg.samples)
+        passed = rewards >= self.cfg.pass_threshold
+        k = self.cfg.samples
+        record = {
+            "version": rnd.version, "eval/prompts": len(rewards), "eval/failed": rnd.failed,
+            "eval/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+            f"eval/pass@{k}": float(passed.any(axis=1).mean()) if len(rewards) else float("nan"),
+            "eval/pass@1": float(passed.mean()) if len(rewards) else float("nan"),
+            "eval/behaviour_version": min(rnd.versions, default=rnd.version),
+            "eval/seconds": time.monotonic() - rnd.started,
+        }
+        with (self.run_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.finished.append(record)

@@ -1,0 +1,97 @@
+"""The lease desk, on the hub's state under its lock: which prompts a generator may take now, and for how long.
+
+A lease request gets an evaluation lease first (learner/evaluation.py: outside admission), else up to `room`
+prompts of the training ledger (learner/staleness.py: admission and the lease's minimum version), each
+tokenised here (learner/prompts.py: a prompt no engine can take is rejected without asking one). A lease goes
+back to the queue when it is not returned within hub.lease_timeout_s, or when its generator leaves it out of
+two heartbeats in a row (a lease the generator holds but the hub does not is named in the reply, and dropped
+there); its late rollouts are dropped as unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from learner import staleness
+from learner.ledger import Key, LeaseState
+from learner.registry import GeneratorInfo
+from learner.validation import Rejected
+from pipeline import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
+    t = hub.cfg.trainer
+    if hub.complete:
+        return P.RunComplete(hub.version)
+    n = min(msg.max_groups, hub.cfg.generator.lease_size)
+    lease = hub.evaluation.lease(next(hub.lease_ids), gen.generator_id, n)
+    if lease is not None:
+        return lease
+    if hub.version >= t.total_steps:
+        return P.Wait("the last evaluation", retry_s=0.5) if hub.evaluation.busy() else P.RunComplete(hub.version)
+    in_flight = hub.ledger.in_flight()
+    room, why = staleness.room(hub.version, in_flight, t.total_steps, t.batch_size, t.max_staleness)
+    room = min(room, n)
+    if room <= 0:
+        return P.Wait(why or "no room", retry_s=0.05)
+    items = _items(hub, room, gen)
+    if not items:
+        return P.Wait("dataset exhausted", retry_s=0.5)
+    min_version = staleness.min_version(hub.version, in_flight, t.batch_size, t.max_staleness)
+    sampling = hub.sampling()
+    lease = LeaseState(next(hub.lease_ids), gen.generator_id, items, sampling.temperature, min_version,
+                       time.monotonic())
+    hub.ledger.grant(lease)
+    return P.Lease(lease.lease_id, min_version, list(items.values()), sampling=sampling)
+
+
+def _items(hub, n: int, gen: GeneratorInfo) -> dict[Key, P.PromptItem]:
+    """Up to n prompts for `gen`, tokenised here (a rollout must echo these ids)."""
+    items: dict[Key, P.PromptItem] = {}
+    while len(items) < n:
+        keys = hub.ledger.take(n - len(items), gen.principal, hub.registry.confirmed)
+        if not keys:
+            break
+        for key in keys:
+            try:
+                items[key] = hub.prompts.item(*key)
+            except Rejected as e:
+                hub.faults.reject_prompt(key, "hub", e.detail)
+    return items
+
+
+def reconcile(hub, msg: P.Heartbeat, gen: GeneratorInfo) -> list[int]:
+    """A heartbeat lists the leases its generator holds: ones it stopped listing go back to the queue; returns the
+    ones it lists that the hub no longer holds for it (the generator drops their groups)."""
+    held = set(msg.lease_ids)
+    settled = gen.received >= msg.pushed  # every rollout it sent so far is here (PUSH/PULL keeps their order)
+    mine = hub.ledger.leases_of(gen.generator_id)
+    for lease in mine:
+        if lease.lease_id in held or not settled:
+            lease.unreported = 0
+            continue
+        lease.unreported += 1
+        if lease.unreported >= 2:  # two heartbeats in a row: not a heartbeat sent before the lease arrived
+            expire(hub, lease, "its generator no longer reports it")
+    return sorted(held - {lease.lease_id for lease in mine} - hub.evaluation.leases_of(gen.generator_id))
+
+
+def expire_old(hub, now: float) -> None:
+    timeout = hub.cfg.hub.lease_timeout_s
+    hub.evaluation.take_back(older_than=timeout)
+    for lease in list(hub.ledger.leases.values()):
+        if now - lease.granted > timeout:
+            expire(hub, lease, f"not returned within hub.lease_timeout_s={timeout}")
+
+
+def expire(hub, lease: LeaseState, why: str) -> None:
+    """A lease goes back to the queue while its generator stays (its late rollouts are dropped as unknown)."""
+    keys = hub.ledger.take_back(lease.lease_id)
+    hub.counters["lost_leases"] += 1
+    hub.journal.event("lease_expired", generator=lease.generator_id, lease=lease.lease_id, prompts=len(keys),
+                      reason=why)
+    log.warning("hub: lease %d of %s re-queued (%d prompts): %s", lease.lease_id, lease.generator_id, len(keys), why)
+    hub.lock.notify_all()
