@@ -48,7 +48,7 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
-        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, enforce_eager=False)
+        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory)
     return cfg
 
 
