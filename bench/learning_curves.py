@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,19 +42,13 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, lr=args.lr,
                           checkpoint_every=0, batch_size=args.batch_size, group_size=args.group_size)
     cfg["eval"] = {"every": args.eval_every, "max_prompts": 32, "samples": 4}
-    cfg["hub"]["port"] = _free_port()
+    cfg["hub"]["port"] = 0  # the launcher reads the address from hub.json
     cfg["generator"]["seed"] = seed
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
         cfg["generator"].update(gpu_memory_utilization=args.gpu_memory)
     return cfg
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(name: str, cfg: dict, root: Path):
