@@ -165,6 +165,8 @@ def main() -> int:
     p.add_argument("--threshold", type=float, default=0.5)
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--parallel", type=int, default=1, help="runs at once")
+    p.add_argument("--stagger", type=float, default=0.0, help="seconds between starts (vLLM engines that start "
+                   "together on one GPU fail their memory profiling)")
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument("--gpus", action="store_true", help="learner on GPU 0, generators on GPU 1 (or 0)")
     p.add_argument("--gpus-per-run", type=int, default=2)
@@ -183,6 +185,7 @@ def main() -> int:
             name = f"k{k}/{loss}/s{seed}"
             child, run_dir = launch(name, run_config(k, loss, seed, args), root)
             running.append((name, k, child, run_dir))
+            time.sleep(args.stagger)
         for item in list(running):
             name, k, child, run_dir = item
             if child.proc.poll() is None and time.monotonic() < deadline:
