@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -94,7 +95,7 @@ def interval(values: list[float]) -> dict:
     mean = statistics.mean(values)
     half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 \
         else None
-    return {"mean": round(mean, 4), "ci95": round(half, 4) if half is not None else None, "n": len(values)}
+    return {"mean": float(f"{mean:.4g}"), "ci95": float(f"{half:.4g}") if half is not None else None, "n": len(values)}
 
 
 def summarise(runs: dict, steps: int) -> dict:
@@ -178,26 +179,35 @@ def main() -> int:
     ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
     todo = [(k, loss, s) for s in range(args.seeds) for k in ks for loss in losses]
     root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-"))
-    runs, running, deadline = {}, [], time.monotonic() + args.timeout
+    runs, running, retries, deadline = {}, [], {}, time.monotonic() + args.timeout
     while todo or running:
         while todo and len(running) < args.parallel:
             k, loss, seed = todo.pop(0)
             name = f"k{k}/{loss}/s{seed}"
+            if (root / name).exists():
+                shutil.rmtree(root / name)
             child, run_dir = launch(name, run_config(k, loss, seed, args), root)
-            running.append((name, k, child, run_dir))
+            running.append((name, (k, loss, seed), child, run_dir))
             time.sleep(args.stagger)
         for item in list(running):
-            name, k, child, run_dir = item
+            name, spec, child, run_dir = item
             if child.proc.poll() is None and time.monotonic() < deadline:
                 continue
             code = child.stop(grace=30)
             running.remove(item)
+            started = (run_dir / "run" / "metrics.jsonl").exists()
+            if code != 0 and not started and retries.get(name, 0) < 2 and time.monotonic() < deadline:
+                retries[name] = retries.get(name, 0) + 1  # an engine that failed to start (engines starting
+                print(f"{name}: exit {code} before its first step; started again", flush=True)  # together)
+                todo.insert(0, spec)
+                continue
             if code == 0:
-                runs[name] = summarise_run(run_dir, k, args.threshold)
+                runs[name] = summarise_run(run_dir, spec[0], args.threshold)
                 print(f"{name}: final {runs[name]['final']:.3f}, steps to {args.threshold}: "
                       f"{runs[name]['steps_to_threshold']}, lags {runs[name]['lags']}", flush=True)
             else:
-                print(f"{name}: exit {code}\n{child.tail(20)}", flush=True)
+                errors = [line for line in child.tail(400).splitlines() if "Error" in line or "error" in line]
+                print(f"{name}: exit {code}\n" + "\n".join(errors[-10:] or [child.tail(20)]), flush=True)
         time.sleep(1)
     model = "tiny" if args.model == "builtin:tiny" else Path(args.model).name
     name = args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}"

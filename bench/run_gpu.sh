@@ -12,6 +12,7 @@
 #   colocated    `pipeline run -c configs/gpu-single.yaml` as shipped, then colocated with 0.5B (GPU 0)
 #   hostile      hostile_load: learner and generator on GPU 0, hostile peers flooding the hub (1 GPU)
 #   delta        delta_sync: bytes per version on the 0.5B and 1.5B shapes (CPU; needs the memory)
+#   learning     learning_curves: the tiny model on GPU 0, k = 0 and 4 with ppo and decoupled, 3 seeds (1 GPU)
 #   all          every part above in turn (4 GPUs, no time limit)
 #
 # --site DIR (or BENCH_SITE=DIR): vLLM and DeepSpeed were installed into DIR (`pip install --target DIR`):
@@ -24,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
-PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta"
+PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -98,6 +99,11 @@ run_part() {
     ;;
   delta)
     step delta_sync 540 python3 -m bench.delta_sync --sizes 0.5b,1.5b --lrs 1e-6,1e-5; pack
+    ;;
+  learning)
+    step learning_curves 560 python3 -m bench.learning_curves --ks 0,4 --losses ppo,decoupled --seeds 3 --steps 250 \
+      --eval-every 50 --threshold 0.3 --gpus --gpus-per-run 1 --gpu-memory 0.04 --parallel 6 --stagger 8 --timeout 520
+    pack
     ;;
   esac
 }
