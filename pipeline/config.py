@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.validate import ConfigError, build, check_range, check_value
+from pipeline.validate import ConfigError, build, check_config, check_range, check_value
 
 
 def runtime(default: Any) -> Any:
@@ -301,32 +301,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _check_config(cfg: Config) -> None:
-    """Checks that span several fields (each field's own range is checked where it is built)."""
-    if cfg.sampling.max_tokens >= cfg.generator.max_model_len:
-        raise ConfigError(f"sampling.max_tokens: {cfg.sampling.max_tokens} leaves no room for a prompt within "
-                          f"generator.max_model_len={cfg.generator.max_model_len}")
-    if cfg.hub.heartbeat_timeout_s <= cfg.hub.heartbeat_s:
-        raise ConfigError(f"hub.heartbeat_timeout_s: must exceed hub.heartbeat_s ({cfg.hub.heartbeat_s}), got "
-                          f"{cfg.hub.heartbeat_timeout_s}")
-    if cfg.trainer.overlong_buffer >= cfg.sampling.max_tokens:
-        raise ConfigError(f"trainer.overlong_buffer: {cfg.trainer.overlong_buffer} must be below sampling.max_tokens="
-                          f"{cfg.sampling.max_tokens}")
-    for name in ("token_mask", "seq_mask"):
-        bounds = getattr(cfg.trainer, name)
-        if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
-            raise ConfigError(f"trainer.{name}: expected [low, high] with 0 <= low < 1 < high, got {bounds!r}")
-    if cfg.eval.every and cfg.eval.data is None and cfg.data.path not in ("builtin:echo", "builtin:reverse"):
-        raise ConfigError("eval.data: needed with eval.every > 0 (the held-out prompts: a split or a file)")
-    if not cfg.rewards:
-        raise ConfigError("rewards: at least one reward function is needed")
-    if ":" not in cfg.generator.rollout:
-        raise ConfigError(f"generator.rollout: expected 'module:function', got {cfg.generator.rollout!r}")
-    for i, r in enumerate(cfg.rewards):
-        if ":" not in r.fn:
-            raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")
-
-
 def parse_override(item: str) -> tuple[str, Any]:
     """`trainer.max_staleness=2` -> ("trainer.max_staleness", 2); the value is read as YAML."""
     if "=" not in item:
@@ -351,7 +325,7 @@ def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
         key, value = parse_override(item)
         _set_dotted(data, key, value)
     cfg = build(Config, data)
-    _check_config(cfg)
+    check_config(cfg)
     return cfg
 
 

@@ -1,5 +1,6 @@
 """Checking config values as they are loaded or changed: each value coerced to its field's annotation (types,
-choices, lists, nested sections), each number in its field's range and finite; errors name the dotted field."""
+choices, lists, nested sections), each number in its field's range and finite, and the checks that span several
+fields (`check_config`); errors name the dotted field."""
 
 from __future__ import annotations
 
@@ -123,3 +124,29 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             check_range(f"{prefix}.{f.name}" if prefix else f.name, value)
     return obj
+
+
+def check_config(cfg) -> None:
+    """Checks that span several fields (each field's own range is checked where it is built)."""
+    if cfg.sampling.max_tokens >= cfg.generator.max_model_len:
+        raise ConfigError(f"sampling.max_tokens: {cfg.sampling.max_tokens} leaves no room for a prompt within "
+                          f"generator.max_model_len={cfg.generator.max_model_len}")
+    if cfg.hub.heartbeat_timeout_s <= cfg.hub.heartbeat_s:
+        raise ConfigError(f"hub.heartbeat_timeout_s: must exceed hub.heartbeat_s ({cfg.hub.heartbeat_s}), got "
+                          f"{cfg.hub.heartbeat_timeout_s}")
+    if cfg.trainer.overlong_buffer >= cfg.sampling.max_tokens:
+        raise ConfigError(f"trainer.overlong_buffer: {cfg.trainer.overlong_buffer} must be below sampling.max_tokens="
+                          f"{cfg.sampling.max_tokens}")
+    for name in ("token_mask", "seq_mask"):
+        bounds = getattr(cfg.trainer, name)
+        if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
+            raise ConfigError(f"trainer.{name}: expected [low, high] with 0 <= low < 1 < high, got {bounds!r}")
+    if cfg.eval.every and cfg.eval.data is None and cfg.data.path not in ("builtin:echo", "builtin:reverse"):
+        raise ConfigError("eval.data: needed with eval.every > 0 (the held-out prompts: a split or a file)")
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward function is needed")
+    if ":" not in cfg.generator.rollout:
+        raise ConfigError(f"generator.rollout: expected 'module:function', got {cfg.generator.rollout!r}")
+    for i, r in enumerate(cfg.rewards):
+        if ":" not in r.fn:
+            raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")
