@@ -2,7 +2,7 @@
 crossed with the loss, over seeds (issue: "asynchronous training learns as well as on-policy").
 
     python -m bench.learning_curves [--ks 0,1,2,4,8] [--losses ppo,tis,decoupled,masked] [--seeds 3]
-        [--steps 150] [--generators 1] [--parallel 1] [--model builtin:tiny] [--gpus]
+        [--steps 300] [--lr 1e-3] [--generators 1] [--parallel 1] [--stagger S] [--model builtin:tiny] [--gpus]
 
 The task is builtin:reverse (pipeline/tasks.py: five digits, answer them reversed; partial credit per position).
 Echo is learned in tens of steps; reverse takes hundreds, so stale samples have time to matter. Each run is
@@ -132,8 +132,9 @@ def plot(runs: dict, losses: list[str], ks: list[int], path: Path, batch: int, g
             mean = [statistics.mean(r["rewards"][i] for r in seeds) for i in range(n)]
             samples = [(i + 1) * batch * group for i in range(n)]
             wall = [statistics.mean(r["elapsed_s"][i] for r in seeds) for i in range(n)]
-            axes[0][col].plot(samples, _smooth(mean), label=f"k={k}")
-            axes[1][col].plot(wall, _smooth(mean), label=f"k={k}")
+            color = f"C{ks.index(k)}"  # one color per k in every panel
+            axes[0][col].plot(samples, _smooth(mean), label=f"k={k}", color=color)
+            axes[1][col].plot(wall, _smooth(mean), label=f"k={k}", color=color)
         axes[0][col].set_title(loss)
         axes[0][col].set_xlabel("samples trained")
         axes[1][col].set_xlabel("wall time (s)")
@@ -141,7 +142,7 @@ def plot(runs: dict, losses: list[str], ks: list[int], path: Path, batch: int, g
             row[col].grid(alpha=0.3)
     axes[0][0].set_ylabel("reward (10-step mean, mean over seeds)")
     axes[1][0].set_ylabel("reward")
-    axes[0][-1].legend()
+    axes[0][0].legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -157,13 +158,13 @@ def main() -> int:
     p.add_argument("--ks", default="0,1,2,4,8")
     p.add_argument("--losses", default="ppo,tis,decoupled,masked")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--prompts", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--threshold", type=float, default=0.3)
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--parallel", type=int, default=1, help="runs at once")
     p.add_argument("--stagger", type=float, default=0.0, help="seconds between starts (vLLM engines that start "

@@ -101,8 +101,8 @@ run_part() {
     step delta_sync 540 python3 -m bench.delta_sync --sizes 0.5b,1.5b --lrs 1e-6,1e-5; pack
     ;;
   learning)
-    step learning_curves 560 python3 -m bench.learning_curves --ks 0,4 --losses ppo,decoupled --seeds 3 --steps 250 \
-      --eval-every 50 --threshold 0.3 --gpus --gpus-per-run 1 --gpu-memory 0.04 --parallel 6 --stagger 8 --timeout 520
+    step learning_curves 560 python3 -m bench.learning_curves --ks 0,4 --losses ppo,decoupled --seeds 3 --eval-every 50 \
+      --gpus --gpus-per-run 1 --gpu-memory 0.04 --parallel 8 --stagger 6 --timeout 520
     pack
     ;;
   esac
