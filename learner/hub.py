@@ -373,9 +373,11 @@ class Hub:
             self.complete = True
 
     def evaluations(self, wait_s: float = 0.0) -> list[dict]:
-        """Evaluation rounds done since the last call; `wait_s`: first wait that long for running ones."""
+        """Evaluation rounds done since the last call; `wait_s`: first wait that long for running ones (while a
+        generator is there to run them)."""
         with self.lock:
-            self.lock.wait_for(lambda: not self.evaluation.busy() or self.server.stopped, wait_s)
+            self.lock.wait_for(lambda: not self.evaluation.busy() or self.server.stopped
+                               or not self.registry.generators, wait_s)
             return self.evaluation.done()
 
     def wait_generators_gone(self, timeout: float) -> bool:
