@@ -45,6 +45,8 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["eval"] = {"every": args.eval_every, "max_prompts": 32, "samples": 4}
     cfg["hub"]["port"] = 0  # the launcher reads the address from hub.json
     cfg["generator"]["seed"] = seed
+    # the generator may hold the whole admission window, (k + 1) batches: else its cap, not k, bounds the lag
+    cfg["generator"]["max_inflight_groups"] = max(32, (k + 1) * args.batch_size)
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
