@@ -107,13 +107,17 @@ class Evaluation:
         lease.round.versions.append(min(s.first_version for s in msg.samples))
         self._maybe_done(lease.round)
 
-    def failed(self, lease_id: int, prompt_id: int) -> None:
+    def failed(self, lease_id: int, prompt_id: int, generator_id: str) -> bool:
+        """The sender could not generate a prompt of its evaluation lease: left out of the round. False (and
+        nothing changes) when the lease is another generator's or does not hold the prompt."""
         lease = self.leases[lease_id]
-        if lease.items.pop(prompt_id, None) is not None:
-            lease.round.failed += 1
+        if lease.generator_id != generator_id or lease.items.pop(prompt_id, None) is None:
+            return False
+        lease.round.failed += 1
         if not lease.items:
             del self.leases[lease_id]
         self._maybe_done(lease.round)
+        return True
 
     def take_back(self, generator_id: str | None = None, older_than: float | None = None) -> int:
         """Leases of a generator that is gone, or not returned within `older_than` seconds, back to their rounds."""

@@ -287,8 +287,7 @@ class Hub:
         """A generator could not generate a leased prompt: learner/faults.py decides what it costs."""
         key = (msg.epoch, msg.prompt_id)
         if self.evaluation.owns(msg.lease_id):
-            self.evaluation.failed(msg.lease_id, msg.prompt_id)
-            return P.Ack()
+            return P.Ack(known=self.evaluation.failed(msg.lease_id, msg.prompt_id, msg.generator_id))
         lease = self.ledger.leases.get(msg.lease_id)
         if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
             return P.Ack(known=False)

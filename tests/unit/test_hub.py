@@ -345,6 +345,13 @@ def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
         peer.register()
         lease = peer.lease(8)
         assert lease.eval and len(lease.groups) == 3
+        other = Peer(hub, "gen-v")  # another generator cannot take a prompt out of this generator's eval lease
+        other.register()
+        item = lease.groups[0]
+        failed = P.GroupFailed(other.id, lease.lease_id, item.epoch, item.prompt_id, reason="x", kind="engine")
+        assert other.ask(failed).known is False
+        assert len(hub.evaluation.leases[lease.lease_id].items) == 3
+        other.close()
         rewards = {0: [1.0, 0.0, 0.0], 1: [0.0, 0.0, 0.0], 2: [1.0, 1.0, 1.0]}
         for i, item in enumerate(lease.groups):
             group = peer.group(lease, item, group_size=3)
