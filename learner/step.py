@@ -97,7 +97,6 @@ def _update(engine, part: list[Row], cfg: Config, pad_id: int, rows, groups, hea
         logp = token_logprobs(logits, batch["input_ids"], batch["temperature"])
         prox = batch.get("prox", logp.detach())
         loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap, prox, t.token_mask)
-        st["ref_kl"] = torch.zeros_like(logp)
         if engine.reference is not None:  # trainer.kl_coef: k3 of KL(learner || initial model), per token
             with torch.no_grad():
                 ref = engine.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -141,7 +141,7 @@ def check_config(cfg) -> None:
         bounds = getattr(cfg.trainer, name)
         if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
             raise ConfigError(f"trainer.{name}: expected [low, high] with 0 <= low < 1 < high, got {bounds!r}")
-    if cfg.eval.every and cfg.eval.data is None and cfg.data.path not in ("builtin:echo", "builtin:reverse"):
+    if cfg.eval.every and cfg.eval.data is None and not cfg.data.path.startswith("builtin:"):
         raise ConfigError("eval.data: needed with eval.every > 0 (the held-out prompts: a split or a file)")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")

@@ -24,7 +24,8 @@ A sender (learner/publisher.py drives it; rank 0 only):
     transports                               set by `senders`: the transports it serves
     latest                                   set by the publisher: latest(fn, background=False) calls
                                              fn(version, named) with the newest version's CPU copy (late joiners)
-Adding a transport: its sender, its receiver, its line in TRANSPORTS.
+Adding a transport: its sender, its receiver, its line in TRANSPORTS, and its name among the choices of
+`weights.transport` (pipeline/config.py); `auto` picks among nccl, shm and zmq only (`pick`).
 """
 
 from __future__ import annotations

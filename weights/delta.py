@@ -40,8 +40,10 @@ def apply(base, delta) -> np.ndarray:
     """`base` with `delta` applied (buffers): the new version's blob, as bytes in an array."""
     base, delta = np.frombuffer(base, np.uint8), memoryview(delta)
     (count,) = struct.unpack_from("<I", delta)
+    if count != -(-len(base) // CHUNK) or 4 * (count + 1) > len(delta):  # before the count sizes anything
+        raise ValueError(f"a delta of {count} chunks ({len(delta)} bytes) for a base of {len(base)} bytes")
     sizes = struct.unpack_from(f"<{count}I", delta, 4)
-    if count != -(-len(base) // CHUNK) or 4 * (count + 1) + sum(sizes) != len(delta):
+    if 4 * (count + 1) + sum(sizes) != len(delta):
         raise ValueError(f"a delta of {count} chunks ({len(delta)} bytes) for a base of {len(base)} bytes")
     offsets = np.cumsum((4 * (count + 1), *sizes))
     out = np.empty_like(base)
