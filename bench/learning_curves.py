@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -28,10 +29,60 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import ROOT, machine_key, start_child, write_result
+from bench.common import MODELS, ROOT, build_model, machine_key, start_child, write_result
 from pipeline.metrics import read_jsonl
+from pipeline.tasks import REVERSE_LEN, reverse_rows
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
+
+
+SIZES = ("0.5b", "1.5b", "7b")
+
+
+def warm_start(size: str, steps: int, batch: int = 64, lr: float = 1e-4) -> Path:
+    """A model of a real shape that knows the reverse task's format but not the task: random weights
+    (bench.common.build_model), then `steps` supervised steps from a prompt to five *random* digits and the end
+    token. Random weights over Qwen's 151,936 tokens put 10 / 151,936 of their mass on digits, so every group would
+    score 0 and RL would learn nothing; real runs start from a pretrained model that already answers in the
+    expected form. After the warm start the digits are uniform: expected reward 0.1, as at the tiny model's start."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.config import DataConfig
+    from pipeline.tasks import encode_prompt
+
+    dest = MODELS / f"q-{size}-reverse-format{steps}"
+    if (dest / "config.json").exists():
+        return dest
+    base = build_model(size, MODELS / f"q-{size}")
+    tok = AutoTokenizer.from_pretrained(base)
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    if len(set(digits)) != 10 or tok.unk_token_id in digits:
+        raise SystemExit(f"{base}: its tokenizer has no token per digit ({digits})")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    rows = reverse_rows(steps * batch, seed=1000)  # not the runs' prompts (data.seed 0)
+    for step in range(steps):
+        prompts = [encode_prompt(tok, DataConfig(), r["prompt"]) for r in rows[step * batch:(step + 1) * batch]]
+        answers = torch.tensor(digits)[torch.randint(10, (len(prompts), REVERSE_LEN), generator=gen)].tolist()
+        ids = torch.tensor([p + a + [tok.eos_token_id] for p, a in zip(prompts, answers, strict=True)], device=device)
+        labels = ids.clone()
+        labels[:, :len(prompts[0])] = -100  # every prompt has the same length: five digits and "="
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 20 == 0 or step == steps - 1:
+            print(f"warm start {step}: loss {loss.item():.3f} (uniform digits: {math.log(10):.3f})", flush=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    for f in base.iterdir():  # the tokenizer files as built (their pinned class), not as re-saved
+        if not (tmp / f.name).exists():
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(dest)
+    return dest
 
 
 def run_config(k: int, loss: str, seed: int, args) -> dict:
@@ -171,14 +222,24 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=1, help="runs at once")
     p.add_argument("--stagger", type=float, default=0.0, help="seconds between starts (vLLM engines that start "
                    "together on one GPU fail their memory profiling)")
-    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--model", default="builtin:tiny", help="builtin:tiny, a directory, or a shape (0.5b, 1.5b, 7b): "
+                   "random weights warm-started on the answer's format (--warm-steps)")
+    p.add_argument("--warm-steps", type=int, default=100)
     p.add_argument("--gpus", action="store_true", help="learner on GPU 0, generators on GPU 1 (or 0)")
     p.add_argument("--gpus-per-run", type=int, default=2)
     p.add_argument("--gpu-memory", type=float, default=0.2)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--runs-dir", default="")
     p.add_argument("--name", default="")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULT",
+                   help="start nothing: combine the runs of these result files (of one model and machine, e.g. passes "
+                   "split over device calls), summarise and plot them together")
     args = p.parse_args()
+    if args.merge:
+        return merge(args)
+    size = args.model if args.model in SIZES else None
+    if size:
+        args.model = str(warm_start(size, args.warm_steps))
     ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
     todo = [(k, loss, s) for s in range(args.seeds) for k in ks for loss in losses]
     root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-"))
@@ -212,7 +273,7 @@ def main() -> int:
                 errors = [line for line in child.tail(400).splitlines() if "Error" in line or "error" in line]
                 print(f"{name}: exit {code}\n" + "\n".join(errors[-10:] or [child.tail(20)]), flush=True)
         time.sleep(1)
-    model = "tiny" if args.model == "builtin:tiny" else Path(args.model).name
+    model = size or ("tiny" if args.model == "builtin:tiny" else Path(args.model).name)
     name = args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}"
     plot(runs, losses, ks, ROOT / "docs" / f"{name}.png", args.batch_size, args.group_size)
     write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), args.model,
@@ -221,6 +282,23 @@ def main() -> int:
                  plot=f"docs/{name}.png")
     print(json.dumps(summarise(runs, args.steps), indent=1))
     return 0 if len(runs) == args.seeds * len(ks) * len(losses) else 1
+
+
+def merge(args) -> int:
+    records = [json.loads(Path(f).read_text()) for f in args.merge]
+    runs = {name: r for rec in records for name, r in rec["metrics"]["runs"].items()}
+    first = records[0]
+    settings = first["settings"]
+    ks = sorted({int(name.split("/")[0][1:]) for name in runs})
+    losses = [x for x in ("ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
+    name = args.name or first["benchmark"]
+    plot(runs, losses, ks, ROOT / "docs" / f"{name}.png", settings["batch_size"], settings["group_size"])
+    summary = summarise(runs, settings["steps"])
+    write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), first["model"],
+                 {"summary": summary, "runs": runs}, settings=settings, plot=f"docs/{name}.png",
+                 machine=first["machine"], passes=[{"command": r["command"], "date": r["date"]} for r in records])
+    print(json.dumps(summary, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
