@@ -2,16 +2,19 @@
 crossed with the loss, over seeds (issue: "asynchronous training learns as well as on-policy").
 
     python -m bench.learning_curves [--ks 0,1,2,4,8] [--losses ppo,tis,decoupled,masked] [--seeds 3]
-        [--steps 300] [--lr 1e-3] [--generators 1] [--parallel 1] [--stagger S] [--model builtin:tiny] [--gpus]
+        [--steps 300] [--lr 1e-3] [--minibatches 1] [--parallel 1] [--stagger S] [--model builtin:tiny|0.5b]
+        [--gpus] [--timeout S] [--first-seed N] [--name NAME]
+    python -m bench.learning_curves --merge RESULT.json ... --name NAME   (passes split over several calls)
 
 The task is builtin:reverse (pipeline/tasks.py: five digits, answer them reversed; partial credit per position).
 Echo is learned in tens of steps; reverse takes hundreds, so stale samples have time to matter. Each run is
 `pipeline run` with its own run directory; the k-th run's lag distribution comes from the keys each step trained
-(a run whose lag never reaches k says nothing about k). Per (k, loss) over seeds: steps to a reward threshold
-(the first step whose 10-step moving average reaches it), the area under the reward curve (mean reward over the
-run), the final reward (last 10 steps), the held-out reward (eval.every), and the mismatch KL at lag 0, each
-with a 95 % t-interval. Writes bench/results/learning_curves_<task>_<model>_<machine>.json and the plot
-docs/learning_curves_<model>_<machine>.png.
+(a run whose lag never reaches k says nothing about k). A shape (`--model 0.5b`) is warm-started on the task first
+(`warm_start`). Per (k, loss) over seeds: steps to a reward threshold (the first step whose 10-step moving average
+reaches it), the area under the reward curve, the final reward (last 10 steps), the held-out reward
+(eval.every), the mismatch KL at lag 0, and the wall time to the synchronous run's final reward, each with a
+95 % t-interval. Writes bench/results/learning_curves_<task>_<model>_<machine>.json (or --name) and its plot
+in docs/.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import MODELS, RESULTS, ROOT, build_model, machine_key, start_child, write_result
+from bench.common import MODELS, ROOT, RUNS, build_model, machine_key, start_child, write_result
 from pipeline.metrics import read_jsonl
 from pipeline.tasks import REVERSE_LEN, reverse_rows
 
@@ -102,6 +105,7 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["rewards"] = [{"fn": "pipeline.tasks:reverse_reward"}]
     cfg["sampling"] = {"max_tokens": 6, "temperature": 1.0}
     cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, lr=args.lr,
+                          minibatches=args.minibatches,
                           checkpoint_every=0, batch_size=args.batch_size, group_size=args.group_size)
     cfg["eval"] = {"every": args.eval_every, "max_prompts": 32, "samples": 4}
     cfg["hub"]["port"] = 0  # the launcher reads the address from hub.json
@@ -161,10 +165,39 @@ def interval(values: list[float]) -> dict:
     return {"mean": float(f"{mean:.4g}"), "ci95": float(f"{half:.4g}") if half is not None else None, "n": len(values)}
 
 
+def to_sync_final(rewards: list, elapsed: list, sync_rewards: list, sync_elapsed: list) -> dict:
+    """When a run's reward (10-step mean) first reached the synchronous run's final reward (mean of its last 10
+    steps), as a fraction of the synchronous run's wall time: from launch (engine start included, as a user waits
+    for it) and from the first step (what the fraction tends to in a run long enough that start-up is noise)."""
+    final = statistics.mean(sync_rewards[-10:])
+    at = next((i for i, v in enumerate(_smooth(rewards)) if v >= final), None)
+    if at is None:
+        return {"from_launch": None, "from_first_step": None}
+    return {"from_launch": elapsed[at] / sync_elapsed[-1],
+            "from_first_step": (elapsed[at] - elapsed[0]) / (sync_elapsed[-1] - sync_elapsed[0])}
+
+
+def mean_curve(seeds: list[dict]) -> tuple[list, list]:
+    """Reward and elapsed time per step, averaged over seeds (as far as the shortest run goes)."""
+    n = min(len(r["rewards"]) for r in seeds)
+    return ([statistics.mean(r["rewards"][i] for r in seeds) for i in range(n)],
+            [statistics.mean(r["elapsed_s"][i] for r in seeds) for i in range(n)])
+
+
 def summarise(runs: dict, steps: int) -> dict:
+    """Per (k, loss) over seeds. Runs cut by --timeout are left out (they are kept, marked, in the result)."""
+    runs = {name: r for name, r in runs.items() if not r.get("cut_at_timeout")}
     out = {}
     for key in sorted({name.rsplit("/", 1)[0] for name in runs}):
-        seeds = [r for name, r in runs.items() if name.rsplit("/", 1)[0] == key]
+        named = {name: r for name, r in runs.items() if name.rsplit("/", 1)[0] == key}
+        seeds = list(named.values())
+        loss = key.split("/")[1]
+        sync = {name.rsplit("/", 1)[1]: r for name, r in runs.items() if name.startswith(f"k0/{loss}/")}
+        # against the same seed's synchronous run of this loss, and mean curve against mean curve
+        ratios = [to_sync_final(r["rewards"], r["elapsed_s"], sync[name.rsplit("/", 1)[1]]["rewards"],
+                                sync[name.rsplit("/", 1)[1]]["elapsed_s"])
+                  for name, r in named.items() if name.rsplit("/", 1)[1] in sync and not key.startswith("k0/")]
+        curves = to_sync_final(*mean_curve(seeds), *mean_curve(list(sync.values()))) if sync else {}
         # a seed that never reached the threshold counts as the run's length (a lower bound on its true value)
         out[key] = {
             "steps_to_threshold": interval([r["steps_to_threshold"] if r["steps_to_threshold"] is not None
@@ -173,7 +206,12 @@ def summarise(runs: dict, steps: int) -> dict:
             "auc": interval([r["auc"] for r in seeds]), "final": interval([r["final"] for r in seeds]),
             "eval_final": interval([r["eval"][-1][1] if r["eval"] else None for r in seeds]),
             "wall_to_threshold_s": interval([r["wall_to_threshold_s"] for r in seeds]),
+            "wall_to_sync_final": {"from_launch": interval([x["from_launch"] for x in ratios]),
+                                   "from_first_step": interval([x["from_first_step"] for x in ratios]),
+                                   "mean_curves": curves},
             "max_lag": max(r["max_lag"] for r in seeds),
+            "share_at_lag_k": round(sum(r["lags"].get(str(r["k"]), 0) for r in seeds)
+                                    / max(1, sum(sum(r["lags"].values()) for r in seeds)), 3),
             "mismatch_kl_lag0": interval([r["mismatch_kl_lag0"] for r in seeds]),
         }
     return out
@@ -188,7 +226,7 @@ def plot(runs: dict, losses: list[str], ks: list[int], path: Path, batch: int, g
     fig, axes = plt.subplots(2, len(losses), figsize=(4 * len(losses), 7), squeeze=False, sharey=True)
     for col, loss in enumerate(losses):
         for k in ks:
-            seeds = [r for name, r in runs.items() if name.startswith(f"k{k}/{loss}/")]
+            seeds = [r for name, r in runs.items() if name.startswith(f"k{k}/{loss}/") and not r.get("cut_at_timeout")]
             if not seeds:
                 continue
             n = min(len(r["rewards"]) for r in seeds)
@@ -226,6 +264,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per batch: above 1, decoupled's "
+                   "proximal policy differs from the current one (at 1, tis and decoupled are one objective)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--threshold", type=float, default=0.3)
     p.add_argument("--generators", type=int, default=1)
@@ -255,7 +295,9 @@ def main() -> int:
     ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     todo = [(k, loss, s) for s in seeds for k in ks for loss in losses]
-    root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-"))
+    # under /tmp/bench-runs, where run_gpu.sh packs each run's metrics.jsonl and logs
+    RUNS.mkdir(parents=True, exist_ok=True)
+    root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-", dir=RUNS))
     runs, running, retries, deadline = {}, [], {}, time.monotonic() + args.timeout
     while todo or running:
         while todo and len(running) < args.parallel:
@@ -281,11 +323,6 @@ def main() -> int:
             cut = code != 0 and started and time.monotonic() >= deadline
             if code == 0 or cut:  # a run cut by --timeout keeps the steps it made (marked)
                 runs[name] = summarise_run(run_dir, spec[0], args.threshold) | ({"cut_at_timeout": True} if cut else {})
-                for f in ("metrics.jsonl", "eval.jsonl"):  # the curves behind the summary, next to the result
-                    if (run_dir / "run" / f).exists() and RESULTS != ROOT / "bench" / "results":
-                        dest = RESULTS / "runs" / name / f
-                        dest.parent.mkdir(parents=True, exist_ok=True)
-                        shutil.copy(run_dir / "run" / f, dest)
                 print(f"{name}: final {runs[name]['final']:.3f}, steps to {args.threshold}: "
                       f"{runs[name]['steps_to_threshold']}, lags {runs[name]['lags']}", flush=True)
             else:
@@ -316,7 +353,8 @@ def merge(args) -> int:
     summary = summarise(runs, settings["steps"])
     write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), first["model"],
                  {"summary": summary, "runs": runs}, settings=settings, plot=f"docs/{name}.png",
-                 machine=first["machine"], passes=[{"command": r["command"], "date": r["date"]} for r in records])
+                 machine=first["machine"], warm_start=first.get("warm_start"),
+                 passes=[{"command": r["command"], "date": r["date"]} for r in records])
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -13,6 +13,8 @@
 #   hostile      hostile_load: learner and generator on GPU 0, hostile peers flooding the hub (1 GPU)
 #   delta        delta_sync: bytes per version on the 0.5B and 1.5B shapes (CPU; needs the memory)
 #   learning     learning_curves: the tiny model on GPU 0, k = 0 and 4 with ppo and decoupled, 3 seeds (1 GPU)
+#   learning-0.5b  learning_curves: the 0.5B shape warm-started on the task, k = 0 and 2, decoupled, seed $SEED
+#                (default 0; one seed per call, merge them with `--merge`) (1 GPU)
 #   all          every part above in turn (4 GPUs, no time limit)
 #
 # --site DIR (or BENCH_SITE=DIR): vLLM and DeepSpeed were installed into DIR (`pip install --target DIR`):
@@ -25,7 +27,7 @@ set -u
 cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
-PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning"
+PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -103,6 +105,13 @@ run_part() {
   learning)
     step learning_curves 560 python3 -m bench.learning_curves --ks 0,4 --losses ppo,decoupled --seeds 3 --eval-every 50 \
       --gpus --gpus-per-run 1 --gpu-memory 0.04 --parallel 8 --stagger 6 --timeout 520
+    pack
+    ;;
+  learning-0.5b)
+    step learning_curves_0.5b 560 python3 -m bench.learning_curves --model 0.5b --warm-target 0.4 --ks 0,2 \
+      --losses decoupled --seeds 1 --first-seed "${SEED:-0}" --steps 100 --lr 1e-5 --eval-every 0 --threshold 0.45 \
+      --gpus --gpus-per-run 1 --gpu-memory 0.08 --parallel 2 --stagger 5 --timeout 500 \
+      --name "learning_curves_reverse_0.5b_lr1e-5_s${SEED:-0}"
     pack
     ;;
   esac
