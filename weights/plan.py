@@ -8,6 +8,7 @@ order of a manifest ([name, dtype, shape] per tensor) that both sides turn into 
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from collections.abc import Iterable
@@ -80,11 +81,36 @@ def manifest(named) -> list[list]:
     return [[name, str(t.dtype).removeprefix("torch."), list(getattr(t, "ds_shape", t.shape))] for name, t in named]
 
 
-def serialize(named_tensors: Iterable) -> bytes:
-    """(name, tensor) pairs -> one safetensors blob (tensors are moved to CPU one at a time)."""
-    from safetensors.torch import save
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
-    return save({name: t.detach().to("cpu").contiguous() for name, t in named_tensors})
+
+def serialize(named_tensors: Iterable) -> bytearray:
+    """(name, tensor) pairs -> one safetensors blob, each tensor copied once into a buffer of the final size
+    (safetensors.torch.save copies each two or three times: 3 to 7 s for the 0.5B shape on 2 cores, on the
+    learner's path at max_staleness >= 1). Tensors in safetensors' order: wider dtypes first, then by name, so each
+    starts aligned to its element size."""
+    tensors = sorted(((name, t.detach().to("cpu").contiguous()) for name, t in named_tensors),
+                     key=lambda nt: (-nt[1].element_size(), nt[0]))
+    header, size = {}, 0
+    for name, t in tensors:
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"weights: {name} has dtype {t.dtype}, which the file transports do not carry")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [size, size + n]}
+        size += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    blob = bytearray(8 + len(head) + size)
+    blob[:8] = len(head).to_bytes(8, "little")
+    blob[8:8 + len(head)] = head
+    if size:
+        data = torch.frombuffer(blob, dtype=torch.uint8, offset=8 + len(head))
+        for name, t in tensors:
+            start, end = header[name]["data_offsets"]
+            data[start:end].copy_(t.reshape(-1).view(torch.uint8))
+    return blob
 
 
 def checksum(blob) -> int:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file, save
 
 from pipeline import protocol as P
 from weights.files import ChecksumMismatch, remove_shm, write_shm
@@ -32,6 +32,22 @@ def zmq_pulls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(ZmqReceiver, "fetch", fetch)
     return pulls
+
+
+def test_serialize_writes_a_safetensors_blob_of_every_dtype_and_layout():
+    """The blob is read back by safetensors itself, tensor for tensor: dtypes, a 0-d and an empty tensor, a
+    transposed (non-contiguous) one; the same size as safetensors' own writer; an unknown dtype is refused."""
+    named = [("b", torch.randn(3, 5).to(torch.bfloat16)), ("a", torch.arange(7)), ("z", torch.zeros(0)),
+             ("s", torch.tensor(3.5, dtype=torch.float64)), ("m", torch.tensor([True, False])),
+             ("h", torch.randn(4, 6, dtype=torch.float16).t()), ("i", torch.arange(5, dtype=torch.int8))]
+    blob = serialize(named)
+    back = load(bytes(blob))
+    assert sorted(back) == sorted(n for n, _ in named)
+    for name, t in named:
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    assert len(blob) == len(save({n: t.contiguous() for n, t in named}))
+    with pytest.raises(ValueError, match="c has dtype torch.complex64"):
+        serialize([("c", torch.zeros(2, dtype=torch.complex64))])
 
 
 async def test_shm_file_is_verified_and_corruption_refused(zmq_pulls):
