@@ -185,18 +185,18 @@ def mean_curve(seeds: list[dict]) -> tuple[list, list]:
 
 
 def summarise(runs: dict, steps: int) -> dict:
-    """Per (k, loss) over seeds. Runs cut by --timeout are left out (they are kept, marked, in the result)."""
-    runs = {name: r for name, r in runs.items() if not r.get("cut_at_timeout")}
+    """Per (k, loss) over seeds (runs named k{k}/{loss}/s{seed})."""
+    by_key: dict[str, dict[str, dict]] = {}
+    for name, r in runs.items():
+        key, seed = name.rsplit("/", 1)
+        by_key.setdefault(key, {})[seed] = r
     out = {}
-    for key in sorted({name.rsplit("/", 1)[0] for name in runs}):
-        named = {name: r for name, r in runs.items() if name.rsplit("/", 1)[0] == key}
-        seeds = list(named.values())
-        loss = key.split("/")[1]
-        sync = {name.rsplit("/", 1)[1]: r for name, r in runs.items() if name.startswith(f"k0/{loss}/")}
+    for key in sorted(by_key):
+        seeds = list(by_key[key].values())
+        sync = by_key.get(f"k0/{key.split('/')[1]}", {})
         # against the same seed's synchronous run of this loss, and mean curve against mean curve
-        ratios = [to_sync_final(r["rewards"], r["elapsed_s"], sync[name.rsplit("/", 1)[1]]["rewards"],
-                                sync[name.rsplit("/", 1)[1]]["elapsed_s"])
-                  for name, r in named.items() if name.rsplit("/", 1)[1] in sync and not key.startswith("k0/")]
+        ratios = [to_sync_final(r["rewards"], r["elapsed_s"], sync[seed]["rewards"], sync[seed]["elapsed_s"])
+                  for seed, r in by_key[key].items() if seed in sync and not key.startswith("k0/")]
         curves = to_sync_final(*mean_curve(seeds), *mean_curve(list(sync.values()))) if sync else {}
         # a seed that never reached the threshold counts as the run's length (a lower bound on its true value)
         out[key] = {
@@ -226,13 +226,11 @@ def plot(runs: dict, losses: list[str], ks: list[int], path: Path, batch: int, g
     fig, axes = plt.subplots(2, len(losses), figsize=(4 * len(losses), 7), squeeze=False, sharey=True)
     for col, loss in enumerate(losses):
         for k in ks:
-            seeds = [r for name, r in runs.items() if name.startswith(f"k{k}/{loss}/") and not r.get("cut_at_timeout")]
+            seeds = [r for name, r in runs.items() if name.startswith(f"k{k}/{loss}/")]
             if not seeds:
                 continue
-            n = min(len(r["rewards"]) for r in seeds)
-            mean = [statistics.mean(r["rewards"][i] for r in seeds) for i in range(n)]
-            samples = [(i + 1) * batch * group for i in range(n)]
-            wall = [statistics.mean(r["elapsed_s"][i] for r in seeds) for i in range(n)]
+            mean, wall = mean_curve(seeds)
+            samples = [(i + 1) * batch * group for i in range(len(mean))]
             color = f"C{ks.index(k)}"  # one color per k in every panel
             axes[0][col].plot(samples, _smooth(mean), label=f"k={k}", color=color)
             axes[1][col].plot(wall, _smooth(mean), label=f"k={k}", color=color)
@@ -330,14 +328,9 @@ def main() -> int:
                 print(f"{name}: exit {code}\n" + "\n".join(errors[-10:] or [child.tail(20)]), flush=True)
         time.sleep(1)
     model = size or ("tiny" if args.model == "builtin:tiny" else Path(args.model).name)
-    name = args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}"
-    plot(runs, losses, ks, ROOT / "docs" / f"{name}.png", args.batch_size, args.group_size)
-    write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), args.model,
-                 {"summary": summarise(runs, args.steps), "runs": runs},
-                 settings={k: v for k, v in vars(args).items() if k not in ("runs_dir", "name")},
-                 plot=f"docs/{name}.png",
-                 warm_start=json.loads((Path(args.model) / "WARM_START.json").read_text()) if size else None)
-    print(json.dumps(summarise(runs, args.steps), indent=1))
+    report(args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}", runs, losses, ks,
+           {k: v for k, v in vars(args).items() if k not in ("runs_dir", "name")}, args.model,
+           warm_start=json.loads((Path(args.model) / "WARM_START.json").read_text()) if size else None)
     return 0 if len(runs) == len(seeds) * len(ks) * len(losses) else 1
 
 
@@ -345,18 +338,23 @@ def merge(args) -> int:
     records = [json.loads(Path(f).read_text()) for f in args.merge]
     runs = {name: r for rec in records for name, r in rec["metrics"]["runs"].items()}
     first = records[0]
-    settings = first["settings"]
     ks = sorted({int(name.split("/")[0][1:]) for name in runs})
     losses = [x for x in ("ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
-    name = args.name or first["benchmark"]
-    plot(runs, losses, ks, ROOT / "docs" / f"{name}.png", settings["batch_size"], settings["group_size"])
-    summary = summarise(runs, settings["steps"])
-    write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), first["model"],
-                 {"summary": summary, "runs": runs}, settings=settings, plot=f"docs/{name}.png",
-                 machine=first["machine"], warm_start=first.get("warm_start"),
-                 passes=[{"command": r["command"], "date": r["date"]} for r in records])
-    print(json.dumps(summary, indent=1))
+    report(args.name or first["benchmark"], runs, losses, ks, first["settings"], first["model"],
+           machine=first["machine"], warm_start=first.get("warm_start"),
+           passes=[{"command": r["command"], "date": r["date"]} for r in records])
     return 0
+
+
+def report(name: str, runs: dict, losses: list[str], ks: list[int], settings: dict, model: str, **extra) -> None:
+    """The plot docs/NAME.png and the result NAME.json. Runs cut by --timeout are kept, marked, in the result and
+    left out of the plot and the summary."""
+    whole = {n: r for n, r in runs.items() if not r.get("cut_at_timeout")}
+    plot(whole, losses, ks, ROOT / "docs" / f"{name}.png", settings["batch_size"], settings["group_size"])
+    summary = summarise(whole, settings["steps"])
+    write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), model,
+                 {"summary": summary, "runs": runs}, settings=settings, plot=f"docs/{name}.png", **extra)
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
