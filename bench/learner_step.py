@@ -1,0 +1,109 @@
+"""The learner step alone: seconds per step, trained tokens/s and peak GPU memory of `learner.step.train_step` on
+issue 16's workload (a random-weight model of a Qwen2.5 shape, bf16, 32 prompts x 8 samples of 64 + 256 tokens),
+and a profile of one step (the operators that take the most GPU time). No vLLM, no hub: synthetic groups with
+random tokens and rewards.
+
+    python -m bench.learner_step [--size 0.5b] [--steps 5] [--profile] [--set trainer.micro_batch_tokens=16384 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.common import build_model, result_name, write_result
+from learner.model import build_engine, init_distributed
+from learner.step import train_step
+from pipeline import protocol as P
+from pipeline.config import config_from_dict
+
+
+def groups(n: int, size: int, prompt: int, completion: int, vocab: int, seed: int) -> list[P.RolloutGroup]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for pid in range(n):
+        samples = [P.Sample(P.pack_ints(rng.integers(0, vocab, completion).tolist()),
+                            P.pack_floats((-rng.random(completion) * 5).tolist()), float(rng.random()), [], "length")
+                   for _ in range(size)]
+        out.append(P.RolloutGroup(1, "g", pid, 0, P.pack_ints(rng.integers(0, vocab, prompt).tolist()), samples))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="0.5b")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--completion-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
+    p.add_argument("--profile", action="store_true", help="profile one more step: the top operators by GPU time")
+    p.add_argument("--set", action="append", default=[], help="a config override, e.g. trainer.loss=ppo")
+    p.add_argument("--models", default="/tmp/bench-models")
+    p.add_argument("--name", default="")
+    args = p.parse_args()
+    path = build_model(args.size, Path(args.models) / f"q-{args.size}")
+    cuda = torch.cuda.is_available()
+    cfg = config_from_dict({"model": {"path": str(path), "dtype": "bfloat16" if cuda else "float32"},
+                            "trainer": {"batch_size": args.batch_size, "group_size": args.group_size, "lr": 1e-6},
+                            "sampling": {"max_tokens": args.completion_tokens}},
+                           args.set)
+    init_distributed()
+    engine = build_engine(cfg, str(path))
+    vocab = engine.module.config.vocab_size
+    times, stats = [], {}
+    for i in range(2 + args.steps):
+        batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, i)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        stats = train_step(engine, batch, cfg, i, 0)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        print(f"step {i}: {time.perf_counter() - t0:.3f} s, loss {stats['loss']:.4f}", flush=True)
+    tokens = args.batch_size * args.group_size * (args.prompt_tokens + args.completion_tokens)
+    out = {"step_s": round(statistics.median(times), 4), "steps_s": [round(t, 4) for t in times],
+           "tokens_per_s": round(tokens / statistics.median(times)), "tokens": tokens,
+           "trained_tokens": stats["tokens/trained"],
+           "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+           "reserved_gpu_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
+    if args.profile:
+        out["profile"] = profile(engine, cfg, args, vocab)
+    print(out, flush=True)
+    write_result(result_name("learner_step", args.size, *([args.name] if args.name else [])),
+                 "python -m bench.learner_step " + " ".join(sys.argv[1:]), f"Qwen2.5 shape {args.size}, random weights",
+                 out, settings={"micro_batch_tokens": cfg.trainer.micro_batch_tokens, "loss": cfg.trainer.loss,
+                                "minibatches": cfg.trainer.minibatches, "overrides": args.set})
+    return 0
+
+
+def profile(engine, cfg, args, vocab: int) -> list[dict]:
+    """The 15 operators of one step that take the most device time (self time), in ms."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, 99)
+    with torch_profile(activities=activities) as prof:
+        train_step(engine, batch, cfg, 99, 0)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:15]
+    table = [{"op": e.key[:80], "ms": round(getattr(e, key, 0) / 1000, 1), "calls": e.count} for e in events]
+    for row in table:
+        print(row, flush=True)
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(main())
