@@ -52,7 +52,8 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     cfg = config_from_dict({"model": {"path": str(path), "dtype": "bfloat16" if cuda else "float32"},
                             "trainer": {"batch_size": args.batch_size, "group_size": args.group_size, "lr": 1e-6},
-                            "sampling": {"max_tokens": args.completion_tokens}},
+                            "sampling": {"max_tokens": args.completion_tokens},
+                            "generator": {"max_model_len": args.prompt_tokens + args.completion_tokens}},
                            args.set)
     init_distributed()
     engine = build_engine(cfg, str(path))
