@@ -279,6 +279,8 @@ def main() -> int:
     p.add_argument("--gpus-per-run", type=int, default=2)
     p.add_argument("--gpu-memory", type=float, default=0.2)
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--only", default="", help="of the grid, only these runs, e.g. k16/ppo/s2,k1/masked/s2 (the ones "
+                   "an earlier pass lost)")
     p.add_argument("--runs-dir", default="")
     p.add_argument("--name", default="")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULT",
@@ -293,6 +295,9 @@ def main() -> int:
     ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     todo = [(k, loss, s) for s in seeds for k in ks for loss in losses]
+    if args.only:
+        todo = [spec for spec in todo if "k{}/{}/s{}".format(*spec) in args.only.split(",")]
+    wanted = len(todo)
     # under /tmp/bench-runs, where run_gpu.sh packs each run's metrics.jsonl and logs
     RUNS.mkdir(parents=True, exist_ok=True)
     root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-", dir=RUNS))
@@ -331,12 +336,16 @@ def main() -> int:
     report(args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}", runs, losses, ks,
            {k: v for k, v in vars(args).items() if k not in ("runs_dir", "name")}, args.model,
            warm_start=json.loads((Path(args.model) / "WARM_START.json").read_text()) if size else None)
-    return 0 if len(runs) == len(seeds) * len(ks) * len(losses) else 1
+    return 0 if len(runs) == wanted else 1
 
 
 def merge(args) -> int:
     records = [json.loads(Path(f).read_text()) for f in args.merge]
-    runs = {name: r for rec in records for name, r in rec["metrics"]["runs"].items()}
+    runs = {}
+    for rec in records:  # a later pass's run replaces an earlier one of the same name, unless only it was cut
+        for name, r in rec["metrics"]["runs"].items():
+            if not (r.get("cut_at_timeout") and name in runs and not runs[name].get("cut_at_timeout")):
+                runs[name] = r
     first = records[0]
     ks = sorted({int(name.split("/")[0][1:]) for name in runs})
     losses = [x for x in ("ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
