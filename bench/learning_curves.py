@@ -351,7 +351,7 @@ def merge(args) -> int:
     losses = [x for x in ("ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
     report(args.name or first["benchmark"], runs, losses, ks, first["settings"], first["model"],
            machine=first["machine"], warm_start=first.get("warm_start"),
-           passes=[{"command": r["command"], "date": r["date"]} for r in records])
+           passes=[p for r in records for p in r.get("passes") or [{"command": r["command"], "date": r["date"]}]])
     return 0
 
 
