@@ -93,7 +93,7 @@ def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
 
 
 def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; position t of the *_next tensors describes token t+1."""
+    """Right-padded tensors; position t of mask, mu, adv and prox describes token t+1."""
     L = max(r.length for r in rows)
     n = len(rows)
     ids = torch.full((n, L), pad_id, dtype=torch.long)
@@ -118,11 +118,6 @@ def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
     out = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp, lag=lags)
     if all(r.prox is not None for r in rows):
         out["prox"] = prox
-    return {k: v.to(device) for k, v in out.items()}
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each next token under logits / temperature: [rows, L-1]."""
-    logits = logits[:, :-1].float() / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    out = {k: v.to(device) for k, v in out.items()}
+    out["first"] = min(len(r.prompt) for r in rows) - 1  # the first position that predicts a completion token
+    return out

@@ -98,7 +98,7 @@ def entropy_sum(logits: torch.Tensor, batch: dict, mask: torch.Tensor) -> dict:
     if not len(rows):
         zero = torch.zeros((), dtype=torch.float64, device=logits.device)
         return {"entropy": zero, "entropy_tokens": zero}
-    z = logits[rows, cols].float() / batch["temperature"][rows, 0]
+    z = logits[rows, cols - batch.get("first", 0)].float() / batch["temperature"][rows, 0]  # logits start at first
     logp = torch.log_softmax(z, dim=-1)
     return {"entropy": -(logp.exp() * logp).sum().double(),
             "entropy_tokens": torch.tensor(float(len(rows)), dtype=torch.float64, device=logits.device)}

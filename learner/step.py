@@ -18,8 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.batching import Row, build_rows, collate, micro_batches, token_logprobs
+from learner.batching import Row, build_rows, collate, micro_batches
 from learner.health import StepHealth
+from learner.logprobs import forward_logprobs
 from learner.loss import masked_sum, token_loss
 from pipeline import protocol as P
 from pipeline.config import Config
@@ -63,8 +64,7 @@ def proximal(engine, rows: list[Row], cfg: Config, pad_id: int, all_rows: list[R
     """Set each row's `prox`: its completion's log-probs under the current weights (no gradient)."""
     for batch, mb in _micro_batches(rows, cfg, pad_id, all_rows, groups, engine.device):
         with torch.no_grad():
-            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            logp = token_logprobs(logits, batch["input_ids"], batch["temperature"]).float().cpu().numpy()
+            logp = forward_logprobs(engine, batch)[0].cpu().numpy()
         for i, r in enumerate(mb or []):
             p = len(r.prompt)
             r.prox = logp[i, p - 1:p + len(r.completion) - 1].copy()
@@ -93,20 +93,18 @@ def _update(engine, part: list[Row], cfg: Config, pad_id: int, rows, groups, hea
     for i, (batch, _) in enumerate(batches):
         last = i == len(batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logp = token_logprobs(logits, batch["input_ids"], batch["temperature"])
+        logp, logits = forward_logprobs(engine, batch)
         prox = batch.get("prox", logp.detach())
         loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap, prox, t.token_mask)
         if engine.reference is not None:  # trainer.kl_coef: k3 of KL(learner || initial model), per token
             with torch.no_grad():
-                ref = engine.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                ref = token_logprobs(ref, batch["input_ids"], batch["temperature"])
+                ref = forward_logprobs(engine.reference, batch)[0]
             ref_kl = torch.exp(ref - logp) - (ref - logp) - 1
             loss_tok = loss_tok + t.kl_coef * ref_kl
             st["ref_kl"] = ref_kl.detach()
         kept = seq_kept(prox, batch, t.seq_mask)
         loss = masked_sum(loss_tok, batch["mask"] * kept[:, None]) / total_tokens
-        health.add(batch, logits[:, :-1], prox, st, kept)
+        health.add(batch, logits, prox, st, kept)
         engine.finite_guard.add_loss(loss)
         engine.backward(loss, scale_wrt_gas=False)
         if last:

@@ -81,3 +81,26 @@ def test_the_kl_penalty_measures_the_distance_to_the_frozen_initial_model(model_
     assert first["kl/reference"] < 1e-6  # the weights are still the initial ones
     later = [train_step(engine, _groups(4), cfg, step, PAD_ID)["kl/reference"] for step in (1, 2)]
     assert later[-1] > 1e-4
+
+
+def test_completion_logprobs_match_the_log_softmax_of_the_whole_logits(model_cache):
+    """The step asks the model for logits from the first position that predicts a completion token only
+    (`logits_to_keep`); its log-probs at every trained token equal those of the whole logits, for rows whose prompts
+    differ in length."""
+    from learner.batching import build_rows, collate
+    from learner.logprobs import _keeps_logits, forward_logprobs
+
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2}})
+    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    groups = _groups(2)
+    groups[1].prompt_ids = P.pack_ints([4, 5, 3, 6, 7, 8])
+    batch = collate(build_rows(groups, 0, True)[0], PAD_ID, engine.device)
+    assert batch["first"] == 2 and _keeps_logits(engine)
+    with torch.no_grad():
+        logp, logits = forward_logprobs(engine, batch)
+        whole = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    want = torch.log_softmax(whole, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    assert logits.shape[1] == batch["input_ids"].shape[1] - 2  # no logits for the prompts' first positions
+    mask = batch["mask"] > 0
+    assert mask.sum() == 12 and torch.allclose(logp[mask], want[mask], atol=1e-5)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.batching import Row, build_rows, collate, micro_batches, token_logprobs
+from learner.batching import Row, build_rows, collate, micro_batches
+from learner.logprobs import token_logprobs
 from learner.loss import group_advantages, token_loss
 from pipeline import protocol as P
 
@@ -105,9 +106,30 @@ def test_token_logprobs_match_a_direct_computation():
     torch.manual_seed(0)
     logits = torch.randn(1, 4, 6)
     ids = torch.tensor([[1, 2, 3, 4]])
-    got = token_logprobs(logits, ids, torch.tensor([[[2.0]]]))
+    got = token_logprobs(logits, ids[:, 1:], torch.tensor([[[2.0]]]))
     want = [math.log(torch.softmax(logits[0, t] / 2.0, -1)[ids[0, t + 1]].item()) for t in range(3)]
     assert got[0].tolist() == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [2**27, 7, 30])  # one block; one row in position blocks; several rows a block
+def test_token_logprobs_backward_matches_autograd_of_the_log_softmax(monkeypatch, chunk):
+    """learner.logprobs computes the log-softmax's gradient itself, block by block from the saved logits: it must
+    equal autograd's through the whole fp32 log-softmax, and the positions past the targets get no gradient."""
+    from learner import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 5, dtype=torch.bfloat16).requires_grad_()
+    targets, temperature = torch.randint(0, 5, (3, 5)), torch.tensor([1.0, 0.5, 2.0]).view(3, 1, 1)
+    weights = torch.randn(3, 5)
+    got = token_logprobs(logits, targets, temperature)
+    (got * weights).sum().backward()
+    ours, logits.grad = logits.grad, None
+    want = torch.log_softmax(logits[:, :5].float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (want * weights).sum().backward()
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, logits.grad)
+    assert not ours[:, 5].any()
 
 
 def test_micro_batches_respect_the_token_budget():
