@@ -74,7 +74,7 @@ def main() -> int:
     tokens = args.batch_size * args.group_size * (args.prompt_tokens + args.completion_tokens)
     out = {"step_s": round(statistics.median(times), 4), "steps_s": [round(t, 4) for t in times],
            "tokens_per_s": round(tokens / statistics.median(times)), "tokens": tokens,
-           "trained_tokens": stats["tokens/trained"],
+           "trained_tokens": stats["tokens/trained"], "micro_batch_tokens": stats["learner/micro_batch_tokens"],
            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
            "reserved_gpu_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
     if args.profile:

@@ -1,5 +1,8 @@
 """One learner step: rows -> mini-batches -> micro-batches -> loss -> backward -> one optimizer step per mini-batch.
 
+Micro-batches hold `trainer.micro_batch_tokens` tokens (rows x padded length), or with 0 as many as fit in the GPU
+memory free at the step (`token_budget`, from the memory per token that the largest micro-batch took so far).
+
 A batch's rows are split into `trainer.minibatches` parts in an order fixed by the step (the same on every
 rank), one optimizer step each. Before the first, when there are several, the proximal log-probs of the rows
 of the later parts are computed with the batch's starting weights (a no-grad forward): decoupled and masked
@@ -33,16 +36,19 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
     for group in engine.optimizer.param_groups:
         group["lr"] = t.lr  # a run-time change of trainer.lr applies from this step
     parts = split(rows, t.minibatches, step)
+    budget = token_budget(engine, t.micro_batch_tokens)
+    memory = MemoryWatch(engine)
     if len(parts) > 1:
-        proximal(engine, [r for part in parts[1:] for r in part], cfg, pad_id, rows, groups)
+        proximal(engine, [r for part in parts[1:] for r in part], budget, pad_id, rows, groups)
     health = StepHealth(max(t.max_staleness, max(r.lag for r in rows) if rows else 0))
     losses, norms, applied = [], [], 0
     for part in parts:
-        loss, grad_norm, finite = _update(engine, part, cfg, pad_id, rows, groups, health)
+        loss, grad_norm, finite = _update(engine, part, cfg, budget, pad_id, rows, groups, health, memory)
         losses.append(loss)
         norms.append(grad_norm)
         applied += finite
     stats.update(health.summary())
+    stats["learner/micro_batch_tokens"] = budget
     stats.update({
         "skipped": applied == 0, "updates": applied, "loss": float(np.mean(losses)), "lr": t.lr,
         "grad_norm": float(np.mean(norms)), "tokens/trained": int(sum(r.mask.sum() for r in rows)),
@@ -60,9 +66,50 @@ def split(rows: list[Row], n: int, step: int) -> list[list[Row]]:
     return [p for p in parts if p]
 
 
-def proximal(engine, rows: list[Row], cfg: Config, pad_id: int, all_rows: list[Row], groups) -> None:
+AUTO_FIRST_TOKENS = 8192  # micro_batch_tokens 0: the budget of the first step, which measures the memory per token
+AUTO_SHARE = 0.8  # of the memory free at a step that its largest micro-batch may take
+
+
+def token_budget(engine, configured: int) -> int:
+    """The micro-batch token budget of this step: `configured`, or with 0 the tokens that fit in AUTO_SHARE of the
+    GPU memory free now (the device's free memory plus what this process's allocator holds unused), at the bytes
+    per token the largest micro-batch took so far. Every rank takes the smallest rank's budget (the ranks must run
+    the same micro-batches)."""
+    if configured > 0:
+        return configured
+    per_token = getattr(engine, "bytes_per_token", 0.0)
+    if not torch.cuda.is_available() or not per_token:
+        return AUTO_FIRST_TOKENS
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    budget = torch.tensor([max(AUTO_FIRST_TOKENS // 8, int(AUTO_SHARE * free / per_token))], device=engine.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return int(budget.item())
+
+
+class MemoryWatch:
+    """Bytes of GPU memory per token that a micro-batch's forward and backward take above the memory held before
+    it (activations, logits, gradients), the largest seen: `engine.bytes_per_token`, which `token_budget` divides
+    the free memory by."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.on = torch.cuda.is_available()
+
+    def start(self) -> None:
+        if self.on:
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+
+    def end(self, tokens: int) -> None:
+        if self.on and tokens:
+            used = (torch.cuda.max_memory_allocated() - self.base) / tokens
+            self.engine.bytes_per_token = max(getattr(self.engine, "bytes_per_token", 0.0), used)
+
+
+def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[Row], groups) -> None:
     """Set each row's `prox`: its completion's log-probs under the current weights (no gradient)."""
-    for batch, mb in _micro_batches(rows, cfg, pad_id, all_rows, groups, engine.device):
+    for batch, mb in _micro_batches(rows, budget, pad_id, all_rows, groups, engine.device):
         with torch.no_grad():
             logp = forward_logprobs(engine, batch)[0].cpu().numpy()
         for i, r in enumerate(mb or []):
@@ -70,11 +117,11 @@ def proximal(engine, rows: list[Row], cfg: Config, pad_id: int, all_rows: list[R
             r.prox = logp[i, p - 1:p + len(r.completion) - 1].copy()
 
 
-def _micro_batches(rows, cfg, pad_id, all_rows, groups, device):
+def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
     """This rank's micro-batches of `rows` as (tensors, rows), padded with empty ones to the count every rank runs
     (rows None: a padding micro-batch, mask all 0)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    batches = micro_batches(rows, cfg.trainer.micro_batch_tokens)
+    batches = micro_batches(rows, budget)
     mine = batches[rank::world]
     for i in range(max(1, -(-len(batches) // world))):
         mb = mine[i] if i < len(mine) else None
@@ -84,14 +131,16 @@ def _micro_batches(rows, cfg, pad_id, all_rows, groups, device):
         yield batch, mb
 
 
-def _update(engine, part: list[Row], cfg: Config, pad_id: int, rows, groups, health: StepHealth):
+def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows, groups, health: StepHealth,
+            memory: MemoryWatch):
     """One optimizer step on `part`: (its loss, gradient norm, whether it was applied)."""
     t = cfg.trainer
     total_tokens = max(1, int(sum(r.mask.sum() for r in part)))  # the trained tokens (mask 1)
-    batches = list(_micro_batches(part, cfg, pad_id, rows, groups, engine.device))
+    batches = list(_micro_batches(part, budget, pad_id, rows, groups, engine.device))
     total_loss = 0.0
     for i, (batch, _) in enumerate(batches):
         last = i == len(batches) - 1
+        memory.start()
         engine.set_gradient_accumulation_boundary(last)
         logp, logits = forward_logprobs(engine, batch)
         prox = batch.get("prox", logp.detach())
@@ -107,6 +156,7 @@ def _update(engine, part: list[Row], cfg: Config, pad_id: int, rows, groups, hea
         health.add(batch, logits, prox, st, kept)
         engine.finite_guard.add_loss(loss)
         engine.backward(loss, scale_wrt_gas=False)
+        memory.end(batch["input_ids"].numel())
         if last:
             grad_norm = _grad_norm(engine, t.zero_stage)
             finite = engine.finite_guard.step_is_finite(engine.device)

@@ -124,7 +124,8 @@ class TrainerConfig:
     scale_rewards: bool = True
     """Divide group-centred rewards by the group's standard deviation."""
     micro_batch_tokens: int = 8192
-    """Token budget of one forward/backward micro-batch (padded length x rows)."""
+    """Token budget of one forward/backward micro-batch (padded length x rows). 0: sized each step from the GPU
+    memory free (learner/step.py `token_budget`): fewer, larger micro-batches are faster for small models."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     checkpoint_every: int = 0

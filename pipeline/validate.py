@@ -41,7 +41,7 @@ POSITIVE, NON_NEGATIVE, FRACTION = Range(0, lo_closed=False), Range(0), Range(0,
 # Every numeric field is range-checked at load and on `pipeline set`; every float must also be finite.
 RANGES = {
     "trainer.total_steps": POSITIVE, "trainer.batch_size": POSITIVE, "trainer.group_size": Range(2),
-    "trainer.micro_batch_tokens": POSITIVE, "trainer.lr": POSITIVE, "trainer.max_staleness": NON_NEGATIVE,
+    "trainer.micro_batch_tokens": NON_NEGATIVE, "trainer.lr": POSITIVE, "trainer.max_staleness": NON_NEGATIVE,
     "trainer.epochs": NON_NEGATIVE, "trainer.checkpoint_every": NON_NEGATIVE, "trainer.weight_decay": NON_NEGATIVE,
     "trainer.grad_clip": NON_NEGATIVE, "trainer.clip_eps": FRACTION, "trainer.is_cap": POSITIVE,
     "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,

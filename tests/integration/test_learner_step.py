@@ -61,10 +61,11 @@ def test_several_minibatches_measure_each_update_against_the_proximal_policy(mod
     before the batch's first update (a no-grad forward), which the earlier updates moved: the clip acts. With a
     learning rate of 0 nothing moves, so the proximal log-probs equal the trained ones and the clip does not act."""
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01}})
+    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01,
+                                        "micro_batch_tokens": 0}})  # 0: sized from GPU memory; on CPU the default
     engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
     one = train_step(engine, _groups(8), cfg, 0, PAD_ID)
-    assert one["updates"] == 1 and one["correction/clip_frac"] == 0
+    assert one["updates"] == 1 and one["correction/clip_frac"] == 0 and one["learner/micro_batch_tokens"] == 8192
     cfg.trainer.minibatches = 4
     four = train_step(engine, _groups(8), cfg, 1, PAD_ID)
     assert four["updates"] == 4 and four["correction/clip_frac"] > 0.05
