@@ -9,6 +9,7 @@ random tokens and rewards.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -63,7 +64,6 @@ def main() -> int:
         batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, i)
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         stats = train_step(engine, batch, cfg, i, 0)
         if cuda:
@@ -75,7 +75,7 @@ def main() -> int:
     out = {"step_s": round(statistics.median(times), 4), "steps_s": [round(t, 4) for t in times],
            "tokens_per_s": round(tokens / statistics.median(times)), "tokens": tokens,
            "trained_tokens": stats["tokens/trained"], "micro_batch_tokens": stats["learner/micro_batch_tokens"],
-           "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+           "peak_gpu_gib": round(stats["learner/peak_gpu_gib"], 2) if cuda else None,  # of forwards and backwards
            "reserved_gpu_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
     if args.profile:
         out["profile"] = profile(engine, cfg, args, vocab)
@@ -87,23 +87,38 @@ def main() -> int:
     return 0
 
 
-def profile(engine, cfg, args, vocab: int) -> list[dict]:
-    """The 15 operators of one step that take the most device time (self time), in ms."""
+def profile(engine, cfg, args, vocab: int) -> dict:
+    """One step under the profiler: the 15 operators that take the most device time (self time, ms), the 15 that
+    take the most host time, and the share of the step's wall time in which the GPU ran a kernel (near 1: the
+    step is bound by the GPU's work; well below: by the host launching it)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, 99)
     with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         train_step(engine, batch, cfg, 99, 0)
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:15]
-    table = [{"op": e.key[:80], "ms": round(getattr(e, key, 0) / 1000, 1), "calls": e.count} for e in events]
-    for row in table:
-        print(row, flush=True)
-    return table
+        wall_us = (time.perf_counter() - t0) * 1e6
+    out = {}
+    for name, key in (("device_top", "self_device_time_total"), ("host_top", "self_cpu_time_total")):
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:15]
+        out[name] = [{"op": e.key[:80], "ms": round(getattr(e, key, 0) / 1000, 1), "calls": e.count} for e in events]
+    if cuda:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+        busy, end = 0.0, float("-inf")
+        for start, stop in spans:  # the union of the kernels' intervals
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        out["gpu_busy_share"] = round(busy / wall_us, 3)
+        out["kernels"] = len(spans)
+    print(json.dumps(out, indent=1), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -51,24 +51,32 @@ class TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, targets, temperature):
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        temp = temperature.float()
+        temp = None if bool((temperature == 1).all()) else temperature.float()  # T = 1: one fp32 pass fewer
         for r, p in _blocks(logits, targets.shape[1]):
-            z = logits[r, p].float() / temp[r]
+            z = _scaled(logits[r, p], temp, r)
             lse[r, p] = torch.logsumexp(z, dim=-1)
             out[r, p] = z.gather(-1, targets[r, p, None]).squeeze(-1) - lse[r, p]
-        ctx.save_for_backward(logits, targets, temperature, lse)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temp = temp
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        logits, targets, temperature, lse = ctx.saved_tensors
-        g = grad.float() / temperature.float()[:, :, 0]
+        logits, targets, lse = ctx.saved_tensors
+        temp = ctx.temp
+        g = grad.float() if temp is None else grad.float() / temp[:, :, 0]
         out = torch.zeros_like(logits)
         for r, p in _blocks(logits, targets.shape[1]):
-            d = torch.exp(logits[r, p].float() / temperature[r].float() - lse[r, p, None]).mul_(-g[r, p, None])
+            d = _scaled(logits[r, p], temp, r).sub_(lse[r, p, None]).exp_().mul_(-g[r, p, None])  # -softmax * g
             d.scatter_add_(-1, targets[r, p, None], g[r, p, None])
             out[r, p] = d
         return out, None, None
+
+
+def _scaled(block: torch.Tensor, temp: torch.Tensor | None, rows: slice) -> torch.Tensor:
+    """A new fp32 tensor: block / temperature."""
+    z = block.float() if block.dtype != torch.float32 else block.clone()
+    return z if temp is None else z.div_(temp[rows])
 
 
 def _blocks(logits: torch.Tensor, positions: int):

@@ -49,6 +49,8 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
         applied += finite
     stats.update(health.summary())
     stats["learner/micro_batch_tokens"] = budget
+    if memory.on:
+        stats["learner/peak_gpu_gib"] = memory.peak / 2**30
     stats.update({
         "skipped": applied == 0, "updates": applied, "loss": float(np.mean(losses)), "lr": t.lr,
         "grad_norm": float(np.mean(norms)), "tokens/trained": int(sum(r.mask.sum() for r in rows)),
@@ -95,6 +97,7 @@ class MemoryWatch:
     def __init__(self, engine):
         self.engine = engine
         self.on = torch.cuda.is_available()
+        self.peak = 0  # the most memory allocated during the step's forwards and backwards
 
     def start(self) -> None:
         if self.on:
@@ -103,8 +106,9 @@ class MemoryWatch:
 
     def end(self, tokens: int) -> None:
         if self.on and tokens:
-            used = (torch.cuda.max_memory_allocated() - self.base) / tokens
-            self.engine.bytes_per_token = max(getattr(self.engine, "bytes_per_token", 0.0), used)
+            peak = torch.cuda.max_memory_allocated()
+            self.peak = max(self.peak, peak)
+            self.engine.bytes_per_token = max(getattr(self.engine, "bytes_per_token", 0.0), (peak - self.base) / tokens)
 
 
 def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[Row], groups) -> None:

@@ -28,6 +28,7 @@ def test_micro_batches_sized_from_free_memory_grow_after_the_first_step(model_ca
     before = {n: t.clone() for n, t in gathered_weights(engine, 0)}
     first = train_step(engine, _groups(8), cfg, 0, PAD_ID)
     assert first["learner/micro_batch_tokens"] == AUTO_FIRST_TOKENS and engine.bytes_per_token > 0
+    assert first["learner/peak_gpu_gib"] > 0
     free = torch.cuda.mem_get_info()[0]
     second = train_step(engine, _groups(8), cfg, 1, PAD_ID)
     assert second["learner/micro_batch_tokens"] >= 0.5 * free / engine.bytes_per_token > AUTO_FIRST_TOKENS

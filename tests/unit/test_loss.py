@@ -111,8 +111,9 @@ def test_token_logprobs_match_a_direct_computation():
     assert got[0].tolist() == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.parametrize("temperatures", [[1.0, 0.5, 2.0], [1.0, 1.0, 1.0]])
 @pytest.mark.parametrize("chunk", [2**27, 7, 30])  # one block; one row in position blocks; several rows a block
-def test_token_logprobs_backward_matches_autograd_of_the_log_softmax(monkeypatch, chunk):
+def test_token_logprobs_backward_matches_autograd_of_the_log_softmax(monkeypatch, chunk, temperatures):
     """learner.logprobs computes the log-softmax's gradient itself, block by block from the saved logits: it must
     equal autograd's through the whole fp32 log-softmax, and the positions past the targets get no gradient."""
     from learner import logprobs
@@ -120,7 +121,7 @@ def test_token_logprobs_backward_matches_autograd_of_the_log_softmax(monkeypatch
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
     logits = torch.randn(3, 6, 5, dtype=torch.bfloat16).requires_grad_()
-    targets, temperature = torch.randint(0, 5, (3, 5)), torch.tensor([1.0, 0.5, 2.0]).view(3, 1, 1)
+    targets, temperature = torch.randint(0, 5, (3, 5)), torch.tensor(temperatures).view(3, 1, 1)
     weights = torch.randn(3, 5)
     got = token_logprobs(logits, targets, temperature)
     (got * weights).sum().backward()
