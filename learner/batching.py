@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from learner.health import entropy_positions
 from learner.loss import group_advantages
 from learner.staleness import behaviour_version, lag
 from pipeline import protocol as P
@@ -118,6 +119,8 @@ def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
     out = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp, lag=lags)
     if all(r.prox is not None for r in rows):
         out["prox"] = prox
-    out = {k: v.to(device) for k, v in out.items()}
+    out["entropy_at"] = entropy_positions(mask)
+    out = {k: v.to(device) if torch.is_tensor(v) else tuple(t.to(device) for t in v) for k, v in out.items()}
     out["first"] = min(len(r.prompt) for r in rows) - 1  # the first position that predicts a completion token
+    out["unit_temperature"] = all(r.temperature == 1 for r in rows)
     return out

@@ -57,7 +57,7 @@ class StepHealth:
                 by_lag[i].index_add_(0, lag, v.double())
             add = torch.cat([torch.stack([values[k].double() for k in SUMS]), by_lag.flatten()])
             self.sums = add if self.sums is None else self.sums + add
-            self.weights.append(w[mask > 0].float())
+            self.weights.append((w.float(), mask))  # the trained tokens' are picked in summary (a host sync)
 
     def summary(self) -> dict:
         sums = self.sums if self.sums is not None else torch.zeros(len(SUMS) + 3 * (self.max_lag + 1),
@@ -80,7 +80,7 @@ class StepHealth:
             if tokens:
                 out[f"mismatch/kl_lag{j}"] = float(by_lag[1, j]) / tokens
                 out[f"correction/is_weight_mean_lag{j}"] = float(by_lag[2, j]) / tokens
-        weights = torch.cat(self.weights).cpu() if self.weights else torch.ones(1)
+        weights = torch.cat([w[m > 0] for w, m in self.weights]).cpu() if self.weights else torch.ones(1)
         weights = weights if len(weights) else torch.ones(1)
         q = torch.quantile(weights[:2**24], torch.tensor([0.5, 0.9, 0.99])).tolist()
         out.update({"correction/is_weight_max": float(weights.max()), "correction/is_weight_p50": q[0],
@@ -89,16 +89,23 @@ class StepHealth:
 
 
 def entropy_sum(logits: torch.Tensor, batch: dict, mask: torch.Tensor) -> dict:
-    """The entropy of softmax(logits / temperature) summed over at most ENTROPY_TOKENS trained positions, evenly
-    spaced, and their count."""
+    """The entropy of softmax(logits / temperature) summed over the trained positions `batch["entropy_at"]` (at
+    most ENTROPY_TOKENS, chosen on the host by collate; `entropy_positions(mask)` without it), and their count.
+    Logits start at position `batch["first"]`."""
+    rows, cols = batch["entropy_at"] if "entropy_at" in batch else entropy_positions(mask)
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    if not len(rows):
+        return {"entropy": zero, "entropy_tokens": zero}
+    z = logits[rows, cols - batch.get("first", 0)].float() / batch["temperature"][rows, 0]
+    logp = torch.log_softmax(z, dim=-1)
+    kept = mask[rows, cols].double()  # 0 where the step zeroed the mask (a padding micro-batch)
+    return {"entropy": (-(logp.exp() * logp).sum(-1).double() * kept).sum(), "entropy_tokens": kept.sum()}
+
+
+def entropy_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) of at most ENTROPY_TOKENS trained positions of `mask`, evenly spaced."""
     rows, cols = torch.nonzero(mask, as_tuple=True)
     if len(rows) > ENTROPY_TOKENS:
         pick = torch.linspace(0, len(rows) - 1, ENTROPY_TOKENS, device=rows.device).long()
         rows, cols = rows[pick], cols[pick]
-    if not len(rows):
-        zero = torch.zeros((), dtype=torch.float64, device=logits.device)
-        return {"entropy": zero, "entropy_tokens": zero}
-    z = logits[rows, cols - batch.get("first", 0)].float() / batch["temperature"][rows, 0]  # logits start at first
-    logp = torch.log_softmax(z, dim=-1)
-    return {"entropy": -(logp.exp() * logp).sum().double(),
-            "entropy_tokens": torch.tensor(float(len(rows)), dtype=torch.float64, device=logits.device)}
+    return rows, cols

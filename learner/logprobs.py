@@ -33,13 +33,13 @@ def forward_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(**kwargs, logits_to_keep=ids.shape[1] - first).logits  # positions first .. L-1
     else:
         logits = model(**kwargs).logits[:, first:]
-    logp = token_logprobs(logits, ids[:, first + 1:], batch["temperature"])
+    logp = token_logprobs(logits, ids[:, first + 1:], None if batch.get("unit_temperature") else batch["temperature"])
     return F.pad(logp, (first, 0)), logits
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
     """log softmax(logits / temperature) at `targets`: logits [rows, P, V] (P >= T; positions from T on are not
-    used), targets [rows, T], temperature [rows, 1, 1] -> [rows, T] in fp32."""
+    used), targets [rows, T], temperature [rows, 1, 1] or None for 1 (one fp32 pass fewer) -> [rows, T] in fp32."""
     return TokenLogprobs.apply(logits, targets, temperature)
 
 
@@ -51,7 +51,7 @@ class TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, targets, temperature):
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        temp = None if bool((temperature == 1).all()) else temperature.float()  # T = 1: one fp32 pass fewer
+        temp = None if temperature is None else temperature.float()
         for r, p in _blocks(logits, targets.shape[1]):
             z = _scaled(logits[r, p], temp, r)
             lse[r, p] = torch.logsumexp(z, dim=-1)

@@ -52,6 +52,7 @@ def build_engine(cfg: Config, model_path: str):
         "bf16": {"enabled": dtype == torch.bfloat16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        "timers": {"throughput": {"enabled": False}},  # it synchronised the device at every micro-batch
         "zero_allow_untested_optimizer": True,  # GuardedAdamW is torch's AdamW with a switch to skip a step
     }
     # A torch optimizer instead of DeepSpeed's: no FusedAdam JIT build (slow, and broken on arch 9.0a).

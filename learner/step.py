@@ -141,7 +141,7 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
     t = cfg.trainer
     total_tokens = max(1, int(sum(r.mask.sum() for r in part)))  # the trained tokens (mask 1)
     batches = list(_micro_batches(part, budget, pad_id, rows, groups, engine.device))
-    total_loss = 0.0
+    total_loss = torch.zeros((), device=engine.device)  # read once, at the end: no host sync per micro-batch
     for i, (batch, _) in enumerate(batches):
         last = i == len(batches) - 1
         memory.start()
@@ -169,10 +169,10 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
             engine.step()
         finally:
             engine.finite_guard.optimizer.skip = False
-        total_loss += float(loss.detach())
+        total_loss += loss.detach().float()
     if grad_norm < 0 and finite:
         grad_norm = float(engine.get_global_grad_norm() or 0.0)
-    return total_loss, grad_norm, finite
+    return float(total_loss), grad_norm, finite
 
 
 def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> torch.Tensor:
