@@ -79,12 +79,13 @@ def token_budget(engine, configured: int) -> int:
     the same micro-batches)."""
     if configured > 0:
         return configured
-    per_token = getattr(engine, "bytes_per_token", 0.0)
-    if not torch.cuda.is_available() or not per_token:
+    if not torch.cuda.is_available():
         return AUTO_FIRST_TOKENS
+    per_token = getattr(engine, "bytes_per_token", 0.0)
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    budget = torch.tensor([max(AUTO_FIRST_TOKENS // 8, int(AUTO_SHARE * free / per_token))], device=engine.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    budget = max(AUTO_FIRST_TOKENS // 8, int(AUTO_SHARE * free / per_token)) if per_token > 0 else AUTO_FIRST_TOKENS
+    budget = torch.tensor([budget], device=engine.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank, every step: the same collectives
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     return int(budget.item())
 

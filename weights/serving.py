@@ -44,7 +44,7 @@ class WeightServing:
         for sender in set(self.senders.values()):
             sender.leave(generator_id, again)
 
-    def announce(self, ready: P.WeightsReady, blob: bytes | None, to: list[str] | None,
+    def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | None, to: list[str] | None,
                  delta: bytes | None = None, transports: set[str] | None = None) -> None:
         """A file version goes to every generator of `transports` (None: every one); a broadcast to those in `to`."""
         self.newest = max(self.newest, ready.version)

@@ -22,7 +22,7 @@ class Blobs:
         self.by_version: dict[int, bytes] = {}
         self.deltas: dict[int, bytes] = {}  # weights.delta: version -> the delta from the version before
 
-    def put(self, version: int, blob: bytes, delta: bytes | None = None) -> None:
+    def put(self, version: int, blob: bytes | bytearray, delta: bytes | None = None) -> None:
         self.by_version[version] = blob
         if delta is not None:
             self.deltas[version] = delta
