@@ -42,11 +42,15 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
         proximal(engine, [r for part in parts[1:] for r in part], budget, pad_id, rows, groups)
     health = StepHealth(max(t.max_staleness, max(r.lag for r in rows) if rows else 0))
     losses, norms, applied = [], [], 0
-    for part in parts:
-        loss, grad_norm, finite = _update(engine, part, cfg, budget, pad_id, rows, groups, health, memory)
-        losses.append(loss)
-        norms.append(grad_norm)
-        applied += finite
+    try:
+        for part in parts:
+            loss, grad_norm, finite = _update(engine, part, cfg, budget, pad_id, rows, groups, health, memory)
+            losses.append(loss)
+            norms.append(grad_norm)
+            applied += finite
+    except torch.OutOfMemoryError as e:
+        raise torch.OutOfMemoryError(f"the learner ran out of GPU memory in a micro-batch of up to {budget} tokens "
+                                     f"(trainer.micro_batch_tokens={t.micro_batch_tokens}): lower it. {e}") from e
     stats.update(health.summary())
     stats["learner/micro_batch_tokens"] = budget
     if memory.on:

@@ -105,3 +105,19 @@ def test_completion_logprobs_match_the_log_softmax_of_the_whole_logits(model_cac
     assert logits.shape[1] == batch["input_ids"].shape[1] - 2  # no logits for the prompts' first positions
     mask = batch["mask"] > 0
     assert mask.sum() == 12 and torch.allclose(logp[mask], want[mask], atol=1e-5)
+
+
+def test_running_out_of_gpu_memory_names_the_micro_batch_budget(model_cache, monkeypatch):
+    """A micro-batch that does not fit ends the step with an error that says which setting to lower."""
+    import learner.step
+
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 512}})
+    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+
+    def oom(model, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 11.56 GiB")
+
+    monkeypatch.setattr(learner.step, "forward_logprobs", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"up to 512 tokens \(trainer.micro_batch_tokens=512\): lower it"):
+        train_step(engine, _groups(4), cfg, 0, PAD_ID)
