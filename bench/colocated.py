@@ -6,7 +6,8 @@ and the bench dataset and reward in place of the embedded toy task. Reports step
 transport `auto` picked (shm: nccl cannot put both ends on one device), the GPU memory peak (NVML),
 and whether the run completed.
 
-    python -m bench.colocated --steps 20
+    python -m bench.colocated --steps 20 [--batch-size 32 --group-size 8 --prompt-tokens 64 --max-tokens 256
+                                          --k 1 --inflight 64 --enforce-eager 0]   (issue 16's one-GPU workload)
 """
 
 from __future__ import annotations
@@ -21,27 +22,31 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import ROOT, add_model_args, model_from_args, result_name, start_child, write_dataset, write_result
+from bench.common import (
+    ROOT,
+    add_model_args,
+    memory_peak,
+    model_from_args,
+    result_name,
+    start_child,
+    write_dataset,
+    write_result,
+)
 from pipeline.metrics import read_jsonl
-
-
-def _memory_peak(stop: threading.Event, peak: list[int]) -> None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        while not stop.is_set():
-            peak[0] = max(peak[0], pynvml.nvmlDeviceGetMemoryInfo(h).used)
-            time.sleep(0.2)
-    except Exception:  # no NVML (CPU smoke run)
-        return
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     add_model_args(p, "colocated")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=None, help="trainer.max_staleness (default: the config's)")
+    p.add_argument("--inflight", type=int, default=None, help="generator.max_inflight_groups (default: the config's)")
+    p.add_argument("--enforce-eager", type=int, default=None, help="0: CUDA graphs (default: the config's)")
+    p.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the config's)")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--name", default=None, help="result file name (default: colocated_SIZE_MACHINE)")
     args = p.parse_args()
@@ -49,19 +54,28 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    data = write_dataset(run_dir.parent / "colocated.jsonl", rows=2048)
+    data = write_dataset(run_dir.parent / f"colocated{args.prompt_tokens}.jsonl", rows=2048,
+                         prompt_tokens=(args.prompt_tokens + 1) // 2)  # a letter and a space: 2 tokens (as speedup's)
     cfg = yaml.safe_load((ROOT / "configs" / "gpu-single.yaml").read_text())
     cfg["model"] = {"path": model, "dtype": "bfloat16"}
     cfg["data"] = {"path": str(data)}
     cfg["rewards"] = [{"fn": "bench.common:parity_reward"}]
-    cfg["sampling"] = {"max_tokens": 128, "ignore_eos": True}
-    cfg["trainer"].update(total_steps=args.steps, batch_size=16, group_size=8)
-    cfg["generator"]["max_model_len"] = 512
+    cfg["sampling"] = {"max_tokens": args.max_tokens, "ignore_eos": True}
+    cfg["trainer"].update(total_steps=args.steps, batch_size=args.batch_size, group_size=args.group_size)
+    cfg["generator"]["max_model_len"] = max(512, args.prompt_tokens + args.max_tokens + 64)  # room for a template
+    if args.k is not None:
+        cfg["trainer"]["max_staleness"] = args.k
+    if args.lr is not None:
+        cfg["trainer"]["lr"] = args.lr
+    if args.inflight is not None:
+        cfg["generator"]["max_inflight_groups"] = args.inflight
+    if args.enforce_eager is not None:
+        cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / "colocated.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     stop, peak = threading.Event(), [0]
-    threading.Thread(target=_memory_peak, args=(stop, peak), daemon=True).start()
+    threading.Thread(target=memory_peak, args=(stop, peak), daemon=True).start()
     t0 = time.time()
     argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", str(cfg_path), "--run-dir", str(run_dir)]
     log_path = run_dir.parent / "colocated.log"
@@ -86,7 +100,9 @@ def main() -> None:
            "transports": sorted({e["transport"] for e in events if e["event"] == "register"}),
            "gpu_memory_peak_gib": peak[0] / 2**30,
            "reward_first_last": [records[0]["reward/mean"], records[-1]["reward/mean"]] if records else None,
-           "config": "configs/gpu-single.yaml (placement, memory split), bench model/data/reward"}
+           "time_per_step_s": span / (len(rs) - 1) if span else None,
+           "config": "configs/gpu-single.yaml (placement, memory split), bench model/data/reward",
+           "settings": {k: v for k, v in vars(args).items() if k not in ("run_dir", "name", "model_dir")}}
     name = args.name or result_name("colocated", args.model_size)
     write_result(name, "python -m bench.colocated " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16", out)

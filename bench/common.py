@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -332,9 +333,9 @@ class Services:
         self.stop()
 
 
-def start_child(name: str, argv: list[str], log_path: Path) -> Child:
-    """A benchmark's child process (own session, repository on PYTHONPATH), tracked for run_gpu.sh."""
-    child = Child(name, argv, log_path, env=_env())
+def start_child(name: str, argv: list[str], log_path: Path, env: dict | None = None) -> Child:
+    """A benchmark's child process (own session, repository on PYTHONPATH, `env` added), tracked for run_gpu.sh."""
+    child = Child(name, argv, log_path, env=_env() | (env or {}))
     with PGIDS.open("a") as f:  # run_gpu.sh stops leftovers by these ids (children run in new sessions)
         f.write(f"{child.pid}\n")
     return child
@@ -349,6 +350,20 @@ def _env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def memory_peak(stop: threading.Event, peak: list[int], index: int = 0) -> None:
+    """peak[0]: the most memory in use on GPU `index` (NVML, every process on it) until `stop` is set."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        while not stop.is_set():
+            peak[0] = max(peak[0], pynvml.nvmlDeviceGetMemoryInfo(h).used)
+            time.sleep(0.2)
+    except Exception:  # no NVML (CPU smoke run)
+        return
 
 
 def log_times(path: Path, pattern: str) -> list[tuple[float, str]]:

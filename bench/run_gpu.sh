@@ -15,6 +15,10 @@
 #   learning     learning_curves: the tiny model on GPU 0, k = 0 and 4 with ppo and decoupled, 3 seeds (1 GPU)
 #   learning-0.5b  learning_curves: the 0.5B shape warm-started on the task, k = 0 and 2, decoupled, seed $SEED
 #                (default 0; one seed per call, merge them with `--merge`) (1 GPU)
+#   learner      learner_step: the 0.5B shape's learner step alone at 8192 tokens and sized from free memory (1 GPU)
+#   vs-trl       vs_trl: ours against TRL 1.16 on issue 16's workload, GPUS_VS_TRL=1 (colocated) or 2 (default 1).
+#                TRL is not in the GPU kit: install trl 1.16.0, datasets 4.8.5 and multiprocess 0.70.19 (py312)
+#                first, e.g. `pip install --no-deps --target DIR WHEELS` with the kit's DIR
 #   all          every part above in turn (4 GPUs, no time limit)
 #
 # --site DIR (or BENCH_SITE=DIR): vLLM and DeepSpeed were installed into DIR (`pip install --target DIR`):
@@ -27,7 +31,7 @@ set -u
 cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
-PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b"
+PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -113,6 +117,15 @@ run_part() {
       --gpus --gpus-per-run 1 --gpu-memory 0.08 --parallel 2 --stagger 5 --timeout 500 \
       --name "learning_curves_reverse_0.5b_lr1e-5_s${SEED:-0}"
     pack
+    ;;
+  learner)
+    step learner_step 200 python3 -m bench.learner_step --size 0.5b --steps 4 --profile
+    step learner_step_sized 200 python3 -m bench.learner_step --size 0.5b --steps 4 --profile \
+      --set trainer.micro_batch_tokens=0 --name sized
+    pack
+    ;;
+  vs-trl)
+    step vs_trl 580 python3 -m bench.vs_trl --gpus "${GPUS_VS_TRL:-1}" --steps 12 --ks 0,1 --timeout 240; pack
     ;;
   esac
 }

@@ -1,0 +1,131 @@
+"""Ours against TRL 1.16's GRPOTrainer, on the same GPUs and workload, in one command: a random-weight model of
+Qwen2.5-0.5B's shape (bf16), 64-token prompts, exactly 256 generated tokens (`ignore_eos`), 32 prompts x 8
+samples per optimizer step, lr 1e-6, the parity reward.
+
+    --gpus 1   everything on GPU 0: TRL with vLLM colocated (`vllm_gpu_memory_utilization` 0.35) against
+               `pipeline run` colocated (bench.colocated: vLLM's share 0.35, 64 groups in flight, CUDA graphs,
+               the shm transport) at each k of --ks
+    --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with `trl vllm-serve` (vLLM's server, nccl weight
+               transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs) at each k of --ks
+
+TRL's settings are its fastest for this workload (bench/trl_grpo.py says which). The result
+(vs_trl_0.5b_{1,2}gpu_MACHINE.json) holds both systems' figures and settings, and under `vs_trl` the ratio of
+our steps/min to TRL's at each k and at the best k. The GPU memory peak is NVML's, every process on the GPU.
+
+TRL is not a dependency of the project: on a GPU host without a package index, bring trl 1.16.0, datasets
+4.8.5 and multiprocess 0.70.19 (py312) as wheels (see bench/README.md, part `vs-trl`).
+
+    python -m bench.vs_trl --gpus 1 [--steps 12] [--ks 0,1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+from bench.common import (
+    RESULTS,
+    RUNS,
+    add_model_args,
+    memory_peak,
+    model_from_args,
+    result_name,
+    start_child,
+    write_dataset,
+    write_result,
+)
+from pipeline.netutil import free_port
+
+WORKLOAD = {"batch_size": 32, "group_size": 8, "prompt_tokens": 64, "max_tokens": 256, "lr": 1e-6}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p, "vs-trl")
+    p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
+    p.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are left out of the timing)")
+    p.add_argument("--ks", default="0,1", help="our max_staleness values")
+    p.add_argument("--timeout", type=float, default=540, help="seconds per run")
+    args = p.parse_args()
+    model = str(model_from_args(args))
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = write_dataset(run_dir / "prompts.jsonl", rows=4096, prompt_tokens=(WORKLOAD["prompt_tokens"] + 1) // 2)
+    # (a letter and a space: 2 tokens of the bench tokenizer as transformers loads it, as in bench.pipeline_speedup)
+    trl = run_trl(args, model, data, run_dir)
+    ours = {f"k{k}": run_ours(args, k) for k in map(int, args.ks.split(","))}
+    ratios = {k: o["steps_per_min"] / trl["steps_per_min"] for k, o in ours.items()
+              if o.get("steps_per_min") and trl.get("steps_per_min")}
+    if ratios:
+        ratios["best"] = max(ratios.values())
+    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu")
+    write_result(name, "python -m bench.vs_trl " + " ".join(sys.argv[1:]), f"random-weight Qwen2.5-{args.model_size} "
+                 "shape, bf16", {"trl": trl, "ours": ours, "vs_trl": ratios}, workload=WORKLOAD)
+    return 0 if ratios else 1
+
+
+def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
+    """TRL's trainer on GPU 0 (and with 2 GPUs, `trl vllm-serve` on GPU 1), its GPU memory peak alongside."""
+    out = run_dir / "trl.json"
+    out.unlink(missing_ok=True)
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.trl_grpo", "--model", model, "--data", str(data), "--steps", str(args.steps),
+            "--batch-size", str(WORKLOAD["batch_size"]), "--group-size", str(WORKLOAD["group_size"]),
+            "--max-tokens", str(WORKLOAD["max_tokens"]), "--lr", str(WORKLOAD["lr"]), "--out", str(out),
+            "--mode", "colocate" if args.gpus == 1 else "server", "--server-port", str(port)]
+    server = None
+    if args.gpus == 2:
+        max_len = WORKLOAD["prompt_tokens"] + WORKLOAD["max_tokens"] + 64
+        server = start_child("trl-vllm-serve", [sys.executable, "-m", "trl.cli", "vllm-serve", "--model", model,
+                                                "--port", str(port), "--gpu_memory_utilization", "0.9",
+                                                "--max_model_len", str(max_len)],
+                             run_dir / "trl-vllm-serve.log", env={"CUDA_VISIBLE_DEVICES": "1"})
+    stop, peak = threading.Event(), [0]
+    threading.Thread(target=memory_peak, args=(stop, peak), daemon=True).start()
+    trainer = start_child("trl-grpo", argv, run_dir / "trl-grpo.log", env={"CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        code = trainer.proc.wait(args.timeout)
+    except Exception:
+        code = None
+    finally:
+        trainer.stop(grace=10)
+        if server is not None:
+            server.stop(grace=10)
+        stop.set()
+    result = json.loads(out.read_text()) if out.exists() else {"error": f"exit {code}: {trainer.tail(20)}"}
+    result.pop("log", None)
+    return result | {"gpu0_memory_peak_gib": peak[0] / 2**30}
+
+
+def run_ours(args, k: int) -> dict:
+    """bench.colocated (1 GPU) or bench.pipeline_speedup (2 GPUs) at max_staleness k, read from its result."""
+    name = f"vs_trl_ours_{args.gpus}gpu_k{k}"
+    w = WORKLOAD
+    common = ["--model-dir", str(model_from_args(args)), "--batch-size", str(w["batch_size"]), "--group-size",
+              str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
+              "--name", name]
+    if args.gpus == 1:
+        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", str(k), "--inflight", "64",
+                "--enforce-eager", "0", "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
+    else:
+        argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", str(k),
+                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(args.timeout)]
+    child = start_child(name, [sys.executable, "-m", *argv], RUNS / f"{name}.log")
+    try:
+        child.proc.wait(args.timeout + 120)
+    finally:
+        child.stop(grace=10)
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return {"error": child.tail(20)}
+    metrics = json.loads(path.read_text())["metrics"]
+    if args.gpus == 2:  # pipeline_speedup: one phase per k
+        metrics = metrics.get("phases", {}).get(f"k{k}", metrics)
+    return {"command": "python -m " + " ".join(argv)} | metrics
+
+
+if __name__ == "__main__":
+    sys.exit(main())
