@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -56,7 +57,7 @@ def main() -> int:
     data = write_dataset(run_dir / "prompts.jsonl", rows=4096, prompt_tokens=(WORKLOAD["prompt_tokens"] + 1) // 2)
     # (a letter and a space: 2 tokens of the bench tokenizer as transformers loads it, as in bench.pipeline_speedup)
     trl = run_trl(args, model, data, run_dir)
-    ours = {f"k{k}": run_ours(args, k) for k in map(int, args.ks.split(","))}
+    ours = {f"k{k}": run_ours(args, model, k) for k in map(int, args.ks.split(","))}
     ratios = {k: o["steps_per_min"] / trl["steps_per_min"] for k, o in ours.items()
               if o.get("steps_per_min") and trl.get("steps_per_min")}
     if ratios:
@@ -88,7 +89,7 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
     trainer = start_child("trl-grpo", argv, run_dir / "trl-grpo.log", env={"CUDA_VISIBLE_DEVICES": "0"})
     try:
         code = trainer.proc.wait(args.timeout)
-    except Exception:
+    except subprocess.TimeoutExpired:
         code = None
     finally:
         trainer.stop(grace=10)
@@ -100,11 +101,11 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
     return result | {"gpu0_memory_peak_gib": peak[0] / 2**30}
 
 
-def run_ours(args, k: int) -> dict:
+def run_ours(args, model: str, k: int) -> dict:
     """bench.colocated (1 GPU) or bench.pipeline_speedup (2 GPUs) at max_staleness k, read from its result."""
     name = f"vs_trl_ours_{args.gpus}gpu_k{k}"
     w = WORKLOAD
-    common = ["--model-dir", str(model_from_args(args)), "--batch-size", str(w["batch_size"]), "--group-size",
+    common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",
               str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
               "--name", name]
     if args.gpus == 1:

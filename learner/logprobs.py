@@ -5,15 +5,16 @@ The step needs one number per completion token, so:
 
 - the model computes logits only from the first position that predicts a completion token (`logits_to_keep`:
   prompts cost no lm_head and no logits);
-- `TokenLogprobs` takes the log-softmax at the targets in chunks of rows, in fp32 one chunk at a time, and keeps
-  only the logits the model returned (in its dtype) and one log-sum-exp per position for the backward, which it
-  computes chunk by chunk too: no fp32 copy of the logits ever exists whole, and autograd keeps none.
+- `TokenLogprobs` takes the log-softmax at the targets in blocks of positions, in fp32 one block at a time, and
+  keeps only the logits the model returned (in its dtype) and one log-sum-exp per position for the backward, which
+  it computes block by block too: no fp32 copy of the logits ever exists whole, and autograd keeps none.
 
 The values are those of `log_softmax(logits.float() / temperature)` at the targets.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -96,8 +97,13 @@ def _blocks(logits: torch.Tensor, positions: int):
 
 def _keeps_logits(model) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do)."""
-    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))  # a DeepSpeed engine wraps the model
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:
+    """Once per model class, not per micro-batch: the step's host time is what bounds it."""
     try:
-        return "logits_to_keep" in inspect.signature(module.forward).parameters
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return False
