@@ -7,7 +7,7 @@ transport `auto` picked (shm: nccl cannot put both ends on one device), the GPU 
 and whether the run completed.
 
     python -m bench.colocated --steps 20 [--batch-size 32 --group-size 8 --prompt-tokens 64 --max-tokens 256
-                                          --k 1 --inflight 64 --enforce-eager 0]   (issue 16's one-GPU workload)
+                                          --k 1 --enforce-eager 0]   (issue 16's one-GPU workload)
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=None, help="trainer.max_staleness (default: the config's)")
     p.add_argument("--inflight", type=int, default=None, help="generator.max_inflight_groups (default: the config's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: the config's)")
     p.add_argument("--enforce-eager", type=int, default=None, help="0: CUDA graphs (default: the config's)")
     p.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the config's)")
     p.add_argument("--timeout", type=float, default=240)
@@ -69,6 +70,8 @@ def main() -> None:
         cfg["trainer"]["lr"] = args.lr
     if args.inflight is not None:
         cfg["generator"]["max_inflight_groups"] = args.inflight
+    if args.max_num_seqs is not None:
+        cfg["generator"]["max_num_seqs"] = args.max_num_seqs
     if args.enforce_eager is not None:
         cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -210,8 +210,7 @@ def run_config(model: str, data: str, **sections) -> dict:
         "sampling": {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0},
         "trainer": {"total_steps": 10, "batch_size": 8, "group_size": 4, "max_staleness": 1, "lr": 1e-6,
                     "loss": "decoupled", "zero_stage": 0, "micro_batch_tokens": 16384},
-        "generator": {"gpu_memory_utilization": 0.45, "max_model_len": 512, "enforce_eager": True,
-                      "max_inflight_groups": 32, "lease_size": 8},
+        "generator": {"gpu_memory_utilization": 0.45, "max_model_len": 512, "enforce_eager": True, "lease_size": 8},
         "hub": {"heartbeat_timeout_s": 60.0},
         "weights": {"transport": "auto"},
     }

@@ -50,6 +50,7 @@ def main() -> None:
                    help="long prompts cost training time, little generation time: this balances the two")
     p.add_argument("--transport", default="shm")
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs in the generator")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: the config's)")
     p.add_argument("--engines-per-gpu", type=int, default=1, help="generators sharing the generator GPU")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")
     p.add_argument("--timeout", type=float, default=420)
@@ -78,8 +79,8 @@ def main() -> None:
                      trainer={"total_steps": per_phase * len(phases) + 2 + 20 * (engines - 1),
                               "batch_size": args.batch_size, "group_size": args.group_size,
                               "max_staleness": phases[0]},
-                     generator={"max_inflight_groups": args.batch_size, "lease_size": 8,
-                                "enforce_eager": bool(args.enforce_eager),
+                     generator={"lease_size": 8, "enforce_eager": bool(args.enforce_eager),
+                                **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
                                 "max_model_len": args.prompt_tokens + args.max_tokens + 64,
                                 **({"gpu_memory_utilization": round(0.85 / engines, 2)} if engines > 1 else {})},
                      weights={"transport": args.transport})

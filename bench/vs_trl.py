@@ -3,8 +3,8 @@ Qwen2.5-0.5B's shape (bf16), 64-token prompts, exactly 256 generated tokens (`ig
 samples per optimizer step, lr 1e-6, the parity reward.
 
     --gpus 1   everything on GPU 0: TRL with vLLM colocated (`vllm_gpu_memory_utilization` 0.35) against
-               `pipeline run` colocated (bench.colocated: vLLM's share 0.35, 64 groups in flight, CUDA graphs,
-               the shm transport) at each k of --ks
+               `pipeline run` colocated (bench.colocated: vLLM's share 0.35, groups in flight sized from the
+               engine, CUDA graphs, the shm transport) at each k of --ks
     --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with `trl vllm-serve` (vLLM's server, nccl weight
                transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs) at each k of --ks
 
@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
     p.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are left out of the timing)")
     p.add_argument("--ks", default="0,1", help="our max_staleness values")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="our generator.max_num_seqs (default: the config's)")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
     args = p.parse_args()
     model = str(model_from_args(args))
@@ -107,10 +108,10 @@ def run_ours(args, model: str, k: int) -> dict:
     w = WORKLOAD
     common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",
               str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
-              "--name", name]
+              "--name", name, *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else [])]
     if args.gpus == 1:
-        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", str(k), "--inflight", "64",
-                "--enforce-eager", "0", "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
+        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", str(k), "--enforce-eager", "0",
+                "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
     else:
         argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", str(k),
                 "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(args.timeout)]

@@ -55,7 +55,8 @@ class Engine:
         args = AsyncEngineArgs(
             model=model_path, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=seed,
             max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
-            max_num_seqs=g.max_num_seqs, enforce_eager=g.enforce_eager, tensor_parallel_size=g.tensor_parallel_size,
+            max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
+            tensor_parallel_size=g.tensor_parallel_size,
             worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
         )
         self.llm = AsyncLLM.from_engine_args(args)
@@ -86,7 +87,7 @@ class Engine:
         ignore_eos = sampling.ignore_eos  # sampling: pipeline.protocol.Sampling
         params = SamplingParams(
             n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            ignore_eos=ignore_eos, logprobs=0, detokenize=False, seed=seed,
+            ignore_eos=ignore_eos, logprobs=0, detokenize=False, seed=seed, flat_logprobs=True,
             # without a tokenizer vLLM does not know EOS; stop tokens would also override ignore_eos
             stop_token_ids=([self.eos_id] if self.eos_id is not None and not ignore_eos else []) + list(stop) or None,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -106,6 +107,16 @@ class Engine:
             Completion(list(c.token_ids), _sampled_logprobs(c), c.finish_reason or "", active.first, active.last, ms)
             for c in final.outputs
         ]
+
+    def concurrent_sequences(self) -> int:
+        """Sequences the engine runs at once: its max_num_seqs, fewer when its KV cache holds fewer sequences of
+        max_model_len (the prompts of a group share their blocks, so this is a lower bound)."""
+        vc = self.llm.vllm_config
+        seqs = vc.scheduler_config.max_num_seqs
+        blocks, block = vc.cache_config.num_gpu_blocks, vc.cache_config.block_size
+        if blocks and block:
+            seqs = min(seqs, blocks * block // vc.model_config.max_model_len)
+        return max(1, seqs)
 
     async def load(self, source: bytes | str, crc32: int | None, version: int) -> float:
         """Swap in weights `version` (a blob, or the path of a file; crc32=None: already verified);
@@ -238,8 +249,15 @@ class _Receivers:
 
 
 def _sampled_logprobs(c) -> list[float]:
-    """Log-prob of each sampled token (vLLM gives a {token_id: Logprob} mapping per position)."""
-    out = []
-    for tok, pos in zip(c.token_ids, c.logprobs, strict=True):
-        out.append(float(pos[tok].logprob))
-    return out
+    """Log-prob of each sampled token. Flat (`flat_logprobs`): a few lists per request, where vLLM's default is a
+    {token_id: Logprob} dict per position; those objects, 65k alive at 256 sequences of 256 tokens, made Python's
+    full garbage collections last hundreds of ms, freezing the event loop (and late weight receives with it)."""
+    from vllm.logprobs import FlatLogprobs
+
+    lp = c.logprobs
+    if isinstance(lp, FlatLogprobs):  # the sampled token comes first at each position
+        starts = lp.start_indices
+        if [lp.token_ids[s] for s in starts] != list(c.token_ids):
+            raise RuntimeError("vLLM's log-probs do not follow the sampled tokens")
+        return [lp.logprobs[s] for s in starts]
+    return [float(pos[tok].logprob) for tok, pos in zip(c.token_ids, lp, strict=True)]

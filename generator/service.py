@@ -289,7 +289,8 @@ class Generator:
 
     async def _leases(self) -> None:
         room = asyncio.Event()
-        cap = self.cfg.generator.max_inflight_groups
+        cap = self.inflight_cap()
+        log.info("generator %s: up to %d groups in flight", self.id, cap)
         while not self.stopping:
             free = cap - len(self.groups)
             if free <= 0:
@@ -318,6 +319,13 @@ class Generator:
                 task.add_done_callback(lambda t: (self._settled(self.groups.pop(t, None)), room.set()))
         while self.groups:  # draining: let the groups in flight finish
             await asyncio.sleep(0.05)
+
+    def inflight_cap(self) -> int:
+        """generator.max_inflight_groups, or (0) what the engine runs at once in groups, plus one lease waiting."""
+        if self.cfg.generator.max_inflight_groups:
+            return self.cfg.generator.max_inflight_groups
+        seqs = self.engine.concurrent_sequences()
+        return -(-seqs // max(1, self.welcome.group_size)) + self.cfg.generator.lease_size
 
     def _settled(self, lease_id: int | None) -> None:
         """A group of `lease_id` is done (sent, failed or cancelled): the lease is off the books once all are."""

@@ -153,12 +153,16 @@ class GeneratorConfig:
     rollout: str = "generator.rollout:single_turn"
     """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py); e.g.
     `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss)."""
-    max_inflight_groups: int = 32
-    """Groups a generator keeps in its engine at once."""
+    max_inflight_groups: int = 0
+    """Groups a generator keeps in its engine at once. 0: what its engine runs at once (`max_num_seqs`, fewer when
+    the KV cache holds fewer sequences of `max_model_len`) over the group size, plus one lease waiting, so the
+    engine's batch stays full while finished groups are replaced. The hub's staleness window bounds it further:
+    a generator never holds more than (max_staleness + 1) batches."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of the GPU's memory for weights and KV cache."""
     max_num_seqs: int = 256
-    """vLLM: maximum concurrent sequences."""
+    """vLLM: maximum concurrent sequences. 0: vLLM's default for the device (1024 on GPUs of 70 GB or more but
+    A100s, 256 on others)."""
     max_model_len: int = 256
     """vLLM: maximum prompt + completion length."""
     enforce_eager: bool = True

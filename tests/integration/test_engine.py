@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -26,6 +27,12 @@ def _new_weights(path: str, scale: float) -> bytes:
     return serialize(model.state_dict().items())
 
 
+def _logprob_objects() -> int:
+    from vllm.logprobs import Logprob
+
+    return sum(isinstance(o, Logprob) for o in gc.get_objects())
+
+
 def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
     cfg = load_config(None, ["generator.max_num_seqs=16"])
     from pipeline.config import apply_environment
@@ -41,6 +48,13 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
         engine = Engine(cfg, path, seed=0, eos_id=1)
         try:
             before = await engine.weights_checksum()
+            assert engine.concurrent_sequences() == 16  # max_num_seqs: its KV cache holds more sequences of 256
+            # log-probs are kept flat: no object per generated token for the garbage collector to walk
+            probe, seen = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long)), []
+            while not probe.done():
+                seen.append(_logprob_objects())
+                await asyncio.sleep(0.05)
+            assert len((await probe)[0].logprobs) == 240 and len(seen) > 2 and max(seen) == 0
             # inflight: a long request keeps running across the update and records both versions
             engine.mode = "inflight"
             task = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long))
@@ -50,6 +64,7 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             outs = await task
             assert {(o.first_version, o.last_version) for o in outs} == {(0, 1)}
             assert {(len(o.token_ids), len(o.logprobs)) for o in outs} == {(240, 240)}
+            assert all(-50 < lp <= 0 for o in outs for lp in o.logprobs)
             after = await engine.weights_checksum()
             assert after == pytest.approx(before * 1.1, rel=1e-4)  # the new weights are really in place
             # drain: the update waits for the running request, which therefore never mixes versions

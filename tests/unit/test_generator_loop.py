@@ -31,6 +31,10 @@ class FakeEngine:
         self.loaded: list[tuple[int, int]] = []
         self.last_swap_ms: dict[str, float] = {}
         self.is_dead = False
+        self.seqs = 64  # sequences it runs at once
+
+    def concurrent_sequences(self) -> int:
+        return self.seqs
 
     def dead(self) -> bool:
         return self.is_dead
@@ -162,6 +166,33 @@ async def test_a_drain_is_reported_at_once_and_takes_no_more_broadcasts(tmp_path
     mine = [e["event"] for e in events if e.get("generator") == gen.id and e["event"] in ("drain", "leave")]
     assert mine == ["drain", "leave"]
     assert engine.collective_loads == []
+
+
+class HoldingEngine(FakeEngine):
+    """Holds every request until released."""
+
+    def __init__(self, seqs: int):
+        super().__init__()
+        self.seqs, self.release = seqs, asyncio.Event()
+
+    async def generate(self, prompt_ids, n, sampling, seed=None):
+        await self.release.wait()
+        return await super().generate(prompt_ids, n, sampling, seed)
+
+
+async def test_groups_in_flight_are_sized_from_what_the_engine_runs_at_once(tmp_path):
+    """max_inflight_groups 0: the engine's concurrent sequences over the group size, plus one lease waiting; the
+    staleness window (here 4 batches of 4 groups) would allow more."""
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 3, "total_steps": 100},
+                            "generator": {"lease_size": 3}, "hub": {"heartbeat_s": 0.2}})
+    engine = HoldingEngine(seqs=7)
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: len(gen.groups) >= 7)
+        await asyncio.sleep(0.5)  # room for more leases, if it asked for them
+        assert len(gen.groups) == 7 == gen.inflight_cap()  # ceil(7 / 2) + 3
+        engine.release.set()
+        await _until(lambda: len(hub.ledger.buffer) >= 16)  # released: the whole window fills
+        assert len(hub.ledger.buffer) == 16
 
 
 class FlakyEngine(FakeEngine):
