@@ -70,6 +70,7 @@ async def main(args) -> dict:
     from generator.engine import Engine
     from generator.service import Generator
     from pipeline.config import config_from_dict
+    from pipeline.tasks import encode_prompt
 
     model_dir = model_from_args(args)
     model = str(model_dir)
@@ -81,32 +82,34 @@ async def main(args) -> dict:
     t0 = time.perf_counter()
     engine = Engine(cfg, model, seed=0, eos_id=tok.eos_token_id)
     engine_start_s = time.perf_counter() - t0
-    gen = Generator(cfg, engine, tok, "tcp://127.0.0.1:1")
-    gen.welcome = SimpleNamespace(group_size=args.n)
-    gen.push = _Sink()
-    prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
-    prompt_ids = [gen._encode(p) for p in prompts]
-    sampling = P.Sampling(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
-    warm = dataclasses.replace(sampling, max_tokens=16)
-    await _bare(engine, prompt_ids[:32], args.n, warm, "warm")
-    await _ours(gen, prompts[:32], warm, 10_000)
-    rounds = []
-    for r in range(args.rounds):  # alternating which goes first, so a drift over time favours neither
-        timed = {}
-        for way in (("bare", "ours") if r % 2 == 0 else ("ours", "bare")):
-            t = time.perf_counter()
-            if way == "bare":
-                tokens = await _bare(engine, prompt_ids, args.n, sampling, f"b{r}")
-            else:
-                tokens = await _ours(gen, prompts, sampling, r)
-            timed[way] = (tokens, time.perf_counter() - t)
-        (bare_tok, bare_s), (ours_tok, ours_s) = timed["bare"], timed["ours"]
-        rounds.append({"bare_tokens": bare_tok, "bare_s": bare_s, "bare_tok_s": bare_tok / bare_s,
-                       "ours_tokens": ours_tok, "ours_s": ours_s, "ours_tok_s": ours_tok / ours_s,
-                       "ratio": (ours_tok / ours_s) / (bare_tok / bare_s)})
-        print(f"round {r}: bare {bare_tok / bare_s:.0f} tok/s, ours {ours_tok / ours_s:.0f} tok/s, "
-              f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
-    engine.shutdown()
+    try:
+        gen = Generator(cfg, engine, tok, "tcp://127.0.0.1:1")
+        gen.welcome = SimpleNamespace(group_size=args.n)
+        gen.push = _Sink()
+        prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+        prompt_ids = [encode_prompt(tok, cfg.data, p) for p in prompts]
+        sampling = P.Sampling(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
+        warm = dataclasses.replace(sampling, max_tokens=16)
+        await _bare(engine, prompt_ids[:32], args.n, warm, "warm")
+        await _ours(gen, prompts[:32], warm, 10_000)
+        rounds = []
+        for r in range(args.rounds):  # alternating which goes first, so a drift over time favours neither
+            timed = {}
+            for way in (("bare", "ours") if r % 2 == 0 else ("ours", "bare")):
+                t = time.perf_counter()
+                if way == "bare":
+                    tokens = await _bare(engine, prompt_ids, args.n, sampling, f"b{r}")
+                else:
+                    tokens = await _ours(gen, prompts, sampling, r)
+                timed[way] = (tokens, time.perf_counter() - t)
+            (bare_tok, bare_s), (ours_tok, ours_s) = timed["bare"], timed["ours"]
+            rounds.append({"bare_tokens": bare_tok, "bare_s": bare_s, "bare_tok_s": bare_tok / bare_s,
+                           "ours_tokens": ours_tok, "ours_s": ours_s, "ours_tok_s": ours_tok / ours_s,
+                           "ratio": (ours_tok / ours_s) / (bare_tok / bare_s)})
+            print(f"round {r}: bare {bare_tok / bare_s:.0f} tok/s, ours {ours_tok / ours_s:.0f} tok/s, "
+                  f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
+    finally:
+        engine.shutdown()  # an error above must not leave the engine's process holding the GPU
     bare = sum(x["bare_tokens"] for x in rounds) / sum(x["bare_s"] for x in rounds)
     ours = sum(x["ours_tokens"] for x in rounds) / sum(x["ours_s"] for x in rounds)
     return {"bare_tok_s": bare, "ours_tok_s": ours, "ratio": ours / bare, "target": 0.95,
@@ -136,7 +139,8 @@ def cli() -> None:
     metrics = asyncio.run(main(args))
     from bench.common import result_name, write_result
 
-    name = result_name("generator_overhead", args.model_size, "eager" if args.enforce_eager else "graphs")
+    name = result_name("generator_overhead", args.model_size, "eager" if args.enforce_eager else "graphs",
+                       f"seqs{args.max_num_seqs}" if args.max_num_seqs != 256 else "")
     write_result(name, "python -m bench.generator_overhead " + " ".join(sys.argv[1:]),
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16, enforce_eager={bool(args.enforce_eager)}",
                  metrics,

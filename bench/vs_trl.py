@@ -58,7 +58,11 @@ def main() -> int:
     data = write_dataset(run_dir / "prompts.jsonl", rows=4096, prompt_tokens=(WORKLOAD["prompt_tokens"] + 1) // 2)
     # (a letter and a space: 2 tokens of the bench tokenizer as transformers loads it, as in bench.pipeline_speedup)
     trl = run_trl(args, model, data, run_dir)
-    ours = {f"k{k}": run_ours(args, model, k) for k in map(int, args.ks.split(","))}
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.gpus == 1:
+        ours = {f"k{k}": run_ours(args, model, str(k))[f"k{k}"] for k in ks}
+    else:  # one pipeline, k changed while it runs (a phase per k)
+        ours = run_ours(args, model, args.ks)
     ratios = {k: o["steps_per_min"] / trl["steps_per_min"] for k, o in ours.items()
               if o.get("steps_per_min") and trl.get("steps_per_min")}
     if ratios:
@@ -102,31 +106,36 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
     return result | {"gpu0_memory_peak_gib": peak[0] / 2**30}
 
 
-def run_ours(args, model: str, k: int) -> dict:
-    """bench.colocated (1 GPU) or bench.pipeline_speedup (2 GPUs) at max_staleness k, read from its result."""
-    name = f"vs_trl_ours_{args.gpus}gpu_k{k}"
+def run_ours(args, model: str, ks: str) -> dict:
+    """bench.colocated (1 GPU, one k) or bench.pipeline_speedup (2 GPUs, a phase per k) at max_staleness `ks`,
+    read from its result: {"k0": figures, ...}."""
+    name = f"vs_trl_ours_{args.gpus}gpu_k{ks.replace(',', '')}"
+    limit = args.timeout * len(ks.split(","))
     w = WORKLOAD
     common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",
               str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
               "--name", name, *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else [])]
     if args.gpus == 1:
-        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", str(k), "--enforce-eager", "0",
+        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--enforce-eager", "0",
                 "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
     else:
-        argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", str(k),
-                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(args.timeout)]
+        argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", ks,
+                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit)]
     child = start_child(name, [sys.executable, "-m", *argv], RUNS / f"{name}.log")
     try:
-        child.proc.wait(args.timeout + 120)
+        child.proc.wait(limit + 120)
+    except subprocess.TimeoutExpired:
+        pass  # stopped below; its result, if any, is read
     finally:
         child.stop(grace=10)
     path = RESULTS / f"{name}.json"
+    command = {"command": "python -m " + " ".join(argv)}
     if not path.exists():
-        return {"error": child.tail(20)}
+        return {f"k{k}": command | {"error": child.tail(20)} for k in ks.split(",")}
     metrics = json.loads(path.read_text())["metrics"]
-    if args.gpus == 2:  # pipeline_speedup: one phase per k
-        metrics = metrics.get("phases", {}).get(f"k{k}", metrics)
-    return {"command": "python -m " + " ".join(argv)} | metrics
+    if args.gpus == 1:
+        return {f"k{ks}": command | metrics}
+    return {f"k{k}": command | metrics.get("phases", {}).get(f"k{k}", {"error": "no phase"}) for k in ks.split(",")}
 
 
 if __name__ == "__main__":
