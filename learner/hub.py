@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import random
 import threading
 import time
@@ -383,7 +384,7 @@ class Hub:
         with self.lock:
             return self.lock.wait_for(lambda: not self.registry.generators, timeout)
 
-    def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | None, to: list[str] | None = None,
+    def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | mmap.mmap | None, to: list[str] | None = None,
                  delta: bytes | None = None, transports: set[str] | None = None) -> None:
         """Serve `blob` for zmq generators and push the announcement (any thread). A file announcement goes to
         every generator of `transports` (a later one gets it after its Welcome); a collective one to the

@@ -58,15 +58,45 @@ def write_private(path: Path, data) -> None:
 
 def write_shm(run_id: str, version: int, blob: bytes, keep: int = 2) -> str:
     """Write the blob for `version` atomically; remove all but the newest `keep` versions."""
+    path = _shm_path(run_id, version)
+    write_private(path, blob)
+    _remove_old(path.parent, version, keep)
+    return str(path)
+
+
+def serialize_to_shm(run_id: str, version: int, named, keep: int = 2) -> tuple[str, mmap.mmap]:
+    """`weights.plan.serialize` straight into the shm file of `version` (atomically, as write_shm): one copy of
+    each tensor, not a blob then a write. Returns the path and the file's memory map, which serves as the blob
+    (zmq pulls, deltas) and outlives the file's removal."""
+    from weights.plan import serialize
+
+    path = _shm_path(run_id, version)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        def mapped(size: int) -> mmap.mmap:
+            os.ftruncate(fd, size)
+            return mmap.mmap(fd, size)
+
+        blob = serialize(named, mapped)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _remove_old(path.parent, version, keep)
+    return str(path), blob
+
+
+def _shm_path(run_id: str, version: int) -> Path:
     d = shm_dir(run_id)
     if not (d / "owner").exists():
         private_dir(d)
-    path = d / f"weights-v{version}.safetensors"
-    write_private(path, blob)
+    return d / f"weights-v{version}.safetensors"
+
+
+def _remove_old(d: Path, version: int, keep: int) -> None:
     for old in d.glob("weights-v*.safetensors"):
         if int(old.stem.split("-v")[1]) <= version - keep:
             old.unlink(missing_ok=True)
-    return str(path)
 
 
 def remove_dir(d: Path) -> None:
@@ -223,10 +253,10 @@ class FileSender:
         from weights.plan import checksum, serialize
 
         start = time.perf_counter()
-        blob = serialize(named)
-        shm_path = ""
         if self.transport == "shm" or self.hub.uses_transport("shm"):
-            shm_path = write_shm(self.run_id, version, blob)
+            shm_path, blob = serialize_to_shm(self.run_id, version, named)
+        else:
+            shm_path, blob = "", serialize(named)
         file, diff = P.FileVersion(len(blob), checksum(blob), shm_path), None
         if self.delta and self._last is not None and self._last[0] == version - 1:
             diff = delta.encode(self._last[1], blob)

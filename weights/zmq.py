@@ -8,6 +8,7 @@ served chunk by chunk to registered generators, a few chunks in flight per peer)
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 
 from pipeline import protocol as P
@@ -22,7 +23,7 @@ class Blobs:
         self.by_version: dict[int, bytes] = {}
         self.deltas: dict[int, bytes] = {}  # weights.delta: version -> the delta from the version before
 
-    def put(self, version: int, blob: bytes | bytearray, delta: bytes | None = None) -> None:
+    def put(self, version: int, blob: bytes | bytearray | mmap.mmap, delta: bytes | None = None) -> None:
         self.by_version[version] = blob
         if delta is not None:
             self.deltas[version] = delta

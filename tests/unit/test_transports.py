@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, load_file, save
 
 from pipeline import protocol as P
-from weights.files import ChecksumMismatch, remove_shm, write_shm
+from weights.files import ChecksumMismatch, remove_shm, serialize_to_shm, write_shm
 from weights.plan import checksum, serialize
 from weights.shm import ShmReceiver
 from weights.zmq import ZmqReceiver
@@ -76,6 +76,39 @@ async def test_shm_falls_back_to_zmq_for_versions_not_in_shared_memory(zmq_pulls
     assert await receiver.fetch(ready(2, 10, 0, "/dev/shm/pipeline-gone/weights-v2.safetensors")) == "via-zmq"
     assert zmq_pulls == [1, 2]
     assert receiver.via == "zmq"  # what the generator reports in its weights_applied event
+
+
+def test_a_version_serialised_into_shared_memory_is_its_blob_and_outlives_the_files_removal():
+    """serialize_to_shm writes the blob straight into the file: the same bytes as serialize, read back by
+    safetensors; its memory map still serves zmq pulls once the file of an old version is removed."""
+    named = [("b", torch.randn(3, 5).to(torch.bfloat16)), ("a", torch.arange(7)),
+             ("h", torch.randn(4, 6, dtype=torch.float16).t())]
+    try:
+        path, blob = serialize_to_shm("unit-ser", 3, named)
+        assert bytes(blob) == bytes(serialize(named)) and Path(path).read_bytes() == bytes(blob)
+        back = load_file(path)
+        assert all(torch.equal(back[n], t) for n, t in named)
+        assert not list(Path(path).parent.glob("*.tmp"))
+        serialize_to_shm("unit-ser", 5, named)  # keeps the newest two: 3 goes
+        assert not Path(path).exists() and bytes(blob) == bytes(serialize(named))
+        assert checksum(blob) == checksum(serialize(named))
+    finally:
+        remove_shm("unit-ser")
+
+
+def test_the_checksum_summed_in_segments_is_zlibs_crc32(monkeypatch):
+    import os
+    import zlib
+
+    import weights.plan
+
+    for segment in (1, 7, 4096):  # segments of every size, the last one short
+        monkeypatch.setattr(weights.plan, "CRC_SEGMENT", segment)
+        for n in (0, 1, segment, 3 * segment + 5, 50 * segment + 3):
+            data = os.urandom(n)
+            assert checksum(data) == zlib.crc32(data), (segment, n)
+            assert checksum(bytearray(data)) == zlib.crc32(data)
+    assert weights.plan.crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b""), 0) == zlib.crc32(b"ab")
 
 
 def test_old_versions_are_removed_from_shared_memory():
