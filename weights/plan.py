@@ -138,24 +138,15 @@ def checksum(blob) -> int:
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine: appending len2 zero bytes
     to A is a linear map over GF(2), applied by repeated squaring)."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four
-    while True:  # then one byte, two, four...: apply those of len2's bits
-        even = _gf2_square(odd)
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    for _ in range(3):  # eight: one zero byte
+        op = _gf2_square(op)
+    while len2 > 0:  # then 2, 4, 8... bytes: apply those of len2's bits
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = _gf2_square(op)
     return crc1 ^ crc2
 
 
