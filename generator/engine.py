@@ -214,7 +214,8 @@ class Engine:
 
 class _Receivers:
     """The generator's end of the workers' receiver threads (generator.worker_ext.Receiver): one PAIR socket
-    each. `receive` announces a version to all of them and waits until every one has it in its buffers."""
+    each. `receive` asks all of them for a version (each started receiving it when the learner announced it on
+    the group's store) and waits until every one has it in its buffers."""
 
     def __init__(self, addresses: list[str], manifest: list):
         import zmq
@@ -235,7 +236,11 @@ class _Receivers:
 
         for sock in self.socks:
             await sock.send(msgpack.packb(version))
-        replies = await asyncio.wait_for(asyncio.gather(*(s.recv() for s in self.socks)), timeout_s + 10)
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*(s.recv() for s in self.socks)), timeout_s + 10)
+        except TimeoutError:  # a receive that started answers within timeout_s: this one never did
+            raise RuntimeError(f"nccl transport: weights v{version} not received within {timeout_s + 10:g} s "
+                               "(never announced to the workers)") from None
         replies = [msgpack.unpackb(r) for r in replies]
         for got, _, error in replies:
             if error or got != version:

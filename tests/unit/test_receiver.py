@@ -1,7 +1,8 @@
 """The staged receive's thread (generator.worker_ext.Receiver) and the generator's end of it
-(generator.engine._Receivers), over a real gloo group and real ZeroMQ sockets in one process: each
-announced version arrives whole while nothing else waits on it, a stale or missing version is refused,
-and a learner that never sends fails the receive with its reason."""
+(generator.engine._Receivers), over a real gloo group, its TCPStore and real ZeroMQ sockets in one process:
+each version the learner announces on the store is received whole before the generator asks for it, a stale
+or missing version is refused, and a learner that never sends, or never announces, fails the receive with
+its reason."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from generator.engine import _Receivers
 from generator.worker_ext import WeightLoader
 from pipeline.netutil import free_port
-from weights.nccl import make_group
+from weights.nccl import Peer, make_group
 from weights.plan import Packer, manifest
 
 TIMEOUT_S = 5.0
@@ -31,8 +32,9 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 class FakeWorker(WeightLoader):
     """The worker extension without vLLM: loading records what it was given."""
 
-    def __init__(self, group):
+    def __init__(self, group, port: int):
         self._collective, self._collective_backend = group, "gloo"
+        self._rendezvous = ("127.0.0.1", port, 2)
         self.loaded: list[dict[str, torch.Tensor]] = []
 
     def _load_named(self, named: list) -> None:
@@ -41,7 +43,8 @@ class FakeWorker(WeightLoader):
 
 @pytest.fixture
 def groups():
-    """A learner (rank 0) and a generator worker (rank 1) in one gloo group."""
+    """A learner (its Peer and group: rank 0) and a generator worker (rank 1) in one gloo group, and the port
+    of the group's store."""
     port = free_port()
     stores = [dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30),
                             wait_for_workers=False) for rank in (0, 1)]
@@ -55,7 +58,7 @@ def groups():
         t.start()
     for t in threads:
         t.join()
-    return out[0], out[1]
+    return Peer("g", stores[0], 2, -1), out[0], out[1], port
 
 
 def _send(learner_group, weights: dict) -> None:
@@ -66,16 +69,17 @@ def _send(learner_group, weights: dict) -> None:
 
 
 async def test_each_announced_version_is_received_whole_then_applied(groups) -> None:
-    learner, gen = groups
-    worker = FakeWorker(gen)
+    peer, learner, gen, port = groups
+    worker = FakeWorker(gen, port)
     plan = manifest(_weights(1).items())
     receivers = _Receivers([worker.prepare_staging(plan, TIMEOUT_S)], plan)
     try:
         for version in (1, 2, 3):
             sent = _weights(version)
-            sending = asyncio.create_task(asyncio.to_thread(_send, learner, sent))
+            peer.announce(version)
+            # the broadcast ends before the generator asks: the store, not the generator, started the receive
+            await asyncio.wait_for(asyncio.to_thread(_send, learner, sent), TIMEOUT_S * 2)
             ms = await receivers.receive(version, TIMEOUT_S)
-            await sending
             assert ms >= 0
             stale = f"weights v{version + 1} to apply, but the receiver holds v{version}"
             with pytest.raises(RuntimeError, match=stale):
@@ -95,12 +99,27 @@ async def test_each_announced_version_is_received_whole_then_applied(groups) -> 
 
 
 async def test_a_learner_that_never_sends_fails_the_receive(groups) -> None:
-    _, gen = groups
-    worker = FakeWorker(gen)
+    peer, _, gen, port = groups
+    worker = FakeWorker(gen, port)
     plan = manifest(_weights(1).items())
     receivers = _Receivers([worker.prepare_staging(plan, 1.0)], plan)
     try:
+        peer.announce(1)
         with pytest.raises(RuntimeError, match="weights v1 not received: .*"):
+            await receivers.receive(1, 1.0)
+        assert worker.loaded == []
+    finally:
+        receivers.close()
+        worker.drop_staging()
+
+
+async def test_a_version_never_announced_fails_the_receive(groups) -> None:
+    _, _, gen, port = groups
+    worker = FakeWorker(gen, port)
+    plan = manifest(_weights(1).items())
+    receivers = _Receivers([worker.prepare_staging(plan, 1.0)], plan)
+    try:
+        with pytest.raises(RuntimeError, match=r"weights v1 not received within 11 s \(never announced"):
             await receivers.receive(1, 1.0)
         assert worker.loaded == []
     finally:
