@@ -3,7 +3,8 @@ sharing GPU 0 with split memory (vLLM's `gpu_memory_utilization`, the learner th
 
 The config's placement and memory split as shipped, with a random-weight model of Qwen2.5-0.5B's shape
 and the bench dataset and reward in place of the embedded toy task. Reports steps/min, the weight
-transport `auto` picked (shm: nccl cannot put both ends on one device), the GPU memory peak (NVML),
+transport `auto` picked (ipc: CUDA IPC from the learner's buffers; `--transport shm` for the file path), the
+GPU memory peak (NVML),
 and whether the run completed.
 
     python -m bench.colocated --steps 20 [--batch-size 32 --group-size 8 --prompt-tokens 64 --max-tokens 256
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: the config's)")
     p.add_argument("--enforce-eager", type=int, default=None, help="0: CUDA graphs (default: the config's)")
     p.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the config's)")
+    p.add_argument("--transport", default=None, help="weights.transport (default: the config's, auto: ipc)")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--name", default=None, help="result file name (default: colocated_SIZE_MACHINE)")
     args = p.parse_args()
@@ -74,6 +76,8 @@ def main() -> None:
         cfg["generator"]["max_num_seqs"] = args.max_num_seqs
     if args.enforce_eager is not None:
         cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
+    if args.transport is not None:
+        cfg["weights"]["transport"] = args.transport
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / "colocated.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))

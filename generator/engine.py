@@ -23,7 +23,7 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from pipeline.config import Config
 
@@ -145,6 +145,10 @@ class Engine:
         stopped_ms = await self._swap(version, "apply_collective", (version,))
         self.last_swap_ms["receive"] = receive_ms
         return stopped_ms
+
+    async def load_ipc(self, version: int, manifest: list, ipc) -> float:
+        """Swap in weights `version` from the learner's buffers on this GPU (ipc transport; ipc: P.IpcHandles)."""
+        return await self._swap(version, "apply_ipc", (manifest, asdict(ipc)))
 
     async def init_collective(self, host: str, info) -> None:
         """Join a (new) process group with the learner; a receiver of the previous group is dropped."""

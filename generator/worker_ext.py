@@ -151,6 +151,23 @@ class WeightLoader:
             rec.free.set()  # the buffers may take the next version
         return [(time.perf_counter() - start) * 1000, note]
 
+    def apply_ipc(self, manifest: list, ipc: dict) -> list:
+        """Copy a version out of the learner's buffers, shared over CUDA IPC (weights/ipc.py), into the weights
+        between two engine steps; the buffers are opened once (again when the learner's handles change)."""
+        from pipeline import protocol as P
+        from weights.ipc import open_buffers
+        from weights.plan import buckets, unpack
+
+        start = time.perf_counter()
+        handles = P.IpcHandles(ipc["uuid"], [P.IpcBuffer(**b) for b in ipc["buffers"]])
+        if getattr(self, "_ipc", None) is None or self._ipc[0] != handles:
+            self._ipc, self._copies = (handles, open_buffers(handles, manifest, self.device)), None
+        flats = self._ipc[1]
+        named = [nt for (idx, offs, _), flat in zip(buckets(manifest), flats, strict=True)
+                 for nt in unpack(flat, manifest, idx, offs)]
+        note = self._in_step_gap(lambda: self._copy_in(manifest, named, flats))
+        return [(time.perf_counter() - start) * 1000, note]
+
     def _copy_in(self, manifest: list, named: list, staging: list | None) -> str:
         """Load `named` (views of the staging buffers); returns a note for the log. On GPUs the first version
         goes through load_weights while its copies are recorded; the second is replayed, then checked against

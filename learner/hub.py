@@ -199,6 +199,7 @@ class Hub:
 
     def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
         gen.version = msg.version
+        self.weights.applied(msg.generator_id, msg.version)
         self.journal.event("weights_applied", generator=msg.generator_id, version=msg.version, load_ms=msg.load_ms,
                     via=msg.via)
         return P.Ack()

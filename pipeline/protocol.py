@@ -330,6 +330,27 @@ class FileVersion:
 
 
 @dataclass
+class IpcBuffer:
+    """One of the learner's shared buckets (the ipc transport): torch's CUDA IPC handle of its storage."""
+
+    handle: bytes
+    size: int  # bytes of the storage
+    offset: int  # of the storage in its CUDA allocation
+    ref_handle: bytes  # torch's reference count of the storage across processes
+    ref_offset: int
+    event: bytes
+    event_sync: bool
+
+
+@dataclass
+class IpcHandles:
+    """The learner's shared buckets on its GPU, one per bucket of the manifest (weights/ipc.py)."""
+
+    uuid: str = text(64)  # of the learner's GPU
+    buffers: list[IpcBuffer] = field(default_factory=list)
+
+
+@dataclass
 class WeightsReady(Message):
     """A new weights version: pushed by the hub on a generator's control connection (the one route)."""
 
@@ -337,7 +358,8 @@ class WeightsReady(Message):
     version: int
     published_at: float = 0.0  # learner's time.time() at the end of the optimizer step
     file: FileVersion | None = None  # file transports: the blob to fetch
-    manifest: list = field(default_factory=list)  # nccl: [[name, dtype, shape], ...], broadcast now in this order
+    manifest: list = field(default_factory=list)  # nccl, ipc: [[name, dtype, shape], ...], the buckets' layout
+    ipc: IpcHandles | None = None  # ipc: the buffers holding this version
 
 
 def check_rollout(group: RolloutGroup, group_size: int) -> None:

@@ -5,11 +5,13 @@
     shm        files.FileSender: the blob in /dev/shm   shm.ShmReceiver: reads the learner's file (same host)
     nccl       nccl.NcclSender: broadcasts from the     nccl.NcclReceiver, and generator/worker_ext.py inside vLLM's
                learner's GPU (gloo on CPU)              workers
+    ipc        ipc.IpcSender: buckets shared over CUDA  ipc.IpcReceiver: the engine's workers copy them into the
+               IPC on the learner's GPU                 weights (a generator on the learner's own GPU)
 What a version is made of (manifest, buckets, the safetensors blob) is weights/plan.py, which both sides use.
 The hub picks a generator's transport once, at registration (`pick`), and names it in the Welcome; the
 generator builds the receiver of that name (`receiver`). A version reaches a generator by one route: a
 WeightsReady the hub pushes on the generator's control connection (`file` for the file transports, a
-`manifest` for nccl).
+`manifest` for nccl, with the buffers' handles for ipc).
 
 A sender (learner/publisher.py drives it; rank 0 only):
     available() -> bool                      (static) usable here, for `weights.transport: auto`
@@ -20,12 +22,13 @@ A sender (learner/publisher.py drives it; rank 0 only):
     bucket(flat)                             one packed bucket (on `device`, None: wherever the learner packs)
     wanted() -> bool                         wants the version's CPU copy: `send` runs in the background
     send(version, named, published_at)
+    on_applied(generator_id, version)        a generator applied a version (hub thread, hub lock held)
     metrics() -> dict                        of the last version
     transports                               set by `senders`: the transports it serves
     latest                                   set by the publisher: latest(fn, background=False) calls
                                              fn(version, named) with the newest version's CPU copy (late joiners)
 Adding a transport: its sender, its receiver, its line in TRANSPORTS, and its name among the choices of
-`weights.transport` (pipeline/config.py); `auto` picks among nccl, shm and zmq only (`pick`).
+`weights.transport` (pipeline/config.py); `auto` picks among ipc, nccl, shm and zmq (`pick`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ TRANSPORTS = {  # name: (the learner's sender, the generator's receiver); sender
     "zmq": ("weights.files:FileSender", "weights.zmq:ZmqReceiver"),
     "shm": ("weights.files:FileSender", "weights.shm:ShmReceiver"),
     "nccl": ("weights.nccl:NcclSender", "weights.nccl:NcclReceiver"),
+    "ipc": ("weights.ipc:IpcSender", "weights.ipc:IpcReceiver"),
 }
 
 
@@ -68,13 +72,18 @@ def receiver(transport: str, client, chunk_mb: int, generator_id: str):
 
 
 def pick(configured: str, register, learner_boot_id: str, learner_gpus: list[str], senders: dict) -> str:
-    """The transport of a registering generator. `auto`: nccl when the learner has a collective transport (GPUs)
-    and the generator reports GPUs other than the learner's (and its group never failed); else shm on the
-    learner's host, zmq across hosts."""
+    """The transport of a registering generator. `auto`: ipc for a one-GPU generator on the learner's own GPU;
+    nccl when the learner has a collective transport (GPUs) and the generator reports GPUs other than the
+    learner's; else shm on the learner's host, zmq across hosts. A generator that failed ipc or nccl once is
+    not given it again."""
     if configured != "auto":
         return configured
     same_host = bool(register.boot_id) and register.boot_id == learner_boot_id
     shares_gpu = same_host and bool(set(register.gpus.split(",")) & set(learner_gpus))
+    ipc = senders.get("ipc")
+    if (ipc is not None and same_host and register.gpus == learner_gpus[0] and register.tensor_parallel == 1
+            and register.generator_id not in ipc.failed):
+        return "ipc"
     nccl = senders.get("nccl")
     if nccl is not None and register.gpus and not shares_gpu and register.generator_id not in nccl.failed:
         return "nccl"

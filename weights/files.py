@@ -267,6 +267,9 @@ class FileSender:
         self.sizes = (len(blob), len(diff) if diff is not None else 0)
         self.serialize_ms = (time.perf_counter() - start) * 1000
 
+    def on_applied(self, generator_id: str, version: int) -> None:
+        pass
+
     def _send_newest(self, version: int, named) -> None:
         last = self.hub.weights.last_ready
         if last is None or last.version < version:

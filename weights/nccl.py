@@ -129,6 +129,9 @@ class NcclSender:
     def send(self, version: int, named, published_at: float) -> None:
         pass
 
+    def on_applied(self, generator_id: str, version: int) -> None:
+        pass
+
     def metrics(self) -> dict:
         return {}
 
@@ -232,7 +235,7 @@ class NcclReceiver:
         pass  # the group is made at `start`, from the Welcome
 
     def accepts(self, ready: P.WeightsReady) -> bool:
-        return bool(ready.manifest)
+        return bool(ready.manifest) and ready.ipc is None
 
     async def start(self, engine, host: str, welcome: P.Welcome) -> None:
         await engine.init_collective(host, welcome.collective)

@@ -44,6 +44,10 @@ class WeightServing:
         for sender in set(self.senders.values()):
             sender.leave(generator_id, again)
 
+    def applied(self, generator_id: str, version: int) -> None:
+        for sender in set(self.senders.values()):
+            sender.on_applied(generator_id, version)
+
     def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | None, to: list[str] | None,
                  delta: bytes | None = None, transports: set[str] | None = None) -> None:
         """A file version goes to every generator of `transports` (None: every one); a broadcast to those in `to`."""

@@ -374,3 +374,29 @@ def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
         peer.close()
     finally:
         hub.stop()
+
+
+def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_hub, monkeypatch):
+    from weights.ipc import IpcSender
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    hub = make_hub()
+    ipc = hub.weights.senders["ipc"] = IpcSender(hub.weights.cfg, hub, "run")
+    hub.weights.senders["nccl"] = FakeNccl(hub)
+    peer = Peer(hub)
+    here = hub.weights._boot_id
+
+    def register(gen_id, gpus, boot=here, tp=1):
+        peer.id = gen_id
+        return peer.ask(P.Register(gen_id, "h", boot, gpus, 1, -1, tensor_parallel=tp, loaded_run="test")).transport
+
+    assert register("a", "3") == "ipc"  # rank 0's GPU (the first visible one), same host
+    assert "a" in ipc.applied
+    assert register("b", "4") == "nccl"  # learner rank 1's GPU: rank 0 broadcasts from GPU 3
+    assert register("d", "3", boot="elsewhere") == "nccl"  # GPU 3 of another host
+    assert register("e", "3,5", tp=2) == "shm"  # tensor parallel: its second worker is on another GPU
+    ipc.failed.add("f")
+    assert register("f", "3") == "shm"
+    hub.weights.applied("a", 0)  # WeightsApplied reaches the sender
+    assert ipc.applied["a"] == 0
+    peer.close()

@@ -1,0 +1,235 @@
+"""The ipc transport: a generator on the learner's own GPU copies each version straight out of the learner's memory.
+
+For the colocated setup (one GPU for learner and generator). The learner keeps one set of flat buckets of
+the model's size on its GPU, shared over CUDA IPC. Each version is packed as for nccl; each bucket is copied
+into its shared buffer, and once the last one is in, `WeightsReady` carries the buffers' handles (`ipc`) to
+the generators of this transport. Their vLLM workers open the handles once and copy the buffers into the
+weights between two engine steps, replaying the copies load_weights made the first time (generator.copyplan),
+as the nccl staged receive does. No file, no checksum, no CPU copy on the way.
+
+One set of buffers: the learner writes version v only once every generator of this transport has applied
+the version before (`WeightsApplied`). At k = 0 that has always happened; otherwise the generator swaps at its
+next engine step. A generator that has not applied it within `weights.collective_timeout_s` is dropped from
+the transport (logged); it registers again with another one. A worker that finds the handles are not of its
+own GPU (compared by UUID) fails the load, and `auto` gives it shm when it registers again.
+
+The handles are CUDA's: any process of this user on the host that can open them reads the weights, as with
+the shm transport's files, and torch keeps a small reference-count file in /dev/shm while they are shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from pipeline import protocol as P
+from weights.plan import Packer, buckets, manifest
+
+log = logging.getLogger(__name__)
+
+
+def export(t: torch.Tensor) -> P.IpcBuffer:
+    """The IPC handle of a contiguous uint8 CUDA tensor that owns its storage."""
+    _, handle, size, offset, ref_handle, ref_offset, event, event_sync = t.untyped_storage()._share_cuda_()
+    return P.IpcBuffer(handle, size, offset, ref_handle, ref_offset, event, event_sync)
+
+
+def check_handles(ipc: P.IpcHandles, manifest: list) -> None:
+    """ProtocolError unless `ipc` holds one buffer, large enough, for each bucket of `manifest`."""
+    plan = buckets(manifest)
+    if len(ipc.buffers) != len(plan):
+        raise P.ProtocolError(f"WeightsReady.ipc: {len(ipc.buffers)} buffers for {len(plan)} buckets")
+    for i, (b, (_, _, size)) in enumerate(zip(ipc.buffers, plan, strict=True)):
+        if b.size < size or b.offset < 0 or b.ref_offset < 0:
+            raise P.ProtocolError(f"WeightsReady.ipc.buffers[{i}]: {b.size} bytes at offset {b.offset} for a bucket "
+                                  f"of {size}")
+
+
+def open_buffers(ipc: P.IpcHandles, manifest: list, device) -> list[torch.Tensor]:
+    """The learner's buffers, opened in this process on `device` (which must be the learner's GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    check_handles(ipc, manifest)
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    mine = str(torch.cuda.get_device_properties(index).uuid)
+    if mine != ipc.uuid:
+        raise RuntimeError(f"ipc transport: the learner's buffers are on GPU {ipc.uuid}, this worker runs on {mine}; "
+                           "the ipc transport needs the learner's own GPU")
+    out = []
+    for b, (_, _, n) in zip(ipc.buffers, buckets(manifest), strict=True):
+        t = rebuild_cuda_tensor(torch.Tensor, (b.size,), (1,), 0, torch.UntypedStorage, torch.uint8, index, b.handle,
+                                b.size, b.offset, False, b.ref_handle, b.ref_offset, b.event, b.event_sync)
+        out.append(t[:n])
+    return out
+
+
+class IpcSender:
+    """The learner's side: one set of shared buckets on its GPU, written when every generator of this transport
+    has applied the version before, then announced with their handles."""
+
+    def __init__(self, cfg, hub, run_id: str):
+        self.hub = hub
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.timeout_s = cfg.weights.collective_timeout_s
+        self.changed = threading.Condition()
+        self.applied: dict[str, int] = {}  # generator id: the version it applied last (-1: none yet)
+        self.failed: set[str] = set()  # dropped, or its workers could not open the buffers: `auto` gives it shm
+        self.latest = None  # set by the publisher
+        self.transports = {"ipc"}
+        # the publisher (from `begin` to the last bucket) vs. a joiner's first version; taken before the
+        # publisher's own lock on both paths
+        self.write_lock = threading.Lock()
+        self.buffers: list[torch.Tensor] = []
+        self.ipc: P.IpcHandles | None = None  # the buffers' handles, as WeightsReady carries them
+        self.plan: list = []  # the manifest the buffers are laid out for
+        self.written = -1  # the version in the buffers
+        self.wait_ms = 0.0  # of the last version: waiting for generators to apply the one before
+        self._version, self._published_at, self._to, self._next = -1, 0.0, [], 0
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def join(self, register: P.Register, ident: bytes, version: int) -> None:
+        """A generator on the learner's GPU registers: it gets the newest version after its Welcome."""
+        with self.changed:
+            self.applied[register.generator_id] = -1
+        threading.Thread(target=self._catch_up, args=(register.generator_id,), daemon=True,
+                         name=f"ipc-join-{register.generator_id}").start()
+
+    def leave(self, generator_id: str, again: bool = False) -> None:
+        with self.changed:
+            never_applied = self.applied.pop(generator_id, None) == -1
+            self.changed.notify_all()
+        if again and never_applied:  # e.g. its workers are on another GPU: `auto` gives it shm next time
+            self.failed.add(generator_id)
+
+    def on_applied(self, generator_id: str, version: int) -> None:
+        with self.changed:
+            if generator_id in self.applied:
+                self.applied[generator_id] = max(self.applied[generator_id], version)
+                self.changed.notify_all()
+
+    def begin(self, version: int, plan: list, published_at: float) -> bool:
+        """Wait until the buffers are free (every generator applied what they hold), then take the buckets."""
+        with self.changed:
+            to = list(self.applied)
+        if not to:
+            return False
+        self.write_lock.acquire()  # released when the last bucket is in (or at once, below)
+        try:
+            to = self._wait_applied()
+            if not to:
+                self.write_lock.release()
+                return False
+            self._layout(plan)
+        except BaseException:
+            self.write_lock.release()
+            raise
+        self._version, self._published_at, self._to, self._next = version, published_at, to, 0
+        return True
+
+    def bucket(self, flat: torch.Tensor) -> None:
+        self.bucket_in(flat)
+        if self._next == len(self.buffers):
+            try:
+                self._announce(self._version, self._published_at, self._to)
+            finally:
+                self.write_lock.release()
+
+    def wanted(self) -> bool:
+        return False
+
+    def send(self, version: int, named, published_at: float) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {"sync/ipc_wait_ms": self.wait_ms}
+
+    def _catch_up(self, generator_id: str) -> None:
+        """A joiner's first version (a thread of its own): the newest, written from the learner's CPU copy if the
+        buffers hold an older one (no generator of this transport was there when it was published)."""
+        if self.latest is None:
+            return
+        with self.write_lock:
+            self.latest(lambda version, named: self._send_newest(generator_id, version, named))
+
+    def _send_newest(self, generator_id: str, version: int, named: list) -> None:
+        with self.changed:
+            if generator_id not in self.applied:
+                return
+        if self.written == version:
+            self._announce(version, 0.0, [generator_id])
+            return
+        to = self._wait_applied()
+        if generator_id not in to:
+            return
+        plan = manifest(named)
+        self._layout(plan)
+        self._next = 0
+        packer = Packer(plan, self.device, lambda flat, idx, offs: self.bucket_in(flat))
+        for _, t in named:
+            packer.add(t)
+        packer.finish()
+        self._announce(version, 0.0, to)
+
+    def bucket_in(self, flat: torch.Tensor) -> None:
+        self.buffers[self._next][: flat.numel()].copy_(flat)
+        self._next += 1
+
+    def _wait_applied(self) -> list[str]:
+        """Wait until every generator of this transport applied the buffers' version; drop those that do not within
+        the timeout. Returns the generators left."""
+        start = time.perf_counter()
+        with self.changed:
+            done = self.changed.wait_for(lambda: all(v >= self.written for v in self.applied.values()),
+                                         self.timeout_s)
+            if not done:
+                late = [g for g, v in self.applied.items() if v < self.written]
+                for g in late:
+                    log.warning("ipc transport: %s did not apply weights v%d within %.0f s; dropped from the ipc "
+                                "transport (it gets no more versions this way)", g, self.written, self.timeout_s)
+                    del self.applied[g]
+                    self.failed.add(g)
+            to = list(self.applied)
+        self.wait_ms = (time.perf_counter() - start) * 1000
+        return to
+
+    def _layout(self, plan: list) -> None:
+        """Buffers for `plan`'s buckets (kept while the layout stays), and their handles."""
+        if plan == self.plan:
+            return
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for *_, size in buckets(plan)]
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        self.ipc = P.IpcHandles(uuid, [export(b) for b in self.buffers])
+        self.plan = plan
+
+    def _announce(self, version: int, published_at: float, to: list[str]) -> None:
+        torch.cuda.current_stream(self.device).synchronize()  # the copies are in before any generator reads
+        self.written = version
+        self.hub.announce(P.WeightsReady(version, published_at, manifest=self.plan, ipc=self.ipc), None, to=to)
+
+
+class IpcReceiver:
+    """The generator's side: every version is copied out of the learner's buffers by the engine's workers, in
+    order (the learner waits for each to be applied before writing the next)."""
+
+    name = via = "ipc"
+    in_order = True
+
+    def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
+        pass
+
+    def accepts(self, ready: P.WeightsReady) -> bool:
+        return ready.ipc is not None
+
+    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
+        pass
+
+    async def apply(self, ready: P.WeightsReady, engine) -> float:
+        check_handles(ready.ipc, ready.manifest)
+        return await engine.load_ipc(ready.version, ready.manifest, ready.ipc)
