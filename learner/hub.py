@@ -108,6 +108,7 @@ class Hub:
 
     def stop(self) -> None:
         self.server.stop()
+        self.weights.shutdown()
         with self.lock:
             self.lock.notify_all()
 

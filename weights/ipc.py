@@ -14,14 +14,18 @@ the transport (logged); it registers again with another one. A worker that finds
 own GPU (compared by UUID) fails the load, and `auto` gives it shm when it registers again.
 
 The handles are CUDA's: any process of this user on the host that can open them reads the weights, as with
-the shm transport's files, and torch keeps a small reference-count file in /dev/shm while they are shared.
+the shm transport's files. Sharing them makes CUDA create small files in /dev/shm (`cuda.shm.*`, its IPC
+events), which outlive the learner's process; the sender notes the ones made while it exported its buffers
+and removes them at the end of the run (`shutdown`). A learner killed with SIGKILL leaves them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +33,11 @@ from pipeline import protocol as P
 from weights.plan import Packer, buckets, manifest
 
 log = logging.getLogger(__name__)
+SHM = Path("/dev/shm")
+
+
+def _cuda_files() -> set[str]:
+    return {p.name for p in SHM.glob("cuda.shm.*")} if SHM.is_dir() else set()
 
 
 def export(t: torch.Tensor) -> P.IpcBuffer:
@@ -87,6 +96,7 @@ class IpcSender:
         self.ipc: P.IpcHandles | None = None  # the buffers' handles, as WeightsReady carries them
         self.plan: list = []  # the manifest the buffers are laid out for
         self.written = -1  # the version in the buffers
+        self.files: set[str] = set()  # CUDA's files in /dev/shm made while exporting the buffers
         self.wait_ms = 0.0  # of the last version: waiting for generators to apply the one before
         self._version, self._published_at, self._to, self._next = -1, 0.0, [], 0
 
@@ -205,8 +215,19 @@ class IpcSender:
             return
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for *_, size in buckets(plan)]
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        before = _cuda_files()
         self.ipc = P.IpcHandles(uuid, [export(b) for b in self.buffers])
+        self.files |= _cuda_files() - before
         self.plan = plan
+
+    def shutdown(self) -> None:
+        """The run ends: remove CUDA's files of the exports (generators that still map them keep their mapping)."""
+        for name in self.files:
+            try:
+                os.unlink(SHM / name)
+            except FileNotFoundError:
+                pass
+        self.files.clear()
 
     def _announce(self, version: int, published_at: float, to: list[str]) -> None:
         torch.cuda.current_stream(self.device).synchronize()  # the copies are in before any generator reads

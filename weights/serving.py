@@ -44,6 +44,11 @@ class WeightServing:
         for sender in set(self.senders.values()):
             sender.leave(generator_id, again)
 
+    def shutdown(self) -> None:
+        """The run ends: the senders release what they hold outside the process (`shutdown`, where they have one)."""
+        for sender in set(self.senders.values()):
+            getattr(sender, "shutdown", lambda: None)()
+
     def applied(self, generator_id: str, version: int) -> None:
         for sender in set(self.senders.values()):
             sender.on_applied(generator_id, version)

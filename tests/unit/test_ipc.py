@@ -134,3 +134,18 @@ def test_a_broadcast_receiver_leaves_ipc_announcements_alone() -> None:
     assert ipc.IpcReceiver().accepts(ready) and not NcclReceiver().accepts(ready)
     plain = P.WeightsReady(1, manifest=ready.manifest)
     assert NcclReceiver().accepts(plain) and not ipc.IpcReceiver().accepts(plain)
+
+
+def test_cudas_files_made_by_the_export_are_removed_at_the_end_and_no_other(sender, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(ipc, "SHM", tmp_path)
+    (tmp_path / "cuda.shm.0.99.1").write_bytes(b"")  # another process's
+
+    def export(t):
+        (tmp_path / "cuda.shm.0.2b3.1").write_bytes(b"")  # what CUDA makes for the IPC event
+        return P.IpcBuffer(b"h" * 64, t.numel(), 0, b"/torch_1_2", 0, b"e", False)
+
+    monkeypatch.setattr(ipc, "export", export)
+    sender.join(_register("a"), b"", 0)
+    _publish(sender, 1)
+    sender.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda.shm.0.99.1"]
