@@ -49,6 +49,7 @@ class _Active:
 class Engine:
     def __init__(self, cfg: Config, model_path: str, seed: int, eos_id: int | None):
         from vllm import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         g = cfg.generator
@@ -59,7 +60,9 @@ class Engine:
             tensor_parallel_size=g.tensor_parallel_size,
             worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
+        # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
+        self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self.mode = g.update_mode
         self.eos_id = eos_id
         self.version = 0

@@ -161,8 +161,8 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of the GPU's memory for weights and KV cache."""
     max_num_seqs: int = 256
-    """vLLM: maximum concurrent sequences. 0: vLLM's default for the device (1024 on GPUs of 70 GB or more but
-    A100s, 256 on others)."""
+    """vLLM: maximum concurrent sequences. 0: the default of vLLM's offline engine for the device (1024 on GPUs of
+    70 GB or more but A100s, 256 on others and on CPUs), as TRL's colocate mode gets."""
     max_model_len: int = 256
     """vLLM: maximum prompt + completion length."""
     enforce_eager: bool = True
