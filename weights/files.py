@@ -112,7 +112,8 @@ def remove_shm(run_id: str) -> None:
 
 def remove_stale() -> list[Path]:
     """Remove this user's pipeline folders in /dev/shm (and the temp folder) whose owner process is gone: a
-    learner or generator killed with SIGKILL cannot clean up after itself. Returns what was removed."""
+    learner or generator killed with SIGKILL cannot clean up after itself; and the CUDA IPC files of dead
+    processes (`CUDA_IPC`). Returns what was removed."""
     removed = []
     for root in {SHM_ROOT, Path(tempfile.gettempdir())}:
         for d in root.glob("pipeline-*") if root.is_dir() else []:
@@ -126,10 +127,19 @@ def remove_stale() -> list[Path]:
                 _remove_segments(d)
                 remove_dir(d)
                 removed.append(d)
+    for f in SHM_ROOT.iterdir() if SHM_ROOT.is_dir() else []:
+        m = CUDA_IPC.fullmatch(f.name)
+        with contextlib.suppress(OSError):
+            if m and f.stat().st_uid == os.getuid() and not _alive(int(m[1]) if m[1] else int(m[2], 16)):
+                f.unlink()
+                removed.append(f)
     return removed
 
 
 SEGMENT = re.compile(r"psm_[0-9a-f]{8,32}|sem\.mp-[a-z0-9_]{8,16}")  # shared memory, semaphores
+# the ipc transport's: torch's reference counts of CUDA IPC storages (torch_PID_...), CUDA's IPC events
+# (cuda.shm.DEVICE.HEXPID.N); a learner killed with SIGKILL leaves them
+CUDA_IPC = re.compile(r"torch_(\d+)_\d+_\d+|cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
 
 
 def shm_segments() -> set[str]:

@@ -234,7 +234,14 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     assert transports.record_segments(before) == ["psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"]  # the engine's
     recv = transports.receiver_dir()
     (recv / "owner").write_text(dead.stdout.strip())  # its generator and engine were killed with SIGKILL
-    assert sorted(transports.remove_stale()) == sorted([stale, recv])
+    pid = int(dead.stdout)
+    ipc_dead = [tmp_path / f"torch_{pid}_2601234328_0", tmp_path / f"cuda.shm.0.{pid:x}.1"]  # a killed learner's
+    me = os.getpid()
+    ipc_live = [tmp_path / f"torch_{me}_77_0", tmp_path / f"cuda.shm.0.{me:x}.1", tmp_path / "torch_x"]
+    for f in ipc_dead + ipc_live:
+        f.write_bytes(b"")
+    assert sorted(transports.remove_stale()) == sorted([stale, recv, *ipc_dead])
+    assert all(f.exists() for f in ipc_live)
     assert sorted(p.name for p in tmp_path.iterdir() if transports.SEGMENT.fullmatch(p.name)) == ["psm_0000aaaa"]
     assert not stale.exists() and foreign.exists() and path.exists()  # the live process's folder stays
     assert int((path.parent / "owner").read_text()) == os.getpid()
