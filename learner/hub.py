@@ -395,6 +395,12 @@ class Hub:
             self.weights.announce(ready, blob, to, delta, transports)
         self.server.wake()
 
+    def drop(self, generator_id: str, reason: str) -> None:
+        """Forget a generator (any thread; e.g. a weight sender gave up on it): its prompts are leased again, and its
+        next request is told to register again."""
+        with self.lock:
+            self._drop_generator(generator_id, "dropped", reason)
+
     def wants_blobs(self, transports: set[str]) -> bool:
         """Some generator uses one of the transports (a file of each version is needed), or none is registered."""
         with self.lock:

@@ -9,8 +9,9 @@ as the nccl staged receive does. No file, no checksum, no CPU copy on the way.
 
 One set of buffers: the learner writes version v only once every generator of this transport has applied
 the version before (`WeightsApplied`). At k = 0 that has always happened; otherwise the generator swaps at its
-next engine step. A generator that has not applied it within `weights.collective_timeout_s` is dropped from
-the transport (logged); it registers again with another one. A worker that finds the handles are not of its
+next engine step. A generator that has not applied it within `weights.collective_timeout_s` is dropped (by
+the hub too: its prompts are leased again, and its next request tells it to register again, when `auto`
+gives it another transport). A worker that finds the handles are not of its
 own GPU (compared by UUID) fails the load, and `auto` gives it shm when it registers again.
 
 The handles are CUDA's: any process of this user on the host that can open them reads the weights, as with
@@ -198,14 +199,15 @@ class IpcSender:
         with self.changed:
             done = self.changed.wait_for(lambda: all(v >= self.written for v in self.applied.values()),
                                          self.timeout_s)
-            if not done:
-                late = [g for g, v in self.applied.items() if v < self.written]
-                for g in late:
-                    log.warning("ipc transport: %s did not apply weights v%d within %.0f s; dropped from the ipc "
-                                "transport (it gets no more versions this way)", g, self.written, self.timeout_s)
-                    del self.applied[g]
-                    self.failed.add(g)
+            late = [] if done else [g for g, v in self.applied.items() if v < self.written]
+            for g in late:
+                del self.applied[g]
+                self.failed.add(g)
             to = list(self.applied)
+        for g in late:
+            why = f"ipc transport: did not apply weights v{self.written} within {self.timeout_s:.0f} s"
+            log.warning("%s %s; dropped (it registers again, with another transport)", g, why)
+            self.hub.drop(g, why)
         self.wait_ms = (time.perf_counter() - start) * 1000
         return to
 

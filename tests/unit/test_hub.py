@@ -399,4 +399,10 @@ def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_h
     assert register("f", "3") == "shm"
     hub.weights.applied("a", 0)  # WeightsApplied reaches the sender
     assert ipc.applied["a"] == 0
+    peer.id = "a"
+    assert isinstance(peer.ask(P.Heartbeat("a", 0)), P.HeartbeatReply)
+    hub.drop("a", "ipc transport: did not apply weights v1 within 120 s")  # what the sender does to a late one
+    reply = peer.ask(P.Heartbeat("a", 0))
+    assert isinstance(reply, P.Error) and reply.fatal and "register again" in reply.message
+    assert "a" not in ipc.applied
     peer.close()

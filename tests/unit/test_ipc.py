@@ -25,6 +25,10 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 class Hub:
     def __init__(self):
         self.announced: list[tuple[P.WeightsReady, list[str]]] = []
+        self.dropped: list[tuple[str, str]] = []
+
+    def drop(self, generator_id, reason):
+        self.dropped.append((generator_id, reason))
 
     def announce(self, ready, blob, to=None):
         self.announced.append((ready, list(to)))
@@ -93,6 +97,7 @@ def test_a_generator_that_does_not_apply_within_the_timeout_is_dropped(sender) -
     _publish(sender, 2)  # b never applied v1: dropped, a gets v2
     assert sender.hub.announced[-1][1] == ["a"]
     assert "b" in sender.failed and "a" not in sender.failed
+    assert sender.hub.dropped == [("b", "ipc transport: did not apply weights v1 within 0 s")]  # it registers again
     sender.leave("a", again=True)  # it applied versions: it may have ipc again
     sender.join(_register("c"), b"", 0)
     sender.leave("c", again=True)  # re-registers before applying anything (its workers could not open them)
