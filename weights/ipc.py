@@ -82,8 +82,11 @@ class IpcSender:
     has applied the version before, then announced with their handles."""
 
     def __init__(self, cfg, hub, run_id: str):
+        if not torch.cuda.is_available():
+            raise ValueError("weights.transport ipc: the learner has no CUDA device to share its buffers from "
+                             "(use auto, shm or zmq)")
         self.hub = hub
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = cfg.weights.collective_timeout_s
         self.changed = threading.Condition()
         self.applied: dict[str, int] = {}  # generator id: the version it applied last (-1: none yet)

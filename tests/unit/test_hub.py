@@ -381,6 +381,8 @@ def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_h
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
     hub = make_hub()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
     ipc = hub.weights.senders["ipc"] = IpcSender(hub.weights.cfg, hub, "run")
     hub.weights.senders["nccl"] = FakeNccl(hub)
     peer = Peer(hub)

@@ -40,6 +40,8 @@ def sender(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-learner"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(synchronize=lambda: None))
     cfg = SimpleNamespace(weights=SimpleNamespace(collective_timeout_s=5.0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     s = ipc.IpcSender(cfg, Hub(), "run")
     s.device = torch.device("cpu")
     return s
@@ -130,6 +132,20 @@ def test_forged_handles_are_refused_before_a_worker_opens_them(monkeypatch) -> N
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-other"))
     with pytest.raises(RuntimeError, match="buffers are on GPU GPU-learner, this worker runs on GPU-other"):
         ipc.open_buffers(ready.ipc, ready.manifest, "cuda")
+
+
+def test_ipc_asked_for_on_a_learner_without_cuda_is_refused_with_the_reason() -> None:
+    from weights import senders
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from pipeline.config import config_from_dict
+
+    cfg = config_from_dict({"weights": {"transport": "ipc"}})
+    with pytest.raises(ValueError, match="weights.transport ipc: the learner has no CUDA device"):
+        senders(cfg, Hub(), "run")
+    cfg.weights.transport = "auto"
+    assert "ipc" not in senders(cfg, Hub(), "run")
 
 
 def test_a_broadcast_receiver_leaves_ipc_announcements_alone() -> None:
