@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import protocol as P
-from weights.plan import Packer, manifest
+from weights.plan import Packer, buckets, manifest
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ class NcclSender:
         self.latest = None  # set by the publisher
         self.transports = {"nccl"}
         self._sending: list[Peer] = []  # the peers of the version being broadcast
+        # a joiner's first version vs. a version being broadcast, one at a time: a version begun while a generator
+        # joins reaches it too (taken before the publisher's own lock on both paths)
+        self.join_lock = threading.Lock()
+        self._left = 0  # buckets of the version being broadcast still to send
 
     @staticmethod
     def available() -> bool:
@@ -109,19 +113,32 @@ class NcclSender:
 
     def begin(self, version: int, plan: list, published_at: float) -> bool:
         """Announce the version to the joined generators: they start receiving while it is gathered and sent."""
-        for peer in self.ready():
-            try:
-                peer.announce(version)
-            except Exception as e:  # its store is gone: so is the generator
-                self._fail(peer, f"could not be announced v{version} ({e})")
-        self._sending = self.ready()
-        if self._sending:
-            self.hub.announce(P.WeightsReady(version, published_at, manifest=plan), None,
-                              to=[p.generator_id for p in self._sending])
+        self.join_lock.acquire()  # released after the last bucket (or at once, with nobody to send to)
+        try:
+            for peer in self.ready():
+                try:
+                    peer.announce(version)
+                except Exception as e:  # its store is gone: so is the generator
+                    self._fail(peer, f"could not be announced v{version} ({e})")
+            self._sending = self.ready()
+            if self._sending:
+                self.hub.announce(P.WeightsReady(version, published_at, manifest=plan), None,
+                                  to=[p.generator_id for p in self._sending])
+        except BaseException:
+            self.join_lock.release()
+            raise
+        self._left = len(buckets(plan)) if self._sending else 0
+        if not self._left:
+            self.join_lock.release()
         return bool(self._sending)
 
     def bucket(self, flat: torch.Tensor) -> None:
-        self.broadcast(self._sending, flat)
+        try:
+            self.broadcast(self._sending, flat)
+        finally:
+            self._left -= 1
+            if self._left == 0:
+                self.join_lock.release()
 
     def wanted(self) -> bool:
         return False
@@ -168,15 +185,20 @@ class NcclSender:
             if self.device is not None:
                 torch.cuda.set_device(self.device)
             peer.group = make_group(peer.store, 0, peer.world, self.backend, self.timeout_s, self.device)
-            self._send_latest(peer)
+            self._admit(peer)
         except Exception as e:  # the generator never came: it re-registers (auto: with a file transport)
             self._fail(peer, f"did not join its process group: {e}")
             return
         if peer.failed:  # closed while it joined
             abort(peer.group)
             return
-        peer.ready = True
         log.info("nccl transport: %s joined (%s, %d ranks)", peer.generator_id, self.backend, peer.world)
+
+    def _admit(self, peer: Peer) -> None:
+        """Send a joiner the newest version and add it to the broadcasts, with no version begun in between."""
+        with self.join_lock:
+            self._send_latest(peer)
+            peer.ready = not peer.failed
 
     def _fail(self, peer: Peer, why: str) -> None:
         log.warning("nccl transport: %s %s; dropped", peer.generator_id, why)

@@ -12,7 +12,7 @@ from safetensors.torch import load, load_file, save
 
 from pipeline import protocol as P
 from weights.files import ChecksumMismatch, remove_shm, serialize_to_shm, write_shm
-from weights.plan import checksum, serialize
+from weights.plan import checksum, manifest, serialize
 from weights.shm import ShmReceiver
 from weights.zmq import ZmqReceiver
 
@@ -268,3 +268,44 @@ def test_a_delta_round_trips_across_chunks_and_refuses_another_layout(monkeypatc
         delta.apply(base, diff[:-1])  # truncated
     with pytest.raises(ValueError, match="chunks"):
         delta.apply(base + b"\0" * 1000, diff)  # another base
+
+
+def test_a_version_begun_while_a_generator_joins_reaches_it_too():
+    """The joiner gets the newest version by broadcast, then every new one: a publish that begins while the joiner's
+    first version is sent waits for it and includes the joiner, instead of missing it for one version."""
+    import torch
+
+    from weights import nccl as C
+
+    announced = []
+    hub = SimpleNamespace(announce=lambda ready, blob, to=None: announced.append((ready.version, to)))
+    sender = C.NcclSender(SimpleNamespace(hub=SimpleNamespace(host="127.0.0.1"),
+                                          weights=SimpleNamespace(collective_timeout_s=5.0)), hub, "run")
+    store = SimpleNamespace(keys={}, set=lambda k, v: store.keys.__setitem__(k, v))
+    peer = C.Peer("j", store, 2, -1)
+    peer.group = FakeGroup()
+    sender.peers["j"] = peer
+    named = [("w", torch.ones(4))]
+    sending, release = threading.Event(), threading.Event()
+
+    def latest(fn):  # the publisher's newest CPU copy, v1; held until the test lets it go
+        sending.set()
+        assert release.wait(5)
+        fn(1, named)
+
+    sender.latest = latest
+    joiner = threading.Thread(target=sender._admit, args=(peer,))
+    joiner.start()
+    assert sending.wait(5)
+    began = []
+    publish = threading.Thread(target=lambda: began.append(sender.begin(2, manifest(named), 0.0)))
+    publish.start()
+    publish.join(0.3)
+    assert publish.is_alive() and not peer.ready  # v2 waits while the joiner gets v1
+    release.set()
+    joiner.join(5)
+    publish.join(5)
+    assert began == [True] and sender._sending == [peer]  # v2 goes to the joiner too
+    assert announced == [(1, ["j"]), (2, ["j"])] and store.keys == {"weights/0": "1", "weights/1": "2"}
+    sender.bucket(torch.zeros(8, dtype=torch.uint8))  # v2's only bucket: the lock is free again
+    assert peer.group.sent == 2 and sender.join_lock.acquire(timeout=1)
