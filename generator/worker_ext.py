@@ -19,7 +19,6 @@ held the engine, a note for the log].
 from __future__ import annotations
 
 import time
-import zlib
 
 
 class WeightLoader:
@@ -28,15 +27,17 @@ class WeightLoader:
         device). `crc32=None`: the caller has verified the file already, outside the engine's pause."""
         from safetensors.torch import load, load_file
 
+        from weights.plan import checksum
+
         start = time.perf_counter()
         if isinstance(source, str):
             if crc32 is not None:
                 with open(source, "rb") as f:
-                    _check(zlib.crc32(f.read()), crc32)
+                    _check(checksum(f.read()), crc32)
             tensors = load_file(source, device=str(getattr(self, "device", "cpu")))
         else:
             if crc32 is not None:
-                _check(zlib.crc32(source), crc32)
+                _check(checksum(source), crc32)
             tensors = load(source)
         self._in_step_gap(lambda: self._load_named(list(tensors.items())))
         return [(time.perf_counter() - start) * 1000, ""]
@@ -135,7 +136,7 @@ class WeightLoader:
     def apply_collective(self, version: int) -> list:
         """Copy version `version`, which the receiver thread has received, into the weights between two engine
         steps."""
-        from weights.plan import unpack
+        from weights.plan import unpack_all
 
         start = time.perf_counter()
         rec = self._receiver
@@ -144,8 +145,7 @@ class WeightLoader:
             raise RuntimeError(f"nccl transport: weights v{version} to apply, but the receiver holds v{got}")
         rec.received = None
         try:
-            named = [nt for (idx, offs, _), flat in zip(rec.plan, flats, strict=True)
-                     for nt in unpack(flat, rec.manifest, idx, offs)]
+            named = unpack_all(flats, rec.manifest, rec.plan)
             note = self._in_step_gap(lambda: self._copy_in(rec.manifest, named, rec.staging))
         finally:
             rec.free.set()  # the buffers may take the next version
@@ -156,15 +156,14 @@ class WeightLoader:
         between two engine steps; the buffers are opened once (again when the learner's handles change)."""
         from pipeline import protocol as P
         from weights.ipc import open_buffers
-        from weights.plan import buckets, unpack
+        from weights.plan import buckets, unpack_all
 
         start = time.perf_counter()
         handles = P.IpcHandles(ipc["uuid"], [P.IpcBuffer(**b) for b in ipc["buffers"]])
         if getattr(self, "_ipc", None) is None or self._ipc[0] != handles:
             self._ipc, self._copies = (handles, open_buffers(handles, manifest, self.device)), None
         flats = self._ipc[1]
-        named = [nt for (idx, offs, _), flat in zip(buckets(manifest), flats, strict=True)
-                 for nt in unpack(flat, manifest, idx, offs)]
+        named = unpack_all(flats, manifest, buckets(manifest))
         note = self._in_step_gap(lambda: self._copy_in(manifest, named, flats))
         return [(time.perf_counter() - start) * 1000, note]
 

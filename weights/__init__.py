@@ -24,7 +24,7 @@ A sender (learner/publisher.py drives it; rank 0 only):
     send(version, named, published_at)
     on_applied(generator_id, version)        a generator applied a version (hub thread, hub lock held)
     metrics() -> dict                        of the last version
-    shutdown()                               (optional) the run ends: release what lives outside the process
+    shutdown()                               the run ends: release what lives outside the process
     transports                               set by `senders`: the transports it serves
     latest                                   set by the publisher: latest(fn, background=False) calls
                                              fn(version, named) with the newest version's CPU copy (late joiners)

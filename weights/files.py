@@ -280,6 +280,9 @@ class FileSender:
     def on_applied(self, generator_id: str, version: int) -> None:
         pass
 
+    def shutdown(self) -> None:
+        pass  # the learner removes the run's shm folder (remove_shm)
+
     def _send_newest(self, version: int, named) -> None:
         last = self.hub.weights.last_ready
         if last is None or last.version < version:

@@ -59,10 +59,10 @@ def check_handles(ipc: P.IpcHandles, manifest: list) -> None:
 
 
 def open_buffers(ipc: P.IpcHandles, manifest: list, device) -> list[torch.Tensor]:
-    """The learner's buffers, opened in this process on `device` (which must be the learner's GPU)."""
+    """The learner's buffers, opened in this process on `device` (which must be the learner's GPU); `ipc` passed
+    `check_handles` in the generator."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    check_handles(ipc, manifest)
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     mine = str(torch.cuda.get_device_properties(index).uuid)
@@ -185,10 +185,7 @@ class IpcSender:
         plan = manifest(named)
         self._layout(plan)
         self._next = 0
-        packer = Packer(plan, self.device, lambda flat, idx, offs: self.bucket_in(flat))
-        for _, t in named:
-            packer.add(t)
-        packer.finish()
+        Packer(plan, self.device, lambda flat, idx, offs: self.bucket_in(flat)).pack(t for _, t in named)
         self._announce(version, 0.0, to)
 
     def bucket_in(self, flat: torch.Tensor) -> None:

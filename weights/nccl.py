@@ -149,6 +149,9 @@ class NcclSender:
     def on_applied(self, generator_id: str, version: int) -> None:
         pass
 
+    def shutdown(self) -> None:
+        pass
+
     def metrics(self) -> dict:
         return {}
 
@@ -161,10 +164,8 @@ class NcclSender:
             plan = manifest(named)
             peer.announce(version)
             self.hub.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
-            packer = Packer(plan, self.device or "cpu", lambda flat, idx, offs: self.broadcast([peer], flat))
-            for _, t in named:
-                packer.add(t)
-            packer.finish()
+            Packer(plan, self.device or "cpu", lambda flat, idx, offs: self.broadcast([peer], flat)).pack(
+                t for _, t in named)
 
         if self.latest is not None:
             self.latest(send)

@@ -51,6 +51,11 @@ def unpack(flat: torch.Tensor, manifest: list, idx: list[int], offs: list[int]) 
     return out
 
 
+def unpack_all(flats: list[torch.Tensor], manifest: list, plan: list) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a whole version, from its buckets' flats in order (plan: `buckets(manifest)`)."""
+    return [nt for (idx, offs, _), flat in zip(plan, flats, strict=True) for nt in unpack(flat, manifest, idx, offs)]
+
+
 class Packer:
     """Copies tensors (in manifest order, as they are gathered) into flat buckets on `device`; each full bucket
     goes to `emit(flat, idx, offs)` (broadcast, CPU copy). ZeRO-3 may release a parameter once it is added:
@@ -71,6 +76,12 @@ class Packer:
         if self.n == len(idx):
             self.emit(self.flat, idx, offs)
             self.k, self.n, self.flat = self.k + 1, 0, None
+
+    def pack(self, tensors) -> None:
+        """A whole version at once (a joiner's, from the CPU copy): add each, then finish."""
+        for t in tensors:
+            self.add(t)
+        self.finish()
 
     def finish(self) -> None:
         if self.k != len(self.plan):  # the generators would wait for the rest until their timeout

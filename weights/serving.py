@@ -45,9 +45,9 @@ class WeightServing:
             sender.leave(generator_id, again)
 
     def shutdown(self) -> None:
-        """The run ends: the senders release what they hold outside the process (`shutdown`, where they have one)."""
+        """The run ends: the senders release what they hold outside the process."""
         for sender in set(self.senders.values()):
-            getattr(sender, "shutdown", lambda: None)()
+            sender.shutdown()
 
     def applied(self, generator_id: str, version: int) -> None:
         for sender in set(self.senders.values()):

@@ -14,7 +14,7 @@ import torch
 
 from pipeline import protocol as P
 from weights import ipc
-from weights.plan import Packer, buckets, manifest, unpack
+from weights.plan import Packer, buckets, manifest, unpack_all
 
 
 def _weights(version: int) -> dict[str, torch.Tensor]:
@@ -55,16 +55,12 @@ def _publish(sender, version: int) -> dict[str, torch.Tensor]:
     w = _weights(version)
     plan = manifest(w.items())
     assert sender.begin(version, plan, 0.0)
-    packer = Packer(plan, "cpu", lambda flat, idx, offs: sender.bucket(flat))
-    for t in w.values():
-        packer.add(t)
-    packer.finish()
+    Packer(plan, "cpu", lambda flat, idx, offs: sender.bucket(flat)).pack(w.values())
     return w
 
 
 def _held(sender) -> dict[str, torch.Tensor]:
-    return {n: t for (idx, offs, _), flat in zip(buckets(sender.plan), sender.buffers, strict=True)
-            for n, t in unpack(flat, sender.plan, idx, offs)}
+    return dict(unpack_all(sender.buffers, sender.plan, buckets(sender.plan)))
 
 
 def test_a_version_is_written_only_once_every_generator_applied_the_one_before(sender) -> None:

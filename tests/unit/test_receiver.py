@@ -62,10 +62,8 @@ def groups():
 
 
 def _send(learner_group, weights: dict) -> None:
-    packer = Packer(manifest(weights.items()), "cpu", lambda flat, idx, offs: learner_group.broadcast(flat, 0).wait())
-    for t in weights.values():
-        packer.add(t)
-    packer.finish()
+    Packer(manifest(weights.items()), "cpu", lambda flat, idx, offs: learner_group.broadcast(flat, 0).wait()).pack(
+        weights.values())
 
 
 async def test_each_announced_version_is_received_whole_then_applied(groups) -> None:
