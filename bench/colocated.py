@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", type=int, default=None, help="0: CUDA graphs (default: the config's)")
     p.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the config's)")
     p.add_argument("--transport", default=None, help="weights.transport (default: the config's, auto: ipc)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="trainer.micro_batch_tokens (default: the config's)")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--name", default=None, help="result file name (default: colocated_SIZE_MACHINE)")
     args = p.parse_args()
@@ -78,6 +80,8 @@ def main() -> None:
         cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
     if args.transport is not None:
         cfg["weights"]["transport"] = args.transport
+    if args.micro_batch_tokens is not None:
+        cfg["trainer"]["micro_batch_tokens"] = args.micro_batch_tokens
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / "colocated.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))

@@ -2,9 +2,10 @@
 generation (`--mode colocate`: in the trainer's process; `server`: a `trl vllm-serve` the caller started), no KL
 term (beta 0, so no reference model), no importance-sampling correction, one iteration per batch, 32
 completions per micro-batch, `ignore_eos` so every completion has exactly --max-tokens tokens. The reward is
-bench.common.parity_reward, as on our side. Writes steps/min and seconds per step (after --skip warm-up steps)
-to --out as JSON. Needs trl (and accelerate, datasets), which the project does not install: bench.vs_trl says how
-to bring them.
+bench.common.parity_reward, as on our side. Writes steps/min, seconds per step (after --skip warm-up steps) and
+their split into generation (`_generate_and_score_completions`: weight sync, vLLM, rewards) and the rest
+(training) to --out as JSON. Needs trl (and accelerate, datasets), which the project does not install:
+bench.vs_trl says how to bring them.
 
     python -m bench.trl_grpo --model DIR --data JSONL --steps 12 --mode colocate --out trl.json
 """
@@ -68,11 +69,24 @@ def main() -> int:
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config,
                           train_dataset=load_dataset("json", data_files=args.data, split="train"),
                           callbacks=[Clock()])
+    generation: list[float] = []  # seconds of each step's generation: weight sync, vLLM, rewards, advantages
+    generate = trainer._generate_and_score_completions
+
+    def timed_generate(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            generation.append(time.perf_counter() - start)
+
+    trainer._generate_and_score_completions = timed_generate
     start = time.perf_counter()
     trainer.train()
     timed = times[args.skip:]
     step_s = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
+    gen_s = sum(generation[args.skip + 1:len(times)]) / max(1, len(times) - args.skip - 1)  # the timed steps'
     out = {"steps": len(times), "steps_per_min": 60 / step_s, "step_s": step_s, "wall_s": time.perf_counter() - start,
+           "generation_s": gen_s, "training_s": step_s - gen_s,
            "peak_gpu_gib_trainer_process": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "settings": {"mode": args.mode, "prompts_per_step": args.batch_size, "group_size": args.group_size,
                         "micro_batch": args.micro_batch, "max_tokens": args.max_tokens, "lr": args.lr,

@@ -50,6 +50,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are left out of the timing)")
     p.add_argument("--ks", default="0,1", help="our max_staleness values")
     p.add_argument("--max-num-seqs", type=int, default=None, help="our generator.max_num_seqs (default: the config's)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="our trainer.micro_batch_tokens (default: the config's)")
+    p.add_argument("--trl-result", default=None, help="TRL's figures from an earlier run of this command on this "
+                   "machine (trl-result.json in its run directory), instead of running TRL again")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
     args = p.parse_args()
     model = str(model_from_args(args))
@@ -57,7 +61,12 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     data = write_dataset(run_dir / "prompts.jsonl", rows=4096, prompt_tokens=(WORKLOAD["prompt_tokens"] + 1) // 2)
     # (a letter and a space: 2 tokens of the bench tokenizer as transformers loads it, as in bench.pipeline_speedup)
-    trl = run_trl(args, model, data, run_dir)
+    if args.trl_result:
+        trl = json.loads(Path(args.trl_result).read_text()) | {"from": args.trl_result}
+        trl.pop("log", None)
+    else:
+        trl = run_trl(args, model, data, run_dir)
+        (run_dir / "trl-result.json").write_text(json.dumps(trl))
     ks = [int(k) for k in args.ks.split(",")]
     if args.gpus == 1:
         ours = {f"k{k}": run_ours(args, model, str(k))[f"k{k}"] for k in ks}
@@ -115,6 +124,8 @@ def run_ours(args, model: str, ks: str) -> dict:
     common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",
               str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
               "--name", name, *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else [])]
+    if args.gpus == 1 and args.micro_batch_tokens is not None:
+        common += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     if args.gpus == 1:
         argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--enforce-eager", "0",
                 "--lr", str(w["lr"]), "--timeout", str(args.timeout)]

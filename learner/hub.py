@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import random
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from learner import leases, operators
 from learner.evaluation import Evaluation
@@ -43,6 +43,9 @@ from pipeline import protocol as P
 from pipeline.config import Config
 from pipeline.security import ServerAuth, has_role
 from weights.serving import WeightServing
+
+if TYPE_CHECKING:
+    import mmap
 
 log = logging.getLogger(__name__)
 

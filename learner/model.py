@@ -89,30 +89,28 @@ class FiniteGuard:
 
     def __init__(self, model, optimizer: GuardedAdamW):
         self.optimizer = optimizer
-        self._sum: torch.Tensor | None = None  # squared gradient norms and losses of this step, float32
+        self._norms: list[torch.Tensor] = []  # this step's gradient norms and losses, one device value each
         for p in model.parameters():
             if p.requires_grad:
                 p.register_hook(self._on_grad)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        n = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
-        self._add(n * n)
+        # one kernel per parameter and micro-batch (the step is bound by its launches); the norms are checked once,
+        # in step_is_finite. A norm past float32 is inf.
+        self._norms.append(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32))
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self._add(loss.detach().float().abs())
-
-    def _add(self, x: torch.Tensor) -> None:
-        self._sum = x if self._sum is None else self._sum + x.to(self._sum.device)
+        self._norms.append(loss.detach().float())
 
     def step_is_finite(self, device) -> bool:
         """Whether every loss and gradient of this step, on every rank, was finite; resets for the next step."""
         import torch.distributed as dist
 
-        total = (self._sum if self._sum is not None else torch.zeros((), device=device)).to(device).reshape(1)
-        bad = (~torch.isfinite(total)).float()
+        values = torch.stack([n.to(device) for n in self._norms]) if self._norms else torch.zeros(1, device=device)
+        bad = (~torch.isfinite(values)).any().float().reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self._sum = None
+        self._norms = []
         return not bool(bad.item())
 
 

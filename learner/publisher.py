@@ -47,6 +47,22 @@ class WeightPublisher:
         step_end = step_end or time.time()
         plan = manifest(self.engine.module.named_parameters())
         live = [s for s in self.senders if s.begin(version, plan, step_end)]  # they start receiving meanwhile
+        try:
+            if not self._gather(version, plan, live):
+                return 0.0
+        finally:
+            for sender in live:
+                sender.end()  # also when the gather failed: nothing waits on a version that never ends
+        _, buffers, copied = self._latest
+        for pending in self._pending:
+            pending.result()  # surfaces a failure of the previous version's sends
+        self._pending = [self._pool.submit(self._send, s, version, buffers, copied, step_end)
+                         for s in self.senders if s.wanted()]
+        return (time.perf_counter() - start) * 1000
+
+    def _gather(self, version: int, plan: list, live: list) -> bool:
+        """Gather and pack the version, hand each bucket to the `live` senders, and start its CPU copy; False on a
+        rank other than 0 (it takes part in the gathers only)."""
         self.broadcast_ms = 0.0
         with self._lock:
             buffers = self._buffers[version % 2]
@@ -64,15 +80,11 @@ class WeightPublisher:
                 if self.rank == 0:
                     packer.add(t)
             if self.rank != 0:
-                return 0.0
+                return False
             packer.finish()
             self._latest = (version, buffers, self._copy.seal())
             self.copy_wait_ms = self._copy.waited_ms
-        for pending in self._pending:
-            pending.result()  # surfaces a failure of the previous version's sends
-        self._pending = [self._pool.submit(self._send, s, version, buffers, self._latest[2], step_end)
-                         for s in self.senders if s.wanted()]
-        return (time.perf_counter() - start) * 1000
+        return True
 
     def metrics(self) -> dict:
         """Of the last version (a background send: of the last one done)."""

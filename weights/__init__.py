@@ -20,6 +20,8 @@ A sender (learner/publisher.py drives it; rank 0 only):
     leave(generator_id, again)               it drains, leaves, or registers again
     begin(version, manifest, published_at)   a version is being gathered: True to get its buckets as they are packed
     bucket(flat)                             one packed bucket (on `device`, None: wherever the learner packs)
+    end()                                    after the version's last bucket, or when its publishing failed: release
+                                             what begin took (called on every sender whose begin returned True)
     wanted() -> bool                         wants the version's CPU copy: `send` runs in the background
     send(version, named, published_at)
     on_applied(generator_id, version)        a generator applied a version (hub thread, hub lock held)

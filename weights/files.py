@@ -256,6 +256,9 @@ class FileSender:
     def bucket(self, flat) -> None:
         pass
 
+    def end(self) -> None:
+        pass
+
     def wanted(self) -> bool:
         return self.hub.wants_blobs(self.transports)
 

@@ -93,7 +93,7 @@ class IpcSender:
         self.failed: set[str] = set()  # dropped, or its workers could not open the buffers: `auto` gives it shm
         self.latest = None  # set by the publisher
         self.transports = {"ipc"}
-        # the publisher (from `begin` to the last bucket) vs. a joiner's first version; taken before the
+        # the publisher (from `begin` to `end`) vs. a joiner's first version; taken before the
         # publisher's own lock on both paths
         self.write_lock = threading.Lock()
         self.buffers: list[torch.Tensor] = []
@@ -134,7 +134,7 @@ class IpcSender:
             to = list(self.applied)
         if not to:
             return False
-        self.write_lock.acquire()  # released when the last bucket is in (or at once, below)
+        self.write_lock.acquire()  # released by end() (or at once, below)
         try:
             to = self._wait_applied()
             if not to:
@@ -150,10 +150,10 @@ class IpcSender:
     def bucket(self, flat: torch.Tensor) -> None:
         self.bucket_in(flat)
         if self._next == len(self.buffers):
-            try:
-                self._announce(self._version, self._published_at, self._to)
-            finally:
-                self.write_lock.release()
+            self._announce(self._version, self._published_at, self._to)
+
+    def end(self) -> None:
+        self.write_lock.release()
 
     def wanted(self) -> bool:
         return False

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import protocol as P
-from weights.plan import Packer, buckets, manifest
+from weights.plan import Packer, manifest
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,6 @@ class NcclSender:
         # a joiner's first version vs. a version being broadcast, one at a time: a version begun while a generator
         # joins reaches it too (taken before the publisher's own lock on both paths)
         self.join_lock = threading.Lock()
-        self._left = 0  # buckets of the version being broadcast still to send
 
     @staticmethod
     def available() -> bool:
@@ -113,7 +112,7 @@ class NcclSender:
 
     def begin(self, version: int, plan: list, published_at: float) -> bool:
         """Announce the version to the joined generators: they start receiving while it is gathered and sent."""
-        self.join_lock.acquire()  # released after the last bucket (or at once, with nobody to send to)
+        self.join_lock.acquire()  # released by end() (or at once, with nobody to send to)
         try:
             for peer in self.ready():
                 try:
@@ -127,18 +126,15 @@ class NcclSender:
         except BaseException:
             self.join_lock.release()
             raise
-        self._left = len(buckets(plan)) if self._sending else 0
-        if not self._left:
+        if not self._sending:
             self.join_lock.release()
         return bool(self._sending)
 
     def bucket(self, flat: torch.Tensor) -> None:
-        try:
-            self.broadcast(self._sending, flat)
-        finally:
-            self._left -= 1
-            if self._left == 0:
-                self.join_lock.release()
+        self.broadcast(self._sending, flat)
+
+    def end(self) -> None:
+        self.join_lock.release()
 
     def wanted(self) -> bool:
         return False

@@ -56,6 +56,7 @@ def _publish(sender, version: int) -> dict[str, torch.Tensor]:
     plan = manifest(w.items())
     assert sender.begin(version, plan, 0.0)
     Packer(plan, "cpu", lambda flat, idx, offs: sender.bucket(flat)).pack(w.values())
+    sender.end()
     return w
 
 

@@ -189,3 +189,31 @@ def test_overlong_punishment_rises_linearly_over_the_buffer():
     rows, stats = build_rows(groups, 0, False, (10, 4, 1.0))  # 10 tokens: the whole penalty; 4: none
     assert [r.advantage for r in rows] == pytest.approx([0.5, -0.5]) and stats["reward/overlong_penalty"] == 0.5
     assert stats["reward/mean"] == 1.0  # the task's reward, before shaping
+
+
+class _NanGrad(torch.autograd.Function):
+    """The identity forward; its backward returns NaN: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, math.nan)
+
+
+@pytest.mark.parametrize("bad", [None, 0, 1])
+def test_the_finite_guard_sees_a_gradient_that_is_not_finite_in_any_micro_batch(bad):
+    """Two micro-batches, their losses finite: the step is finite unless a gradient of one of them is NaN."""
+    from learner.model import FiniteGuard, GuardedAdamW
+
+    model = torch.nn.Linear(3, 2)
+    guard = FiniteGuard(model, GuardedAdamW(model.parameters()))
+    for i in range(2):
+        out = model(torch.ones(1, 3))
+        loss = (_NanGrad.apply(out) if i == bad else out).sum()
+        guard.add_loss(loss)
+        loss.backward()
+    assert guard.step_is_finite("cpu") == (bad is None)
+    assert guard.step_is_finite("cpu")  # reset for the next step

@@ -1,8 +1,10 @@
 """The weight publisher on CPU: each version's blob holds exactly that version's parameters, also after the
 next version was published into the other buffer set (the background serialisation reads it meanwhile)."""
 
+import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 from safetensors.torch import load
 
@@ -47,6 +49,42 @@ def test_each_version_blob_holds_that_version():
         assert set(got) == set(want[version])
         for name, t in want[version].items():
             assert torch.equal(got[name], t), (version, name)
+
+
+class FailingSender:
+    """Takes a lock in begin, as the nccl and ipc senders do; its first bucket fails (a broadcast that failed)."""
+
+    device = None
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def begin(self, version, plan, published_at):
+        self.lock.acquire()
+        return True
+
+    def bucket(self, flat):
+        raise RuntimeError("broadcast failed")
+
+    def end(self):
+        self.lock.release()
+
+    def wanted(self):
+        return False
+
+
+def test_a_version_whose_publishing_fails_still_ends_at_its_senders():
+    """A failure between begin and the last bucket must not leave a sender's lock taken: the next version, or a
+    joiner's first, would wait on it for good."""
+    module = torch.nn.Linear(8, 4)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0))
+    sender = FailingSender()
+    hub = SimpleNamespace(weights=SimpleNamespace(senders={"x": sender}))
+    pub = WeightPublisher(cfg, SimpleNamespace(module=module, device=torch.device("cpu")), hub, rank=0)
+    with pytest.raises(RuntimeError, match="broadcast failed"):
+        pub.publish(1)
+    assert sender.lock.acquire(timeout=1)
+    pub.flush()
 
 
 def test_zero3_gather_groups_stay_under_the_limit_in_order():

@@ -307,5 +307,6 @@ def test_a_version_begun_while_a_generator_joins_reaches_it_too():
     publish.join(5)
     assert began == [True] and sender._sending == [peer]  # v2 goes to the joiner too
     assert announced == [(1, ["j"]), (2, ["j"])] and store.keys == {"weights/0": "1", "weights/1": "2"}
-    sender.bucket(torch.zeros(8, dtype=torch.uint8))  # v2's only bucket: the lock is free again
+    sender.bucket(torch.zeros(8, dtype=torch.uint8))  # v2's only bucket
+    sender.end()  # the lock is free again
     assert peer.group.sent == 2 and sender.join_lock.acquire(timeout=1)
