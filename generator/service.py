@@ -32,7 +32,7 @@ import zmq.asyncio
 from generator.rollout import Context, group_message
 from pipeline import protocol as P
 from pipeline.client import HubClient
-from pipeline.config import Config
+from pipeline.config import Config, env_flag
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt, load_callable, load_reward_fns
 from weights import receiver
@@ -64,7 +64,7 @@ class EngineDied(Exception):
 class Generator:
     def __init__(self, cfg: Config, engine, tokenizer, address: str, gpus: str = ""):
         self.cfg, self.engine, self.tok, self.address = cfg, engine, tokenizer, address
-        self.gpus = gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")  # reported: `auto` picks nccl for GPUs
+        self.gpus = gpus or env_flag("CUDA_VISIBLE_DEVICES")  # reported: `auto` picks nccl for GPUs
         host, boot = host_identity()
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

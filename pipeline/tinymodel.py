@@ -12,6 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from pipeline.config import env_flag
+
 VOCAB = ["<pad>", "<eos>", "<unk>", "="] + [str(d) for d in range(10)] + ["+", "-"]
 PAD_ID, EOS_ID = 0, 1
 # conversational prompts: each message's text, then "=" for the answer (the echo task's prompts end in " =")
@@ -20,7 +22,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_att
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+    return Path(env_flag("PIPELINE_CACHE") or Path.home() / ".cache" / "pipeline")
 
 
 def resolve_model_path(path: str) -> str:

@@ -9,9 +9,8 @@ a few chunks in flight each.
 
 from __future__ import annotations
 
-import os
-
 from pipeline import protocol as P
+from pipeline.config import env_flag
 from weights import pick, senders
 from weights.files import host_identity
 from weights.zmq import Blobs
@@ -30,7 +29,7 @@ class WeightServing:
 
     def join(self, msg: P.Register, ident: bytes, version: int) -> tuple[str, P.CollectiveSetup | None]:
         """A generator registers: (its transport, its setup from the sender). ValueError: no sender for it here."""
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # rank 0's device is the one in the nccl groups
+        visible = env_flag("CUDA_VISIBLE_DEVICES")  # rank 0's device is the one in the nccl groups
         transport = pick(self.cfg.weights.transport, msg, self._boot_id, visible.split(",")[:1] if visible else ["0"],
                          self.senders)
         sender = self.senders.get(transport)
