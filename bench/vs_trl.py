@@ -3,14 +3,16 @@ Qwen2.5-0.5B's shape (bf16), 64-token prompts, exactly 256 generated tokens (`ig
 samples per optimizer step, lr 1e-6, the parity reward.
 
     --gpus 1   everything on GPU 0: TRL with vLLM colocated (`vllm_gpu_memory_utilization` 0.35) against
-               `pipeline run` colocated (bench.colocated: vLLM's share 0.35, groups in flight sized from the
-               engine, CUDA graphs, the shm transport) at each k of --ks
+               `pipeline run` colocated (bench.colocated: configs/gpu-single.yaml's split, vLLM's share 0.35,
+               groups in flight sized from the engine, CUDA graphs, the ipc transport) at each k of --ks
     --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with `trl vllm-serve` (vLLM's server, nccl weight
                transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs) at each k of --ks
 
 TRL's settings are its fastest for this workload (bench/trl_grpo.py says which). The result
 (vs_trl_0.5b_{1,2}gpu_MACHINE.json) holds both systems' figures and settings, and under `vs_trl` the ratio of
-our steps/min to TRL's at each k and at the best k. The GPU memory peak is NVML's, every process on the GPU.
+our steps/min to TRL's at each k and at the best k, and TRL's step split into generation and training. The GPU
+memory peak is NVML's, every process on the GPU. One call of the GPU machine may be too short for TRL and every
+k: `--trl-result` reuses TRL's figures of an earlier run on the same machine.
 
 TRL is not a dependency of the project: on a GPU host without a package index, bring trl 1.16.0, datasets
 4.8.5 and multiprocess 0.70.19 (py312) as wheels (see bench/README.md, part `vs-trl`).
