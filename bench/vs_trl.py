@@ -12,7 +12,7 @@ TRL's settings are its fastest for this workload (bench/trl_grpo.py says which).
 (vs_trl_0.5b_{1,2}gpu_MACHINE.json) holds both systems' figures and settings, and under `vs_trl` the ratio of
 our steps/min to TRL's at each k and at the best k, and TRL's step split into generation and training. The GPU
 memory peak is NVML's, every process on the GPU. One call of the GPU machine may be too short for TRL and every
-k: `--trl-result` reuses TRL's figures of an earlier run on the same machine.
+k: `--reuse-trl` reuses TRL's figures of an earlier run on the same machine.
 
 TRL is not a dependency of the project: on a GPU host without a package index, bring trl 1.16.0, datasets
 4.8.5 and multiprocess 0.70.19 (py312) as wheels (see bench/README.md, part `vs-trl`).
@@ -54,8 +54,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=None, help="our generator.max_num_seqs (default: the config's)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="our trainer.micro_batch_tokens (default: the config's)")
-    p.add_argument("--trl-result", default=None, help="TRL's figures from an earlier run of this command on this "
-                   "machine (trl-result.json in its run directory), instead of running TRL again")
+    p.add_argument("--reuse-trl", action="store_true", help="TRL's figures from an earlier run of this command "
+                   "with the same --run-dir (its trl-result.json), instead of running TRL again")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
     args = p.parse_args()
     model = str(model_from_args(args))
@@ -63,9 +63,8 @@ def main() -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     data = write_dataset(run_dir / "prompts.jsonl", rows=4096, prompt_tokens=(WORKLOAD["prompt_tokens"] + 1) // 2)
     # (a letter and a space: 2 tokens of the bench tokenizer as transformers loads it, as in bench.pipeline_speedup)
-    if args.trl_result:
-        trl = json.loads(Path(args.trl_result).read_text()) | {"from": args.trl_result}
-        trl.pop("log", None)
+    if args.reuse_trl:
+        trl = json.loads((run_dir / "trl-result.json").read_text()) | {"reused": True}
     else:
         trl = run_trl(args, model, data, run_dir)
         (run_dir / "trl-result.json").write_text(json.dumps(trl))
