@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--ks", default="0,1", help="our max_staleness values")
     p.add_argument("--max-num-seqs", type=int, default=None, help="our generator.max_num_seqs (default: the config's)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="our trainer.micro_batch_tokens (default: the config's)")
+                   help="our trainer.micro_batch_tokens with --gpus 1 (default: configs/gpu-single.yaml's)")
     p.add_argument("--reuse-trl", action="store_true", help="TRL's figures from an earlier run of this command "
                    "with the same --run-dir (its trl-result.json), instead of running TRL again")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
@@ -125,11 +125,10 @@ def run_ours(args, model: str, ks: str) -> dict:
     common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",
               str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
               "--name", name, *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else [])]
-    if args.gpus == 1 and args.micro_batch_tokens is not None:
-        common += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     if args.gpus == 1:
         argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--enforce-eager", "0",
-                "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
+                "--lr", str(w["lr"]), "--timeout", str(args.timeout),
+                *(["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else [])]
     else:
         argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", ks,
                 "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit)]
