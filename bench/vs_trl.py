@@ -127,8 +127,9 @@ def run_ours(args, model: str, ks: str) -> dict:
               "--name", name, *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else [])]
     if args.gpus == 1:
         argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--enforce-eager", "0",
-                "--lr", str(w["lr"]), "--timeout", str(args.timeout),
-                *(["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else [])]
+                "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
+        if args.micro_batch_tokens is not None:
+            argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     else:
         argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", ks,
                 "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit)]
