@@ -43,6 +43,8 @@ def build_engine(cfg: Config, model_path: str):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if t.compile:
+        compile_layers(model)
     model.config.use_cache = False
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -67,6 +69,21 @@ def build_engine(cfg: Config, model_path: str):
         ref.config.use_cache = False
         engine.reference = ref.requires_grad_(False)
     return engine
+
+
+def compile_layers(model) -> int:
+    """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`), with dynamic
+    shapes: one graph for every layer and micro-batch size. In place, so parameter names stay as they are; lazy, so
+    DeepSpeed's cast to bf16 comes first. The lm_head and the log-probs stay eager (learner/logprobs.py). Returns
+    the number of layers compiled."""
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    if not layers:
+        raise ValueError(f"trainer.compile: {type(model).__name__} names no decoder layers (_no_split_modules) to "
+                         "compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 class GuardedAdamW(torch.optim.AdamW):

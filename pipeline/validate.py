@@ -138,6 +138,9 @@ def check_config(cfg) -> None:
     if cfg.trainer.overlong_buffer >= cfg.sampling.max_tokens:
         raise ConfigError(f"trainer.overlong_buffer: {cfg.trainer.overlong_buffer} must be below sampling.max_tokens="
                           f"{cfg.sampling.max_tokens}")
+    if cfg.trainer.compile and cfg.trainer.zero_stage == 3:
+        raise ConfigError("trainer.compile: not with trainer.zero_stage 3 (its parameter hooks inside each layer break "
+                          "the compiled graphs into pieces, each compiled again for every layer); use stage 0-2")
     for name in ("token_mask", "seq_mask"):
         bounds = getattr(cfg.trainer, name)
         if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):

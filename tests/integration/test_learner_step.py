@@ -26,6 +26,16 @@ def _groups(n: int, reward=None) -> list[P.RolloutGroup]:
     return out
 
 
+def _distinct_groups(n: int) -> list[P.RolloutGroup]:
+    """Groups whose two samples differ (so their advantages do not cancel in the gradient)."""
+    out = []
+    for pid in range(n):
+        samples = [P.Sample(P.pack_ints([4 + (pid + i) % 10, 5 + i, 6 + 2 * i]), P.pack_floats([-2.0, -2.0, -2.0]),
+                            float(i), [float(i)], "stop", 0, 0) for i in range(2)]
+        out.append(P.RolloutGroup(1, "g", pid, 0, P.pack_ints([4, 5, 3]), samples))
+    return out
+
+
 def _state(engine, stage: int) -> dict:
     weights = {name: t.detach().clone() for name, t in gathered_weights(engine, stage)}
     moments = {i: {k: v.detach().clone() for k, v in s.items() if torch.is_tensor(v)}
@@ -53,6 +63,29 @@ def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage):
     after = _state(engine, stage)
     assert not _same(before, after)
     assert all(torch.isfinite(t).all() for t in after["weights"].values())
+
+
+def test_compiled_layers_train_as_the_eager_model_does(model_cache):
+    """trainer.compile: every decoder layer is compiled in place (the parameter names, which checkpoints and
+    published weights carry, stay as they are), and a step moves the weights as the eager model's step does."""
+    from torch._dynamo.utils import counters
+
+    init_distributed()
+    out = {}
+    for compiled in (False, True):
+        cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "compile": compiled}})
+        engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+        start = _state(engine, 0)["weights"]
+        stats = train_step(engine, _distinct_groups(4), cfg, 0, PAD_ID)
+        layers = [m for m in engine.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        out[compiled] = (stats["loss"], stats["grad_norm"]), _state(engine, 0)["weights"], len(layers)
+    assert out[False][2] == 0 and out[True][2] == engine.module.config.num_hidden_layers
+    assert counters["stats"]["unique_graphs"] > 0  # the compiled layers ran
+    (eager_loss, eager, _), (loss, weights, _) = out[False], out[True]
+    assert list(weights) == list(eager)
+    assert loss == pytest.approx(eager_loss, rel=1e-4)  # loss and gradient norm
+    assert not all(torch.allclose(weights[k], start[k], atol=1e-2) for k in start)  # Adam moved them by up to lr
+    assert all(torch.allclose(weights[k], eager[k], atol=1e-3) for k in eager)  # and the same way
 
 
 def test_several_minibatches_measure_each_update_against_the_proximal_policy(model_cache):

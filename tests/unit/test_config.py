@@ -47,6 +47,7 @@ def test_file_then_overrides(tmp_path):
     ({}, ["hub.heartbeat_timeout_s=0.5"], "hub.heartbeat_timeout_s: must exceed hub.heartbeat_s"),
     ({}, ["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization: must be in (0, 1]"),
     ({"trainer": 5}, [], "trainer: expected a mapping"),
+    ({"trainer": {"compile": True, "zero_stage": 3}}, [], "trainer.compile: not with trainer.zero_stage 3"),
     ({}, ["trainer"], "expected KEY=VALUE"),
 ])
 def test_bad_fields_are_named(data, overrides, message):
