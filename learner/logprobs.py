@@ -12,6 +12,10 @@ The step needs one number per completion token, so:
   and the backward writes its bf16 gradient directly: 2 passes over the logits a micro-batch instead of 11 (the
   0.5B shape's 65k completion tokens x 151,936 entries: 10G logits).
 
+With `trainer.compile` the passes are compiled instead (`compiled=True`): the forward is one reduction per block
+that reads the logits once and writes a log-sum-exp and a log-prob per position, and the backward one pointwise
+kernel that writes the bf16 gradient into place: no [positions, vocabulary] fp32 tensor is ever written.
+
 The values are those of `log_softmax(logits.float() / temperature)` at the targets.
 """
 
@@ -37,14 +41,17 @@ def forward_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(**kwargs, logits_to_keep=ids.shape[1] - first).logits  # positions first .. L-1
     else:
         logits = model(**kwargs).logits[:, first:]
-    logp = token_logprobs(logits, ids[:, first + 1:], None if batch.get("unit_temperature") else batch["temperature"])
+    temperature = None if batch.get("unit_temperature") else batch["temperature"]
+    logp = token_logprobs(logits, ids[:, first + 1:], temperature, getattr(model, "compiled_logprobs", False))
     return F.pad(logp, (first, 0)), logits
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None,
+                   compiled: bool = False) -> torch.Tensor:
     """log softmax(logits / temperature) at `targets`: logits [rows, P, V] (P >= T; positions from T on are not
-    used), targets [rows, T], temperature [rows, 1, 1] or None for 1 (one fp32 pass fewer) -> [rows, T] in fp32."""
-    return TokenLogprobs.apply(logits, targets, temperature)
+    used), targets [rows, T], temperature [rows, 1, 1] or None for 1 (one fp32 pass fewer) -> [rows, T] in fp32.
+    `compiled`: the passes compiled with torch.compile (fused, no fp32 block written)."""
+    return TokenLogprobs.apply(logits, targets, temperature, compiled)
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -52,28 +59,58 @@ class TokenLogprobs(torch.autograd.Function):
     logits one block of positions at a time."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
+    def forward(ctx, logits, targets, temperature, compiled):
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out) if compiled else None  # the compiled backward starts from it
         temp = None if temperature is None else temperature.float()
         for r, p in _blocks(logits, targets.shape[1]):
+            if compiled:
+                out[r, p], lse[r, p] = _compiled(_fused_forward)(logits[r, p], targets[r, p], _rows(temp, r))
+                continue
             logp = _scaled(logits[r, p], temp, r, torch.log_softmax)
             out[r, p] = logp.gather(-1, targets[r, p, None]).squeeze(-1)
-        ctx.save_for_backward(logits, targets)
+        ctx.save_for_backward(logits, targets, lse)
         ctx.temp = temp
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        logits, targets = ctx.saved_tensors
+        logits, targets, lse = ctx.saved_tensors
         temp = ctx.temp
         g = grad.float() if temp is None else grad.float() / temp[:, :, 0]
         out = torch.empty_like(logits)
         out[:, targets.shape[1]:].zero_()  # the positions past the targets (the last one) get no gradient
         for r, p in _blocks(logits, targets.shape[1]):
+            if lse is not None:
+                _compiled(_fused_backward)(out[r, p], logits[r, p], targets[r, p], lse[r, p], g[r, p], _rows(temp, r))
+                continue
             d = _scaled(logits[r, p], temp, r, torch.softmax)
             d.scatter_add_(-1, targets[r, p, None], torch.full_like(g[r, p, None], -1.0))  # softmax - onehot
             torch.mul(d, g[r, p, None].neg(), out=out[r, p])  # cast to the logits' dtype as it is written
-        return out, None, None
+        return out, None, None, None
+
+
+def _fused_forward(block, targets, temp):
+    """(log-prob at the targets, log-sum-exp) of block / temp, in fp32: one reduction over the vocabulary."""
+    x = block.float() if temp is None else block.float() / temp
+    lse = torch.logsumexp(x, -1)
+    return x.gather(-1, targets[..., None]).squeeze(-1) - lse, lse
+
+
+def _fused_backward(out, block, targets, lse, g, temp):
+    """out = (onehot(targets) - softmax(block / temp)) * g, written in out's dtype: one pointwise pass."""
+    x = block.float() if temp is None else block.float() / temp
+    onehot = torch.arange(x.shape[-1], device=x.device) == targets[..., None]
+    out.copy_((onehot.float() - torch.exp(x - lse[..., None])) * g[..., None])
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def _rows(temp: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if temp is None else temp[rows]
 
 
 def _scaled(block: torch.Tensor, temp: torch.Tensor | None, rows: slice, fn) -> torch.Tensor:

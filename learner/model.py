@@ -60,9 +60,10 @@ def build_engine(cfg: Config, model_path: str):
     # A torch optimizer instead of DeepSpeed's: no FusedAdam JIT build (slow, and broken on arch 9.0a).
     fused = torch.cuda.is_available()
     optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
-    guard = FiniteGuard(model, optimizer)  # hooks on the parameters: before DeepSpeed wraps them
+    guard = FiniteGuard(model, optimizer, per_micro_batch=t.zero_stage > 0)  # hooks before DeepSpeed wraps them
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.finite_guard = guard
+    engine.compiled_logprobs = t.compile  # learner/logprobs.py: its passes compiled too
     engine.reference = None
     if t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device).eval()
@@ -100,20 +101,29 @@ class GuardedAdamW(torch.optim.AdamW):
 
 class FiniteGuard:
     """The last line of defence against poisoned weights: a step whose loss or gradient is not finite (NaN,
-    inf, or a norm past float32) on any rank is skipped. Every parameter's gradient of every micro-batch is
-    measured by a hook as it is computed, before DeepSpeed reduces or partitions it (so this holds for ZeRO
-    0-3 alike); `step_is_finite` agrees across ranks (one all-reduce of one number)."""
+    inf, or a norm past float32) on any rank is skipped. `step_is_finite` agrees across ranks (one all-reduce of
+    one number).
 
-    def __init__(self, model, optimizer: GuardedAdamW):
+    Under ZeRO 1-3 DeepSpeed moves each gradient away (reduced, partitioned) as it is computed, so a hook measures
+    every parameter's gradient of every micro-batch first. Without ZeRO the gradients of the step's micro-batches
+    are summed in `p.grad` until the optimizer's step, and a value that is not finite stays so in a sum, so they are
+    measured once, at the step's end, in one multi-tensor norm (`per_micro_batch=False`): a kernel per parameter
+    and micro-batch fewer, where the step of a small model is bound by launching kernels. That norm is the step's
+    gradient norm too (`grad_norm`)."""
+
+    def __init__(self, model, optimizer: GuardedAdamW, per_micro_batch: bool = True):
         self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.per_micro_batch = per_micro_batch
+        self.grad_norm: torch.Tensor | None = None  # per_micro_batch=False: of the last step checked
         self._norms: list[torch.Tensor] = []  # this step's gradient norms and losses, one device value each
-        for p in model.parameters():
-            if p.requires_grad:
+        if per_micro_batch:
+            for p in self.params:
                 p.register_hook(self._on_grad)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        # one kernel per parameter and micro-batch (the step is bound by its launches); the norms are checked once,
-        # in step_is_finite. A norm past float32 is inf.
+        # one kernel per parameter and micro-batch; the norms are checked once, in step_is_finite. A norm past
+        # float32 is inf.
         self._norms.append(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32))
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -123,6 +133,11 @@ class FiniteGuard:
         """Whether every loss and gradient of this step, on every rank, was finite; resets for the next step."""
         import torch.distributed as dist
 
+        if not self.per_micro_batch:
+            grads = [p.grad.detach() for p in self.params if p.grad is not None]
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
+            self.grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+            self._norms.append(self.grad_norm)
         values = torch.stack([n.to(device) for n in self._norms]) if self._norms else torch.zeros(1, device=device)
         bad = (~torch.isfinite(values)).any().float().reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -167,8 +167,8 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
         engine.backward(loss, scale_wrt_gas=False)
         memory.end(batch["input_ids"].numel())
         if last:
-            grad_norm = _grad_norm(engine, t.zero_stage)
             finite = engine.finite_guard.step_is_finite(engine.device)
+            grad_norm = _grad_norm(engine, t.zero_stage)
             engine.finite_guard.optimizer.skip = not finite
         try:
             engine.step()
@@ -194,11 +194,10 @@ def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> tor
 
 def _grad_norm(engine, zero_stage: int) -> float:
     """Gradient norm before clipping. ZeRO 1-3 optimizers compute it in step(); without ZeRO, DeepSpeed
-    clips but does not keep the norm, so it is computed here."""
+    clips but does not keep the norm: the finite guard measured it (FiniteGuard.grad_norm)."""
     if zero_stage > 0:
         return -1.0  # read after the step
-    grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
+    return float(engine.finite_guard.grad_norm)
 
 
 def _empty_row(rows: list[Row], groups: list[P.RolloutGroup]) -> Row:
