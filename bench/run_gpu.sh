@@ -122,6 +122,8 @@ run_part() {
     step learner_step 200 python3 -m bench.learner_step --size 0.5b --steps 4 --profile
     step learner_step_sized 200 python3 -m bench.learner_step --size 0.5b --steps 4 --profile \
       --set trainer.micro_batch_tokens=0 --name sized
+    step learner_step_compiled 200 python3 -m bench.learner_step --size 0.5b --steps 4 --profile \
+      --set trainer.micro_batch_tokens=10240 --set trainer.compile=true --name compiled
     pack
     ;;
   vs-trl)
