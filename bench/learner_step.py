@@ -3,7 +3,8 @@ issue 16's workload (a random-weight model of a Qwen2.5 shape, bf16, 32 prompts 
 and a profile of one step (the operators that take the most GPU time). No vLLM, no hub: synthetic groups with
 random tokens and rewards.
 
-    python -m bench.learner_step [--size 0.5b] [--steps 5] [--profile] [--set trainer.micro_batch_tokens=16384 ...]
+    python -m bench.learner_step [--size 0.5b] [--steps 5] [--profile] [--syncs]
+        [--set trainer.micro_batch_tokens=16384 ...]
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> int:
     p.add_argument("--completion-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
     p.add_argument("--profile", action="store_true", help="profile one more step: the top operators by GPU time")
+    p.add_argument("--syncs", action="store_true", help="one more step in CUDA's sync debug mode: the host-device "
+                   "synchronisations it makes, counted by the code that made them")
     p.add_argument("--set", action="append", default=[], help="a config override, e.g. trainer.loss=ppo")
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--name", default="")
@@ -79,12 +82,48 @@ def main() -> int:
            "reserved_gpu_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
     if args.profile:
         out["profile"] = profile(engine, cfg, args, vocab)
+    if args.syncs:
+        out["syncs"] = syncs(engine, cfg, args, vocab)
     print(out, flush=True)
     write_result(result_name("learner_step", args.size, *([args.name] if args.name else [])),
                  "python -m bench.learner_step " + " ".join(sys.argv[1:]), f"Qwen2.5 shape {args.size}, random weights",
                  out, settings={"micro_batch_tokens": cfg.trainer.micro_batch_tokens, "loss": cfg.trainer.loss,
                                 "minibatches": cfg.trainer.minibatches, "overrides": args.set})
     return 0
+
+
+def syncs(engine, cfg, args, vocab: int) -> dict:
+    """One step with torch.cuda's sync debug mode on: each synchronising call warns, and the warnings are counted
+    by the last three frames outside torch that led to it (site-packages paths shortened). {"total", "by_caller"}."""
+    import traceback
+    import warnings
+
+    counts: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
+                  and not f.filename.endswith("warnings.py")]
+        where = " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in frames[-3:][::-1])
+        counts[where] = counts.get(where, 0) + 1
+
+    batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, 98)
+    if not torch.cuda.is_available():
+        return {"total": None, "by_caller": {}}
+    torch.cuda.synchronize()
+    shown, filters = warnings.showwarning, warnings.filters[:]
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode(1)
+    try:
+        train_step(engine, batch, cfg, 98, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning, warnings.filters[:] = shown, filters
+    ranked = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    print(json.dumps(ranked, indent=1), flush=True)
+    return {"total": sum(counts.values()), "by_caller": ranked}
 
 
 def profile(engine, cfg, args, vocab: int) -> dict:
