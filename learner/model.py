@@ -75,8 +75,8 @@ def build_engine(cfg: Config, model_path: str):
 def compile_layers(model) -> int:
     """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`), with dynamic
     shapes: one graph for every layer and micro-batch size. In place, so parameter names stay as they are; lazy, so
-    DeepSpeed's cast to bf16 comes first. The lm_head and the log-probs stay eager (learner/logprobs.py). Returns
-    the number of layers compiled."""
+    DeepSpeed's cast to bf16 comes first. The lm_head stays eager; the log-prob passes are compiled apart
+    (learner/logprobs.py, `engine.compiled_logprobs`). Returns the number of layers compiled."""
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:

@@ -67,9 +67,8 @@ def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage):
 
 def test_compiled_layers_train_as_the_eager_model_does(model_cache):
     """trainer.compile: every decoder layer is compiled in place (the parameter names, which checkpoints and
-    published weights carry, stay as they are), and a step moves the weights as the eager model's step does."""
-    from torch._dynamo.utils import counters
-
+    published weights carry, stay as they are) and the log-prob passes too, and a step moves the weights as the
+    eager model's step does."""
     init_distributed()
     out = {}
     for compiled in (False, True):
@@ -79,8 +78,8 @@ def test_compiled_layers_train_as_the_eager_model_does(model_cache):
         stats = train_step(engine, _distinct_groups(4), cfg, 0, PAD_ID)
         layers = [m for m in engine.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
         out[compiled] = (stats["loss"], stats["grad_norm"]), _state(engine, 0)["weights"], len(layers)
+        assert engine.compiled_logprobs == compiled
     assert out[False][2] == 0 and out[True][2] == engine.module.config.num_hidden_layers
-    assert counters["stats"]["unique_graphs"] > 0  # the compiled layers ran
     (eager_loss, eager, _), (loss, weights, _) = out[False], out[True]
     assert list(weights) == list(eager)
     assert loss == pytest.approx(eager_loss, rel=1e-4)  # loss and gradient norm
