@@ -52,6 +52,9 @@ def main() -> None:
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs in the generator")
     p.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: the config's)")
     p.add_argument("--engines-per-gpu", type=int, default=1, help="generators sharing the generator GPU")
+    p.add_argument("--compile", action="store_true", help="trainer.compile (the learner's layers and log-probs)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="trainer.micro_batch_tokens (default: the config's)")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--from-run", type=Path, default=None,
@@ -78,7 +81,9 @@ def main() -> None:
                      sampling={"max_tokens": args.max_tokens},
                      trainer={"total_steps": per_phase * len(phases) + 2 + 20 * (engines - 1),
                               "batch_size": args.batch_size, "group_size": args.group_size,
-                              "max_staleness": phases[0]},
+                              "max_staleness": phases[0], "compile": args.compile,
+                              **({"micro_batch_tokens": args.micro_batch_tokens}
+                                 if args.micro_batch_tokens is not None else {})},
                      generator={"lease_size": 8, "enforce_eager": bool(args.enforce_eager),
                                 **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
                                 "max_model_len": args.prompt_tokens + args.max_tokens + 64,
@@ -107,7 +112,8 @@ def main() -> None:
     out["workload"] = {"batch_size": args.batch_size, "group_size": args.group_size,
                        "max_tokens": args.max_tokens,
                        "prompt_tokens": args.prompt_tokens, "transport": args.transport,
-                       "enforce_eager": bool(args.enforce_eager), "engines_per_gpu": engines, "warmup_steps": warmup}
+                       "enforce_eager": bool(args.enforce_eager), "engines_per_gpu": engines, "warmup_steps": warmup,
+                       "compile": args.compile, "micro_batch_tokens": cfg["trainer"].get("micro_batch_tokens")}
     out["sampler_error"], out["error"] = sampler.error, error
     name = args.name or result_name("pipeline_speedup", args.model_size, f"{engines}engine{'s' if engines > 1 else ''}",
                                     gpus=not args.cpu)

@@ -6,7 +6,8 @@ samples per optimizer step, lr 1e-6, the parity reward.
                `pipeline run` colocated (bench.colocated: configs/gpu-single.yaml's split, vLLM's share 0.35,
                groups in flight sized from the engine, CUDA graphs, the ipc transport) at each k of --ks
     --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with `trl vllm-serve` (vLLM's server, nccl weight
-               transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs) at each k of --ks
+               transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs, the learner compiled as
+               configs/gpu-single.yaml has it) at each k of --ks
 
 TRL's settings are its fastest for this workload (bench/trl_grpo.py says which). The result
 (vs_trl_0.5b_{1,2}gpu_MACHINE.json) holds both systems' figures and settings, and under `vs_trl` the ratio of
@@ -53,7 +54,8 @@ def main() -> int:
     p.add_argument("--ks", default="0,1", help="our max_staleness values")
     p.add_argument("--max-num-seqs", type=int, default=None, help="our generator.max_num_seqs (default: the config's)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="our trainer.micro_batch_tokens with --gpus 1 (default: configs/gpu-single.yaml's)")
+                   help="our trainer.micro_batch_tokens (default: configs/gpu-single.yaml's with --gpus 1, the "
+                   "learner's default with --gpus 2)")
     p.add_argument("--reuse-trl", action="store_true", help="TRL's figures from an earlier run of this command "
                    "with the same --run-dir (its trl-result.json), instead of running TRL again")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
@@ -128,11 +130,11 @@ def run_ours(args, model: str, ks: str) -> dict:
     if args.gpus == 1:
         argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--enforce-eager", "0",
                 "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
-        if args.micro_batch_tokens is not None:
-            argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     else:
         argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", ks,
-                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit)]
+                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit), "--compile"]
+    if args.micro_batch_tokens is not None:
+        argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     child = start_child(name, [sys.executable, "-m", *argv], RUNS / f"{name}.log")
     try:
         child.proc.wait(limit + 120)
