@@ -67,7 +67,7 @@ class TokenLogprobs(torch.autograd.Function):
             if compiled:
                 out[r, p], lse[r, p] = _compiled(_fused_forward)(logits[r, p], targets[r, p], _rows(temp, r))
                 continue
-            logp = _scaled(logits[r, p], temp, r, torch.log_softmax)
+            logp = _scaled(logits[r, p], _rows(temp, r), torch.log_softmax)
             out[r, p] = logp.gather(-1, targets[r, p, None]).squeeze(-1)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temp = temp
@@ -84,7 +84,7 @@ class TokenLogprobs(torch.autograd.Function):
             if lse is not None:
                 _compiled(_fused_backward)(out[r, p], logits[r, p], targets[r, p], lse[r, p], g[r, p], _rows(temp, r))
                 continue
-            d = _scaled(logits[r, p], temp, r, torch.softmax)
+            d = _scaled(logits[r, p], _rows(temp, r), torch.softmax)
             d.scatter_add_(-1, targets[r, p, None], torch.full_like(g[r, p, None], -1.0))  # softmax - onehot
             torch.mul(d, g[r, p, None].neg(), out=out[r, p])  # cast to the logits' dtype as it is written
         return out, None, None, None
@@ -110,15 +110,16 @@ def _compiled(fn):
 
 
 def _rows(temp: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The temperatures of a block's rows (None: all 1)."""
     return None if temp is None else temp[rows]
 
 
-def _scaled(block: torch.Tensor, temp: torch.Tensor | None, rows: slice, fn) -> torch.Tensor:
-    """fn(block / temperature, dim=-1) in fp32: at temperature 1 one kernel, the input read in its own dtype (a bf16
-    block divided by the fp32 temperatures is fp32 too)."""
+def _scaled(block: torch.Tensor, temp: torch.Tensor | None, fn) -> torch.Tensor:
+    """fn(block / temp, dim=-1) in fp32 (temp: the block's rows' temperatures): at temperature 1 one kernel, the
+    input read in its own dtype (a bf16 block divided by the fp32 temperatures is fp32 too)."""
     if temp is None:
         return fn(block, -1, dtype=torch.float32)
-    return fn(block / temp[rows], -1)
+    return fn(block / temp, -1)
 
 
 def _blocks(logits: torch.Tensor, positions: int):

@@ -168,7 +168,7 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
         memory.end(batch["input_ids"].numel())
         if last:
             finite = engine.finite_guard.step_is_finite(engine.device)
-            grad_norm = _grad_norm(engine, t.zero_stage)
+            grad_norm = _grad_norm(engine)
             engine.finite_guard.optimizer.skip = not finite
         try:
             engine.step()
@@ -192,12 +192,11 @@ def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> tor
         return ((g >= bounds[0]) & (g <= bounds[1])).to(mask.dtype)
 
 
-def _grad_norm(engine, zero_stage: int) -> float:
-    """Gradient norm before clipping. ZeRO 1-3 optimizers compute it in step(); without ZeRO, DeepSpeed
-    clips but does not keep the norm: the finite guard measured it (FiniteGuard.grad_norm)."""
-    if zero_stage > 0:
-        return -1.0  # read after the step
-    return float(engine.finite_guard.grad_norm)
+def _grad_norm(engine) -> float:
+    """Gradient norm before clipping. Without ZeRO, DeepSpeed clips but does not keep the norm: the finite guard
+    measured it (FiniteGuard.grad_norm). ZeRO 1-3 optimizers compute it in step(): -1, read after the step."""
+    norm = engine.finite_guard.grad_norm
+    return -1.0 if norm is None else float(norm)
 
 
 def _empty_row(rows: list[Row], groups: list[P.RolloutGroup]) -> Row:
