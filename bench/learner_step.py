@@ -108,9 +108,9 @@ def syncs(engine, cfg, args, vocab: int) -> dict:
         where = " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in frames[-3:][::-1])
         counts[where] = counts.get(where, 0) + 1
 
-    batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, 98)
     if not torch.cuda.is_available():
         return {"total": None, "by_caller": {}}
+    batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, 98)
     torch.cuda.synchronize()
     shown, filters = warnings.showwarning, warnings.filters[:]
     warnings.showwarning = record
