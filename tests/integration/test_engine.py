@@ -50,10 +50,16 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             before = await engine.weights_checksum()
             assert engine.concurrent_sequences() == 16  # max_num_seqs: its KV cache holds more sequences of 256
             # log-probs are kept flat: no object per generated token for the garbage collector to walk
-            probe, seen = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long)), []
-            while not probe.done():
-                seen.append(_logprob_objects())
-                await asyncio.sleep(0.05)
+            # each look walks the objects made since the freeze only, not the whole process: in a long test session
+            # a walk of every object took so long that the request ended after two looks
+            gc.freeze()
+            try:
+                probe, seen = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long)), []
+                while not probe.done():
+                    seen.append(_logprob_objects())
+                    await asyncio.sleep(0.05)
+            finally:
+                gc.unfreeze()
             assert len((await probe)[0].logprobs) == 240 and len(seen) > 2 and max(seen) == 0
             # inflight: a long request keeps running across the update and records both versions
             engine.mode = "inflight"
