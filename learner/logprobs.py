@@ -5,16 +5,15 @@ The step needs one number per completion token, so:
 
 - the model computes logits only from the first position that predicts a completion token (`logits_to_keep`:
   prompts cost no lm_head and no logits);
-- `TokenLogprobs` takes the log-softmax at the targets in blocks of positions, one block at a time, and keeps only
-  the logits the model returned (in its dtype) for the backward, which recomputes the softmax block by block: no
-  fp32 copy of the logits ever exists whole, and autograd keeps none. At temperature 1 each pass over a block is one
-  kernel that reads the model's bf16 logits and computes in fp32 (`log_softmax` / `softmax` with dtype float32),
-  and the backward writes its bf16 gradient directly: 2 passes over the logits a micro-batch instead of 11 (the
-  0.5B shape's 65k completion tokens x 151,936 entries: 10G logits).
+- `TokenLogprobs` keeps only the logits the model returned (in its dtype) for the backward, which recomputes the
+  softmax from them: no fp32 copy of the logits ever exists whole, and autograd keeps none;
+- the backward writes the gradient into the logits' own storage when the caller says it reads them no more
+  (`in_place`; `forward_logprobs` does): one [rows, positions, vocabulary] tensor fewer at the step's peak.
 
-With `trainer.compile` the passes are compiled instead (`compiled=True`): the forward is one reduction per block
-that reads the logits once and writes a log-sum-exp and a log-prob per position, and the backward one pointwise
-kernel that writes the bf16 gradient into place: no [positions, vocabulary] fp32 tensor is ever written.
+On a GPU each pass is one Triton kernel over the whole micro-batch (learner/kernels.py): the forward reads the
+logits once and keeps a log-sum-exp per position, the backward reads them once more and writes the gradient. Elsewhere
+(the CPU) the passes go block by block of positions in eager torch: at temperature 1 one kernel per pass that reads
+the logits in their dtype and computes in fp32 (`log_softmax` / `softmax` with dtype float32).
 
 The values are those of `log_softmax(logits.float() / temperature)` at the targets.
 """
@@ -33,7 +32,8 @@ CHUNK_ELEMENTS = 2**27  # fp32 logits worked on at once: 512 MB (883 positions o
 def forward_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each next token [rows, L-1], the logits the model returned [rows, L-first, V]) for a collated
     micro-batch. Logits start at position `batch["first"]` (the first that predicts a completion token); the
-    log-probs before it are 0."""
+    log-probs before it are 0. A backward through the log-probs turns the logits into their gradient: read them
+    before it."""
     ids = batch["input_ids"]
     first = batch.get("first", 0)
     kwargs = {"input_ids": ids, "attention_mask": batch["attention_mask"]}
@@ -42,35 +42,37 @@ def forward_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         logits = model(**kwargs).logits[:, first:]
     temperature = None if batch.get("unit_temperature") else batch["temperature"]
-    logp = token_logprobs(logits, ids[:, first + 1:], temperature, getattr(model, "compiled_logprobs", False))
+    logp = token_logprobs(logits, ids[:, first + 1:], temperature, in_place=True)
     return F.pad(logp, (first, 0)), logits
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None,
-                   compiled: bool = False) -> torch.Tensor:
+                   in_place: bool = False) -> torch.Tensor:
     """log softmax(logits / temperature) at `targets`: logits [rows, P, V] (P >= T; positions from T on are not
     used), targets [rows, T], temperature [rows, 1, 1] or None for 1 (one fp32 pass fewer) -> [rows, T] in fp32.
-    `compiled`: the passes compiled with torch.compile (fused, no fp32 block written)."""
-    return TokenLogprobs.apply(logits, targets, temperature, compiled)
+    `in_place`: the backward writes the logits' gradient into the logits (the caller reads them no more)."""
+    return TokenLogprobs.apply(logits, targets, temperature, in_place)
 
 
 class TokenLogprobs(torch.autograd.Function):
     """d logp_t / d logits_t = (onehot(target_t) - softmax(logits_t / T)) / T, the softmax recomputed from the saved
-    logits one block of positions at a time."""
+    logits."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, compiled):
-        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out) if compiled else None  # the compiled backward starts from it
+    def forward(ctx, logits, targets, temperature, in_place):
         temp = None if temperature is None else temperature.float()
-        for r, p in _blocks(logits, targets.shape[1]):
-            if compiled:
-                out[r, p], lse[r, p] = _compiled(_fused_forward)(logits[r, p], targets[r, p], _rows(temp, r))
-                continue
-            logp = _scaled(logits[r, p], _rows(temp, r), torch.log_softmax)
-            out[r, p] = logp.gather(-1, targets[r, p, None]).squeeze(-1)
+        lse = None  # the kernels' backward starts from the forward's log-sum-exp
+        if _on_gpu(logits):
+            from learner import kernels
+
+            out, lse = kernels.forward(logits, targets, temp)
+        else:
+            out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+            for r, p in _blocks(logits, targets.shape[1]):
+                logp = _scaled(logits[r, p], _rows(temp, r), torch.log_softmax)
+                out[r, p] = logp.gather(-1, targets[r, p, None]).squeeze(-1)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temp = temp
+        ctx.temp, ctx.in_place = temp, in_place
         return out
 
     @staticmethod
@@ -78,35 +80,32 @@ class TokenLogprobs(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         temp = ctx.temp
         g = grad.float() if temp is None else grad.float() / temp[:, :, 0]
-        out = torch.empty_like(logits)
+        out = logits if ctx.in_place else torch.empty_like(logits)
+        if lse is not None:
+            from learner import kernels
+
+            kernels.backward(out, logits, targets, lse, g.contiguous(), temp)
+        else:
+            for r, p in _blocks(logits, targets.shape[1]):  # each block is read whole before it is written
+                d = _scaled(logits[r, p], _rows(temp, r), torch.softmax)
+                d.scatter_add_(-1, targets[r, p, None], torch.full_like(g[r, p, None], -1.0))  # softmax - onehot
+                torch.mul(d, g[r, p, None].neg(), out=out[r, p])  # cast to the logits' dtype as it is written
         out[:, targets.shape[1]:].zero_()  # the positions past the targets (the last one) get no gradient
-        for r, p in _blocks(logits, targets.shape[1]):
-            if lse is not None:
-                _compiled(_fused_backward)(out[r, p], logits[r, p], targets[r, p], lse[r, p], g[r, p], _rows(temp, r))
-                continue
-            d = _scaled(logits[r, p], _rows(temp, r), torch.softmax)
-            d.scatter_add_(-1, targets[r, p, None], torch.full_like(g[r, p, None], -1.0))  # softmax - onehot
-            torch.mul(d, g[r, p, None].neg(), out=out[r, p])  # cast to the logits' dtype as it is written
         return out, None, None, None
 
 
-def _fused_forward(block, targets, temp):
-    """(log-prob at the targets, log-sum-exp) of block / temp, in fp32: one reduction over the vocabulary."""
-    x = block.float() if temp is None else block.float() / temp
-    lse = torch.logsumexp(x, -1)
-    return x.gather(-1, targets[..., None]).squeeze(-1) - lse, lse
-
-
-def _fused_backward(out, block, targets, lse, g, temp):
-    """out = (onehot(targets) - softmax(block / temp)) * g, written in out's dtype: one pointwise pass."""
-    x = block.float() if temp is None else block.float() / temp
-    onehot = torch.arange(x.shape[-1], device=x.device) == targets[..., None]
-    out.copy_((onehot.float() - torch.exp(x - lse[..., None])) * g[..., None])
+def _on_gpu(logits: torch.Tensor) -> bool:
+    """Whether the Triton kernels take these logits: on a CUDA device, unit stride over the vocabulary."""
+    return logits.is_cuda and logits.stride(-1) == 1 and _has_triton()
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _rows(temp: torch.Tensor | None, rows: slice) -> torch.Tensor | None:

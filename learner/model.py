@@ -46,12 +46,13 @@ def build_engine(cfg: Config, model_path: str):
     if t.compile:
         compile_layers(model)
     model.config.use_cache = False
+    lean = t.zero_stage == 0  # the optimizer step is ours (MixedAdamW), not DeepSpeed's fp16 wrapper's
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": t.grad_clip,
+        "gradient_clipping": 0.0 if lean else t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        "bf16": {"enabled": dtype == torch.bfloat16 and not lean},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "timers": {"throughput": {"enabled": False}},  # it synchronised the device at every micro-batch
@@ -59,11 +60,17 @@ def build_engine(cfg: Config, model_path: str):
     }
     # A torch optimizer instead of DeepSpeed's: no FusedAdam JIT build (slow, and broken on arch 9.0a).
     fused = torch.cuda.is_available()
-    optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
-    guard = FiniteGuard(model, optimizer, per_micro_batch=t.zero_stage > 0)  # hooks before DeepSpeed wraps them
+    if lean:
+        from deepspeed.accelerator import get_accelerator
+
+        device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0)))
+        optimizer = MixedAdamW(model, dtype, device, t.grad_clip, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+        model.to(device)  # the buffers
+    else:
+        optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+    guard = FiniteGuard(model, optimizer, per_micro_batch=not lean)  # hooks before DeepSpeed wraps them
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.finite_guard = guard
-    engine.compiled_logprobs = t.compile  # learner/logprobs.py: its passes compiled too
     engine.reference = None
     if t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device).eval()
@@ -75,8 +82,8 @@ def build_engine(cfg: Config, model_path: str):
 def compile_layers(model) -> int:
     """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`), with dynamic
     shapes: one graph for every layer and micro-batch size. In place, so parameter names stay as they are; lazy, so
-    DeepSpeed's cast to bf16 comes first. The lm_head stays eager; the log-prob passes are compiled apart
-    (learner/logprobs.py, `engine.compiled_logprobs`). Returns the number of layers compiled."""
+    the cast to bf16 comes first. The lm_head stays eager; on a GPU the log-prob passes are Triton kernels
+    of their own (learner/kernels.py). Returns the number of layers compiled."""
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
@@ -97,6 +104,67 @@ class GuardedAdamW(torch.optim.AdamW):
         if self.skip:
             return None
         return super().step(closure)
+
+
+class MixedAdamW(GuardedAdamW):
+    """Without ZeRO, the whole optimizer step, in a few multi-tensor kernels and no host sync. (DeepSpeed's fp16
+    wrapper, which ran it for bf16 before, read every parameter's gradient back to the host to look for an overflow
+    and made five kernels per parameter more: 290 syncs a step for the 0.5B shape.)
+
+    The model's parameters are cast to `dtype` and moved to `device` (buffers keep their dtype, as DeepSpeed's cast
+    did: RoPE's inverse frequencies stay fp32); the optimizer steps fp32 master copies of the loaded weights (the
+    parameters themselves when `dtype` is fp32), from the model's gradients cast to fp32 and clipped to a norm of
+    `clip` by the finite guard's norm (`grad_norm`, a device tensor the guard measures first), then copies them back
+    into the model. A checkpoint (`state_dict`) carries the masters."""
+
+    def __init__(self, model, dtype: torch.dtype, device, clip: float, **kwargs):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = []
+        for p in self.params:  # one at a time: the fp32 model never lies on the device whole beside its masters
+            if dtype != torch.float32:
+                self.masters.append(p.detach().to(device, torch.float32, copy=True).requires_grad_())
+            p.data = p.data.to(device, dtype)
+            if dtype == torch.float32:
+                self.masters.append(p)
+        self.clip = clip
+        self.grad_norm: torch.Tensor | None = None  # of the gradients of the next step
+        super().__init__(self.masters, **kwargs)
+
+    def step(self, closure=None):
+        if self.skip:
+            return None
+        mixed = [(m, p) for m, p in zip(self.masters, self.params, strict=True) if m is not p and p.grad is not None]
+        for m, p in mixed:
+            m.grad = p.grad.float()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if self.clip > 0 and grads:
+            norm = self.grad_norm
+            if norm is None:
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)))
+            torch._foreach_mul_(grads, (self.clip / (norm.float() + 1e-6)).clamp(max=1.0))
+        super().step(closure)
+        self.grad_norm = None
+        if mixed:
+            torch._foreach_copy_([p.data for _, p in mixed], [m for m, _ in mixed])
+            for m, _ in mixed:
+                m.grad = None
+        return None
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["masters"] = [m for m, p in zip(self.masters, self.params, strict=True) if m is not p]
+        return state
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict)
+        saved = state.pop("masters", [])
+        mine = [m for m, p in zip(self.masters, self.params, strict=True) if m is not p]
+        if len(saved) != len(mine):
+            raise ValueError(f"the checkpoint holds {len(saved)} fp32 master weights, this model {len(mine)}")
+        with torch.no_grad():
+            for m, s in zip(mine, saved, strict=True):
+                m.copy_(s)
+        super().load_state_dict(state)
 
 
 class FiniteGuard:
@@ -138,6 +206,7 @@ class FiniteGuard:
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
             self.grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
             self._norms.append(self.grad_norm)
+            self.optimizer.grad_norm = self.grad_norm  # MixedAdamW clips by it
         values = torch.stack([n.to(device) for n in self._norms]) if self._norms else torch.zeros(1, device=device)
         bad = (~torch.isfinite(values)).any().float().reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:

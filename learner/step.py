@@ -193,8 +193,8 @@ def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> tor
 
 
 def _grad_norm(engine) -> float:
-    """Gradient norm before clipping. Without ZeRO, DeepSpeed clips but does not keep the norm: the finite guard
-    measured it (FiniteGuard.grad_norm). ZeRO 1-3 optimizers compute it in step(): -1, read after the step."""
+    """Gradient norm before clipping. Without ZeRO the finite guard measured it (FiniteGuard.grad_norm; MixedAdamW
+    clips by it). ZeRO 1-3 optimizers compute it in step(): -1, read after the step."""
     norm = engine.finite_guard.grad_norm
     return -1.0 if norm is None else float(norm)
 

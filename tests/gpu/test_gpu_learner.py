@@ -34,3 +34,33 @@ def test_micro_batches_sized_from_free_memory_grow_after_the_first_step(model_ca
     assert second["learner/micro_batch_tokens"] >= 0.5 * free / engine.bytes_per_token > AUTO_FIRST_TOKENS
     assert not first["skipped"] and not second["skipped"]
     assert any(not torch.equal(before[n], t) for n, t in gathered_weights(engine, 0))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("temperatures", [[1.0, 0.5, 2.0], None])
+@pytest.mark.parametrize("vocab", [5000, 300])  # over two blocks; less than one (the tiny model's)
+def test_the_log_prob_kernels_match_autograd_of_the_log_softmax(temperatures, in_place, vocab):
+    """On a GPU the log-prob passes are Triton kernels (learner/kernels.py): the log-probs and the gradient equal
+    autograd's through the fp32 log-softmax within a bf16 rounding, for a vocabulary that is no multiple of the
+    kernels' blocks or smaller than one, and logits that are a slice of a longer tensor (a model without
+    `logits_to_keep`); positions outside the targets get no gradient, and in place the logits hold their gradient
+    afterwards."""
+    from learner import logprobs
+
+    torch.manual_seed(0)
+    leaf = (torch.randn(3, 9, vocab, device="cuda") * 4).to(torch.bfloat16).requires_grad_()
+    logits = (leaf * 1)[:, 2:]  # 7 positions, strided as a slice
+    assert logprobs._on_gpu(logits)
+    targets = torch.randint(0, vocab, (3, 6), device="cuda")
+    temperature = None if temperatures is None else torch.tensor(temperatures, device="cuda").view(3, 1, 1)
+    weights = torch.randn(3, 6, device="cuda")
+    got = logprobs.token_logprobs(logits, targets, temperature, in_place)
+    (got * weights).sum().backward()
+    ours, leaf.grad = leaf.grad, None
+    scaled = leaf[:, 2:8].float() if temperature is None else leaf[:, 2:8].float() / temperature
+    want = torch.log_softmax(scaled, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (want * weights).sum().backward()
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
+    assert ours.dtype == torch.bfloat16 and not ours[:, :2].any() and not ours[:, 8].any()
+    assert torch.allclose(ours.float(), leaf.grad.float(), rtol=2**-7, atol=1e-6)
+    assert torch.equal(logits.detach(), ours[:, 2:]) == in_place
