@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--transport", default=None, help="weights.transport (default: the config's, auto: ipc)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="trainer.micro_batch_tokens (default: the config's)")
+    p.add_argument("--generators", type=int, default=1, help="engines on the GPU (run.generators), splitting the "
+                   "config's generator.gpu_memory_utilization between them")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--name", default=None, help="result file name (default: colocated_SIZE_MACHINE)")
     args = p.parse_args()
@@ -82,6 +84,10 @@ def main() -> None:
         cfg["weights"]["transport"] = args.transport
     if args.micro_batch_tokens is not None:
         cfg["trainer"]["micro_batch_tokens"] = args.micro_batch_tokens
+    if args.generators > 1:
+        cfg["run"]["generators"] = args.generators
+        cfg["generator"]["gpu_memory_utilization"] = round(cfg["generator"]["gpu_memory_utilization"] / args.generators,
+                                                           3)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir.parent / "colocated.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))

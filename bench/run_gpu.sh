@@ -15,7 +15,8 @@
 #   learning     learning_curves: the tiny model on GPU 0, k = 0 and 4 with ppo and decoupled, 3 seeds (1 GPU)
 #   learning-0.5b  learning_curves: the 0.5B shape warm-started on the task, k = 0 and 2, decoupled, seed $SEED
 #                (default 0; one seed per call, merge them with `--merge`) (1 GPU)
-#   learner      learner_step: the 0.5B shape's learner step alone at 8192 tokens and sized from free memory (1 GPU)
+#   learner      learner_step: the 0.5B shape's learner step alone at 8192 tokens, sized from free memory and
+#                compiled; logprob_passes: its log-prob passes alone (1 GPU)
 #   vs-trl       vs_trl: ours against TRL 1.16 on issue 16's workload, GPUS_VS_TRL=1 (colocated) or 2 (default 1).
 #                TRL is not in the GPU kit: install trl 1.16.0, datasets 4.8.5 and multiprocess 0.70.19 (py312)
 #                first, e.g. `pip install --no-deps --target DIR WHEELS` with the kit's DIR
@@ -124,6 +125,7 @@ run_part() {
       --set trainer.micro_batch_tokens=0 --name sized
     step learner_step_compiled 200 python3 -m bench.learner_step --size 0.5b --steps 4 --profile \
       --set trainer.micro_batch_tokens=10240 --set trainer.compile=true --name compiled
+    step logprob_passes 120 python3 -m bench.logprob_passes
     pack
     ;;
   vs-trl)

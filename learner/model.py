@@ -115,7 +115,7 @@ class MixedAdamW(GuardedAdamW):
     did: RoPE's inverse frequencies stay fp32); the optimizer steps fp32 master copies of the loaded weights (the
     parameters themselves when `dtype` is fp32), from the model's gradients cast to fp32 and clipped to a norm of
     `clip` by the finite guard's norm (`grad_norm`, a device tensor the guard measures first), then copies them back
-    into the model. A checkpoint (`state_dict`) carries the masters."""
+    into the model. A checkpoint (`state_dict`) carries the masters; one that DeepSpeed's wrapper wrote loads too."""
 
     def __init__(self, model, dtype: torch.dtype, device, clip: float, **kwargs):
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -158,6 +158,9 @@ class MixedAdamW(GuardedAdamW):
     def load_state_dict(self, state_dict):
         state = dict(state_dict)
         saved = state.pop("masters", [])
+        if "fp32_groups" in state:  # a checkpoint of DeepSpeed's FP16_UnfusedOptimizer, which ran this step before
+            saved = [m for group in state["fp32_groups"] for m in group]
+            state = state["optimizer_state_dict"]
         mine = [m for m, p in zip(self.masters, self.params, strict=True) if m is not p]
         if len(saved) != len(mine):
             raise ValueError(f"the checkpoint holds {len(saved)} fp32 master weights, this model {len(mine)}")

@@ -126,6 +126,15 @@ def test_a_checkpoint_restores_the_fp32_masters(model_cache, tmp_path):
     for e in (engine, resumed):
         train_step(e, _distinct_groups(4), cfg, 1, PAD_ID)
     assert _same(_state(engine, 0), _state(resumed, 0))
+    # a checkpoint of the DeepSpeed wrapper that ran this step before (its state_dict's layout) resumes too
+    state = engine.optimizer.state_dict()
+    masters = state.pop("masters")
+    older = {"cur_scale": 1.0, "optimizer_state_dict": state, "fp32_groups": [masters]}
+    again = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    again.optimizer.load_state_dict(older)
+    assert all(torch.equal(a, b) for a, b in zip(again.optimizer.masters, engine.optimizer.masters, strict=True))
+    assert _same({"weights": {}, "moments": _state(engine, 0)["moments"]},
+                 {"weights": {}, "moments": _state(again, 0)["moments"]})
 
 
 def test_compiled_layers_train_as_the_eager_model_does(model_cache):
