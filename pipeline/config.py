@@ -135,10 +135,10 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     compile: bool = False
-    """torch.compile each decoder layer and the log-prob passes (dynamic shapes: compiled at the first micro-batch,
-    and again for a no-grad forward): fewer, fused kernels where the step of a small model is bound by launching
-    them. The first step takes longer by the compile (tens of seconds); parameter names, checkpoints and weights
-    are unchanged. Not with zero_stage 3."""
+    """torch.compile each decoder layer (dynamic shapes: compiled at the first micro-batch, and again for a no-grad
+    forward): fewer, fused kernels where the step of a small model is bound by launching them. (On a GPU the
+    log-prob passes are Triton kernels either way, learner/kernels.py.) The first step takes longer by the compile
+    (tens of seconds); parameter names, checkpoints and weights are unchanged. Not with zero_stage 3."""
     ranks: int = 0
     """Learner processes (data parallel). 0: one per GPU given with --gpus, else 1. On CPU, gloo ranks."""
     keep_checkpoints: int = 2
