@@ -67,21 +67,11 @@ def main() -> int:
     blocks = list(logprobs._blocks(logits, t))
     fwd_c, bwd_c = (torch.compile(f, dynamic=True) for f in (_compiled_forward, _compiled_backward))
 
-    def eager_forward():
-        for r, q in blocks:
-            x = logprobs._scaled(logits[r, q], logprobs._rows(temp, r), torch.log_softmax)
-            x.gather(-1, targets[r, q, None])
-
-    def eager_backward():
-        for r, q in blocks:
-            d = logprobs._scaled(logits[r, q], logprobs._rows(temp, r), torch.softmax)
-            d.scatter_add_(-1, targets[r, q, None], torch.full_like(g[r, q, None], -1.0))
-            torch.mul(d, g[r, q, None].neg(), out=out[r, q])
-
     ways = {
         "kernels": (lambda: kernels.forward(logits, targets, temp),
                     lambda: kernels.backward(out, logits, targets, lse, g, temp)),
-        "eager": (eager_forward, eager_backward),
+        "eager": (lambda: logprobs.eager_forward(logits, targets, temp),
+                  lambda: logprobs.eager_backward(out, logits, targets, g, temp)),
         "compiled": (lambda: [fwd_c(logits[r, q], targets[r, q], logprobs._rows(temp, r)) for r, q in blocks],
                      lambda: [bwd_c(out[r, q], logits[r, q], targets[r, q], lse[r, q], g[r, q], logprobs._rows(temp, r))
                               for r, q in blocks]),

@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs in the generator")
     p.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: the config's)")
     p.add_argument("--engines-per-gpu", type=int, default=1, help="generators sharing the generator GPU")
-    p.add_argument("--compile", action="store_true", help="trainer.compile (the learner's layers and log-probs)")
+    p.add_argument("--compile", action="store_true", help="trainer.compile (the learner's decoder layers)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="trainer.micro_batch_tokens (default: the config's)")
     p.add_argument("--cpu", action="store_true", help="no --gpus (CPU smoke run)")

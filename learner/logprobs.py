@@ -67,10 +67,7 @@ class TokenLogprobs(torch.autograd.Function):
 
             out, lse = kernels.forward(logits, targets, temp)
         else:
-            out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-            for r, p in _blocks(logits, targets.shape[1]):
-                logp = _scaled(logits[r, p], _rows(temp, r), torch.log_softmax)
-                out[r, p] = logp.gather(-1, targets[r, p, None]).squeeze(-1)
+            out = eager_forward(logits, targets, temp)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temp, ctx.in_place = temp, in_place
         return out
@@ -86,12 +83,28 @@ class TokenLogprobs(torch.autograd.Function):
 
             kernels.backward(out, logits, targets, lse, g.contiguous(), temp)
         else:
-            for r, p in _blocks(logits, targets.shape[1]):  # each block is read whole before it is written
-                d = _scaled(logits[r, p], _rows(temp, r), torch.softmax)
-                d.scatter_add_(-1, targets[r, p, None], torch.full_like(g[r, p, None], -1.0))  # softmax - onehot
-                torch.mul(d, g[r, p, None].neg(), out=out[r, p])  # cast to the logits' dtype as it is written
+            eager_backward(out, logits, targets, g, temp)
         out[:, targets.shape[1]:].zero_()  # the positions past the targets (the last one) get no gradient
         return out, None, None, None
+
+
+def eager_forward(logits: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor | None) -> torch.Tensor:
+    """The forward off the GPU: log softmax(logits / temp) at the targets, block by block of positions, fp32."""
+    out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+    for r, p in _blocks(logits, targets.shape[1]):
+        logp = _scaled(logits[r, p], _rows(temp, r), torch.log_softmax)
+        out[r, p] = logp.gather(-1, targets[r, p, None]).squeeze(-1)
+    return out
+
+
+def eager_backward(out: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
+                   temp: torch.Tensor | None) -> None:
+    """The backward off the GPU: out[:, :T] = (onehot(targets) - softmax(logits / temp)) * g (g already divided by
+    temp), block by block; each block is read whole before it is written, so out may be logits."""
+    for r, p in _blocks(logits, targets.shape[1]):
+        d = _scaled(logits[r, p], _rows(temp, r), torch.softmax)
+        d.scatter_add_(-1, targets[r, p, None], torch.full_like(g[r, p, None], -1.0))  # softmax - onehot
+        torch.mul(d, g[r, p, None].neg(), out=out[r, p])  # cast to the logits' dtype as it is written
 
 
 def _on_gpu(logits: torch.Tensor) -> bool:

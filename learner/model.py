@@ -65,7 +65,6 @@ def build_engine(cfg: Config, model_path: str):
 
         device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0)))
         optimizer = MixedAdamW(model, dtype, device, t.grad_clip, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
-        model.to(device)  # the buffers
     else:
         optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
     guard = FiniteGuard(model, optimizer, per_micro_batch=not lean)  # hooks before DeepSpeed wraps them
@@ -138,9 +137,7 @@ class MixedAdamW(GuardedAdamW):
             m.grad = p.grad.float()
         grads = [m.grad for m in self.masters if m.grad is not None]
         if self.clip > 0 and grads:
-            norm = self.grad_norm
-            if norm is None:
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)))
+            norm = total_norm(grads) if self.grad_norm is None else self.grad_norm
             torch._foreach_mul_(grads, (self.clip / (norm.float() + 1e-6)).clamp(max=1.0))
         super().step(closure)
         self.grad_norm = None
@@ -168,6 +165,11 @@ class MixedAdamW(GuardedAdamW):
             for m, s in zip(mine, saved, strict=True):
                 m.copy_(s)
         super().load_state_dict(state)
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `tensors` together, in fp32, as a device tensor: one multi-tensor pass, no host sync."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)))
 
 
 class FiniteGuard:
@@ -206,8 +208,7 @@ class FiniteGuard:
 
         if not self.per_micro_batch:
             grads = [p.grad.detach() for p in self.params if p.grad is not None]
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
-            self.grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+            self.grad_norm = total_norm(grads) if grads else torch.zeros((), device=device)
             self._norms.append(self.grad_norm)
             self.optimizer.grad_norm = self.grad_norm  # MixedAdamW clips by it
         values = torch.stack([n.to(device) for n in self._norms]) if self._norms else torch.zeros(1, device=device)
