@@ -5,7 +5,8 @@
 #
 #   tests        the GPU tests (2 GPUs; the tensor-parallel joiner needs 4)
 #   weight-sync  weight_sync over nccl with the 0.5B and 1.5B shapes, over shm and zmq with 0.5B (2 GPUs)
-#   generator    generator_overhead (ours vs bare vLLM, CUDA graphs) and join_latency (2 GPUs)
+#   generator    generator_overhead (ours vs bare vLLM, CUDA graphs), engine_host (one engine's CPU and GPU, with
+#                and without log-probs) and join_latency (2 GPUs)
 #   speedup      pipeline_speedup: steps/min at k=1 vs k=0, 4 engines on the generator GPU (2 GPUs)
 #   scaling      generator_scaling: one generator on each of GPUs 1..N-1 (4 GPUs for the target)
 #   7b           the 7B shape: zero3_gather on GPUs 0,1, weight_sync with a ZeRO-3 learner on 0,1 (3 GPUs)
@@ -80,6 +81,7 @@ run_part() {
     ;;
   generator)
     step generator_overhead 200 python3 -m bench.generator_overhead --gpus 1 --enforce-eager 0; pack
+    step engine_host 200 python3 -m bench.engine_host --gpus 0 --sequences 256,512,768; pack
     step join_latency 150 python3 -m bench.join_latency; pack
     ;;
   speedup)
@@ -130,6 +132,7 @@ run_part() {
     ;;
   vs-trl)
     step vs_trl 580 python3 -m bench.vs_trl --gpus "${GPUS_VS_TRL:-1}" --steps 12 --ks 0,1 --timeout 240; pack
+    # (12 steps to fit one 10-minute call; at k >= 1 prefer --steps 30 with --reuse-trl in a later call)
     ;;
   esac
 }

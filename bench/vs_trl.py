@@ -18,7 +18,7 @@ k: `--reuse-trl` reuses TRL's figures of an earlier run on the same machine.
 TRL is not a dependency of the project: on a GPU host without a package index, bring trl 1.16.0, datasets
 4.8.5 and multiprocess 0.70.19 (py312) as wheels (see bench/README.md, part `vs-trl`).
 
-    python -m bench.vs_trl --gpus 1 [--steps 12] [--ks 0,1]
+    python -m bench.vs_trl --gpus 1 [--steps 30] [--ks 0,1]
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p, "vs-trl")
     p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
-    p.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are left out of the timing)")
+    p.add_argument("--steps", type=int, default=30, help="steps per run (the first 2 are left out of the timing). At "
+                   "k >= 1 the learner takes batches in runs of up to k + 1: 10 steps hold one or two such periods and "
+                   "measure where the window falls (21-31 steps/min at k = 3 on one H200); 30 settle")
     p.add_argument("--ks", default="0,1", help="our max_staleness values")
     p.add_argument("--max-num-seqs", type=int, default=None, help="our generator.max_num_seqs (default: the config's)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,

@@ -1,0 +1,138 @@
+"""engine_host: where one vLLM engine's time goes on a small model, with and without the sampled tokens'
+log-probs (which every rollout asks for: the learner's importance weights need them).
+
+One engine, built by our `Engine` wrapper (the service's engine args: vLLM's offline defaults, the
+processed log-probs), alone on the GPU. For each size in --sequences (prompts x n, every completion exactly
+--max-tokens long), bare `llm.generate` with `logprobs=0` and with `logprobs=None`, rounds alternating which
+goes first. For each: the wall time, the CPU seconds of this process (vLLM's output handling, as in the
+generator) and of the engine-core process (scheduler, sampler, model runner), and NVML's GPU utilisation.
+A core whose CPU seconds are about its wall time, on a GPU mostly idle, is host-bound: more sequences at once
+then do not raise tokens/s.
+
+    python -m bench.engine_host --gpus 0 [--sequences 256,512] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+
+
+def _utilisation(stop: threading.Event, samples: list[int]) -> None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        while not stop.is_set():
+            samples.append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            time.sleep(0.05)
+    except Exception:  # no NVML (CPU smoke run)
+        return
+
+
+def _cpu_s(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def _generate(llm, prompt_ids: list[list[int]], n: int, max_tokens: int, logprobs: int | None,
+                    tag: str) -> None:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=logprobs,
+                            detokenize=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(i: int, ids: list[int]) -> None:
+        async for _ in llm.generate({"prompt_token_ids": ids}, params, request_id=f"{tag}-{i}"):
+            pass
+
+    await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids)))
+
+
+async def main(args) -> dict:
+    import psutil
+    from transformers import AutoTokenizer
+
+    from bench.common import model_from_args, run_config, write_dataset
+    from generator.engine import Engine
+    from pipeline.config import config_from_dict
+    from pipeline.tasks import encode_prompt
+
+    model_dir = model_from_args(args)
+    sizes = [int(s) for s in args.sequences.split(",")]
+    data = write_dataset(model_dir.parent / "engine_host.jsonl", rows=max(sizes) // args.n,
+                         prompt_tokens=(args.prompt_tokens + 1) // 2)  # a letter and a space: 2 tokens each
+    cfg = config_from_dict(run_config(str(model_dir), str(data), generator={
+        "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": 0, "enforce_eager": False}))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    engine = Engine(cfg, str(model_dir), seed=0, eos_id=tok.eos_token_id)
+    try:
+        me = psutil.Process()
+        core = me.children(recursive=True)  # the engine-core process (and vLLM's helpers, idle)
+        prompts = [encode_prompt(tok, cfg.data, json.loads(line)["prompt"]) for line in data.read_text().splitlines()]
+        await _generate(engine.llm, prompts[:8], args.n, 32, 0, "warm")
+        runs = []
+        for r in range(args.rounds):
+            for size in sizes:
+                for logprobs in ((0, None) if r % 2 == 0 else (None, 0)):
+                    stop, util = threading.Event(), []
+                    sampler = threading.Thread(target=_utilisation, args=(stop, util), daemon=True)
+                    sampler.start()
+                    front, cores = _cpu_s(me), [_cpu_s(c) for c in core]
+                    start = time.perf_counter()
+                    await _generate(engine.llm, prompts[:size // args.n], args.n, args.max_tokens, logprobs,
+                                    f"r{r}-{size}-{logprobs}")
+                    wall = time.perf_counter() - start
+                    stop.set()
+                    sampler.join()
+                    run = {"sequences": size, "logprobs": logprobs is not None, "wall_s": wall,
+                           "tokens_per_s": size * args.max_tokens / wall,
+                           "ms_per_decode_step": wall / args.max_tokens * 1000,
+                           "frontend_cpu_s": _cpu_s(me) - front,
+                           "core_cpu_s": max(_cpu_s(c) - s for c, s in zip(core, cores, strict=True)),
+                           "gpu_util_pct": sum(util) / max(1, len(util))}
+                    runs.append(run)
+                    print(json.dumps(run), flush=True)
+    finally:
+        engine.shutdown()
+    summary = {}
+    for size in sizes:
+        for lp in (True, False):
+            mine = [x for x in runs if x["sequences"] == size and x["logprobs"] == lp]
+            summary[f"{size}_{'logprobs' if lp else 'none'}"] = {
+                k: sum(x[k] for x in mine) / len(mine)
+                for k in ("wall_s", "tokens_per_s", "frontend_cpu_s", "core_cpu_s", "gpu_util_pct")}
+    return {"summary": summary, "runs": runs, "n": args.n, "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens, "gpu_memory_utilization": args.gpu_memory_utilization}
+
+
+def cli() -> None:
+    from bench.common import add_model_args, result_name, write_result
+    from pipeline.config import apply_environment, load_config
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--gpus", default="0")
+    p.add_argument("--sequences", default="256,512", help="sequences at once: prompts x --n")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    args = p.parse_args()
+    apply_environment(load_config(None, ["generator.enforce_eager=false"]), args.gpus)
+    metrics = asyncio.run(main(args))
+    write_result(result_name("engine_host", args.model_size), "python -m bench.engine_host " + " ".join(sys.argv[1:]),
+                 f"random-weight Qwen2.5-{args.model_size} shape, bf16, CUDA graphs", metrics,
+                 gpus=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+if __name__ == "__main__":
+    cli()
