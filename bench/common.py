@@ -332,6 +332,20 @@ class Services:
         self.stop()
 
 
+async def generate_bare(llm, prompt_ids: list[list[int]], params, tag: str) -> int:
+    """Every prompt through a vLLM AsyncLLM's own `generate` at once, with `params` (a SamplingParams); the
+    completion tokens generated."""
+    import asyncio
+
+    async def one(i: int, ids: list[int]) -> int:
+        final = None
+        async for out in llm.generate({"prompt_token_ids": ids}, params, request_id=f"{tag}-{i}"):
+            final = out
+        return sum(len(c.token_ids) for c in final.outputs)
+
+    return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids))))
+
+
 def start_child(name: str, argv: list[str], log_path: Path, env: dict | None = None) -> Child:
     """A benchmark's child process (own session, repository on PYTHONPATH, `env` added), tracked for run_gpu.sh."""
     child = Child(name, argv, log_path, env=_env() | (env or {}))

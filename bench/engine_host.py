@@ -46,14 +46,11 @@ async def _generate(llm, prompt_ids: list[list[int]], n: int, max_tokens: int, l
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from bench.common import generate_bare
+
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=logprobs,
                             detokenize=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def one(i: int, ids: list[int]) -> None:
-        async for _ in llm.generate({"prompt_token_ids": ids}, params, request_id=f"{tag}-{i}"):
-            pass
-
-    await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids)))
+    await generate_bare(llm, prompt_ids, params, tag)
 
 
 async def main(args) -> dict:

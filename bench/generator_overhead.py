@@ -23,6 +23,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+from bench.common import generate_bare
 from pipeline import protocol as P
 
 
@@ -45,14 +46,7 @@ async def _bare(engine, prompt_ids: list[list[int]], n: int, sampling: P.Samplin
         ignore_eos=True, logprobs=0, detokenize=False, stop_token_ids=[engine.eos_id],
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
-
-    async def one(i: int, ids: list[int]) -> int:
-        final = None
-        async for out in engine.llm.generate({"prompt_token_ids": ids}, params, request_id=f"{tag}-{i}"):
-            final = out
-        return sum(len(c.token_ids) for c in final.outputs)
-
-    return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids))))
+    return await generate_bare(engine.llm, prompt_ids, params, tag)
 
 
 async def _ours(gen, prompts: list[str], sampling: P.Sampling, round_: int) -> int:

@@ -119,12 +119,13 @@ class MixedAdamW(GuardedAdamW):
     def __init__(self, model, dtype: torch.dtype, device, clip: float, **kwargs):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = []
+        self.pairs = []  # (fp32 master, the model's parameter) where the two differ: not when `dtype` is fp32
         for p in self.params:  # one at a time: the fp32 model never lies on the device whole beside its masters
-            if dtype != torch.float32:
-                self.masters.append(p.detach().to(device, torch.float32, copy=True).requires_grad_())
+            master = p if dtype == torch.float32 else p.detach().to(device, torch.float32, copy=True).requires_grad_()
             p.data = p.data.to(device, dtype)
-            if dtype == torch.float32:
-                self.masters.append(p)
+            self.masters.append(master)
+            if master is not p:
+                self.pairs.append((master, p))
         self.clip = clip
         self.grad_norm: torch.Tensor | None = None  # of the gradients of the next step
         super().__init__(self.masters, **kwargs)
@@ -132,7 +133,7 @@ class MixedAdamW(GuardedAdamW):
     def step(self, closure=None):
         if self.skip:
             return None
-        mixed = [(m, p) for m, p in zip(self.masters, self.params, strict=True) if m is not p and p.grad is not None]
+        mixed = [(m, p) for m, p in self.pairs if p.grad is not None]
         for m, p in mixed:
             m.grad = p.grad.float()
         grads = [m.grad for m in self.masters if m.grad is not None]
@@ -149,7 +150,7 @@ class MixedAdamW(GuardedAdamW):
 
     def state_dict(self):
         state = super().state_dict()
-        state["masters"] = [m for m, p in zip(self.masters, self.params, strict=True) if m is not p]
+        state["masters"] = [m for m, _ in self.pairs]
         return state
 
     def load_state_dict(self, state_dict):
@@ -158,7 +159,7 @@ class MixedAdamW(GuardedAdamW):
         if "fp32_groups" in state:  # a checkpoint of DeepSpeed's FP16_UnfusedOptimizer, which ran this step before
             saved = [m for group in state["fp32_groups"] for m in group]
             state = state["optimizer_state_dict"]
-        mine = [m for m, p in zip(self.masters, self.params, strict=True) if m is not p]
+        mine = [m for m, _ in self.pairs]
         if len(saved) != len(mine):
             raise ValueError(f"the checkpoint holds {len(saved)} fp32 master weights, this model {len(mine)}")
         with torch.no_grad():
