@@ -58,6 +58,8 @@ def main() -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="our trainer.micro_batch_tokens (default: configs/gpu-single.yaml's with --gpus 1, the "
                    "learner's default with --gpus 2)")
+    p.add_argument("--engines-per-gpu", type=int, default=1,
+                   help="with --gpus 2: our generators sharing GPU 1 (bench.pipeline_speedup's --engines-per-gpu)")
     p.add_argument("--reuse-trl", action="store_true", help="TRL's figures from an earlier run of this command "
                    "with the same --run-dir (its trl-result.json), instead of running TRL again")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
@@ -81,7 +83,8 @@ def main() -> int:
               if o.get("steps_per_min") and trl.get("steps_per_min")}
     if ratios:
         ratios["best"] = max(ratios.values())
-    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu")
+    engines = [f"{args.engines_per_gpu}engines"] if args.gpus == 2 and args.engines_per_gpu > 1 else []
+    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu", *engines)
     write_result(name, "python -m bench.vs_trl " + " ".join(sys.argv[1:]), f"random-weight Qwen2.5-{args.model_size} "
                  "shape, bf16", {"trl": trl, "ours": ours, "vs_trl": ratios}, workload=WORKLOAD)
     return 0 if ratios else 1
@@ -99,7 +102,7 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
     server = None
     if args.gpus == 2:
         max_len = WORKLOAD["prompt_tokens"] + WORKLOAD["max_tokens"] + 64
-        server = start_child("trl-vllm-serve", [sys.executable, "-m", "trl.cli", "vllm-serve", "--model", model,
+        server = start_child("trl-vllm-serve", [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model,
                                                 "--port", str(port), "--gpu_memory_utilization", "0.9",
                                                 "--max_model_len", str(max_len)],
                              run_dir / "trl-vllm-serve.log", env={"CUDA_VISIBLE_DEVICES": "1"})
@@ -123,7 +126,8 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
 def run_ours(args, model: str, ks: str) -> dict:
     """bench.colocated (1 GPU, one k) or bench.pipeline_speedup (2 GPUs, a phase per k) at max_staleness `ks`,
     read from its result: {"k0": figures, ...}."""
-    name = f"vs_trl_ours_{args.gpus}gpu_k{ks.replace(',', '')}"
+    engines = f"_{args.engines_per_gpu}engines" if args.gpus == 2 and args.engines_per_gpu > 1 else ""
+    name = f"vs_trl_ours_{args.gpus}gpu_k{ks.replace(',', '')}{engines}"
     limit = args.timeout * len(ks.split(","))
     w = WORKLOAD
     common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",
@@ -134,7 +138,8 @@ def run_ours(args, model: str, ks: str) -> dict:
                 "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
     else:
         argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", ks,
-                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit), "--compile"]
+                "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit), "--compile",
+                "--engines-per-gpu", str(args.engines_per_gpu)]
     if args.micro_batch_tokens is not None:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     child = start_child(name, [sys.executable, "-m", *argv], RUNS / f"{name}.log")
