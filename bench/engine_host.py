@@ -3,13 +3,15 @@ log-probs (which every rollout asks for: the learner's importance weights need t
 
 One engine, built by our `Engine` wrapper (the service's engine args: vLLM's offline defaults, the
 processed log-probs), alone on the GPU. For each size in --sequences (prompts x n, every completion exactly
---max-tokens long), bare `llm.generate` with `logprobs=0` and with `logprobs=None`, rounds alternating which
-goes first. For each: the wall time, the CPU seconds of this process (vLLM's output handling, as in the
+--max-tokens long), three ways of getting the sampled tokens' log-probs, each first in turn over the rounds:
+`vllm` (bare `llm.generate` with `logprobs=0`: vLLM hands them over at every step), `worker` (our
+`Engine.generate`: the workers keep them and hand a group's over at its end, generator/sampled_logprobs.py) and
+`none` (bare, `logprobs=None`: the floor). For each: the wall time, the CPU seconds of this process (vLLM's output handling, as in the
 generator) and of the engine-core process (scheduler, sampler, model runner), and NVML's GPU utilisation.
 A core whose CPU seconds are about its wall time, on a GPU mostly idle, is host-bound: more sequences at once
 then do not raise tokens/s.
 
-    python -m bench.engine_host --gpus 0 [--sequences 256,512] [--rounds 2]
+    python -m bench.engine_host --gpus 0 [--sequences 256,512] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 
+MODES = ["vllm", "worker", "none"]  # how the sampled tokens' log-probs come back (`_generate`)
 
 def _utilisation(stop: threading.Event, samples: list[int]) -> None:
     try:
@@ -41,16 +44,27 @@ def _cpu_s(proc) -> float:
     return t.user + t.system
 
 
-async def _generate(llm, prompt_ids: list[list[int]], n: int, max_tokens: int, logprobs: int | None,
-                    tag: str) -> None:
+async def _generate(engine, prompt_ids: list[list[int]], n: int, max_tokens: int, mode: str, tag: str) -> None:
+    """`mode` vllm: bare `llm.generate`, vLLM hands the log-probs over at every step (`logprobs=0`); none: bare,
+    no log-probs; worker: our `Engine.generate`, the workers keep them and hand a group's over at its end."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from bench.common import generate_bare
+    from pipeline.protocol import Sampling
 
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, logprobs=logprobs,
-                            detokenize=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
-    await generate_bare(llm, prompt_ids, params, tag)
+    if mode == "worker":
+        assert await engine.keep_logprobs_in_workers(True)
+        try:
+            sampling = Sampling(max_tokens=max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
+            await asyncio.gather(*(engine.generate(ids, n, sampling) for ids in prompt_ids))
+        finally:
+            await engine.keep_logprobs_in_workers(False)
+        return
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True,
+                            logprobs=0 if mode == "vllm" else None, detokenize=False, flat_logprobs=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    await generate_bare(engine.llm, prompt_ids, params, tag)
 
 
 async def main(args) -> dict:
@@ -74,22 +88,24 @@ async def main(args) -> dict:
         me = psutil.Process()
         core = me.children(recursive=True)  # the engine-core process (and vLLM's helpers, idle)
         prompts = [encode_prompt(tok, cfg.data, json.loads(line)["prompt"]) for line in data.read_text().splitlines()]
-        await _generate(engine.llm, prompts[:8], args.n, 32, 0, "warm")
+        await engine.keep_logprobs_in_workers(False)
+        await _generate(engine, prompts[:8], args.n, 32, "vllm", "warm")
+        await _generate(engine, prompts[:8], args.n, 32, "worker", "warm")
         runs = []
         for r in range(args.rounds):
             for size in sizes:
-                for logprobs in ((0, None) if r % 2 == 0 else (None, 0)):
+                for mode in MODES[r % 3:] + MODES[:r % 3]:  # each first in turn
                     stop, util = threading.Event(), []
                     sampler = threading.Thread(target=_utilisation, args=(stop, util), daemon=True)
                     sampler.start()
                     front, cores = _cpu_s(me), [_cpu_s(c) for c in core]
                     start = time.perf_counter()
-                    await _generate(engine.llm, prompts[:size // args.n], args.n, args.max_tokens, logprobs,
-                                    f"r{r}-{size}-{logprobs}")
+                    await _generate(engine, prompts[:size // args.n], args.n, args.max_tokens, mode,
+                                    f"r{r}-{size}-{mode}")
                     wall = time.perf_counter() - start
                     stop.set()
                     sampler.join()
-                    run = {"sequences": size, "logprobs": logprobs is not None, "wall_s": wall,
+                    run = {"sequences": size, "logprobs": mode, "wall_s": wall,
                            "tokens_per_s": size * args.max_tokens / wall,
                            "ms_per_decode_step": wall / args.max_tokens * 1000,
                            "frontend_cpu_s": _cpu_s(me) - front,
@@ -101,9 +117,9 @@ async def main(args) -> dict:
         engine.shutdown()
     summary = {}
     for size in sizes:
-        for lp in (True, False):
-            mine = [x for x in runs if x["sequences"] == size and x["logprobs"] == lp]
-            summary[f"{size}_{'logprobs' if lp else 'none'}"] = {
+        for mode in MODES:
+            mine = [x for x in runs if x["sequences"] == size and x["logprobs"] == mode]
+            summary[f"{size}_{mode}"] = {
                 k: sum(x[k] for x in mine) / len(mine)
                 for k in ("wall_s", "tokens_per_s", "frontend_cpu_s", "core_cpu_s", "gpu_util_pct")}
     return {"summary": summary, "runs": runs, "n": args.n, "prompt_tokens": args.prompt_tokens,
@@ -121,7 +137,7 @@ def cli() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     args = p.parse_args()
     apply_environment(load_config(None, ["generator.enforce_eager=false"]), args.gpus)

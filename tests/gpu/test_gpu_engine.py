@@ -1,0 +1,26 @@
+"""GPU, one vLLM engine with CUDA graphs and vLLM's defaults (asynchronous scheduling where it has it): the
+sampled tokens' log-probs the worker keeps (generator/sampled_logprobs.py) are vLLM's own, position for
+position, through chunked prefills and preemptions."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from pipeline.config import apply_environment, load_config
+from pipeline.tinymodel import resolve_model_path
+from tests.gpu.test_gpu_pipeline import _gpus
+from tests.integration.test_engine import check_sampled_logprobs_in_the_worker
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
+    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
+]
+
+
+def test_sampled_logprobs_kept_in_the_worker_are_vllms_on_a_gpu(model_cache) -> None:
+    apply_environment(load_config(None, ["generator.enforce_eager=false"]), "0")
+    check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="bfloat16", enforce_eager=False,
+                                         gpu_memory_utilization=0.3)
