@@ -6,8 +6,9 @@ processed log-probs), alone on the GPU. For each size in --sequences (prompts x 
 --max-tokens long), three ways of getting the sampled tokens' log-probs, each first in turn over the rounds:
 `vllm` (bare `llm.generate` with `logprobs=0`: vLLM hands them over at every step), `worker` (our
 `Engine.generate`: the workers keep them and hand a group's over at its end, generator/sampled_logprobs.py) and
-`none` (bare, `logprobs=None`: the floor). For each: the wall time, the CPU seconds of this process (vLLM's output handling, as in the
-generator) and of the engine-core process (scheduler, sampler, model runner), and NVML's GPU utilisation.
+`none` (bare, `logprobs=None`: the floor). For each: the wall time, the CPU seconds of this process (vLLM's
+output handling, as in the generator) and of the engine-core process (scheduler, sampler, model runner), and
+NVML's GPU utilisation.
 A core whose CPU seconds are about its wall time, on a GPU mostly idle, is host-bound: more sequences at once
 then do not raise tokens/s.
 
