@@ -27,6 +27,7 @@ import time
 
 MODES = ["vllm", "worker", "none"]  # how the sampled tokens' log-probs come back (`_generate`)
 
+
 def _utilisation(stop: threading.Event, samples: list[int]) -> None:
     try:
         import pynvml
@@ -95,7 +96,7 @@ async def main(args) -> dict:
         runs = []
         for r in range(args.rounds):
             for size in sizes:
-                for mode in MODES[r % 3:] + MODES[:r % 3]:  # each first in turn
+                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # each first in turn
                     stop, util = threading.Event(), []
                     sampler = threading.Thread(target=_utilisation, args=(stop, util), daemon=True)
                     sampler.start()

@@ -83,11 +83,15 @@ def main() -> int:
               if o.get("steps_per_min") and trl.get("steps_per_min")}
     if ratios:
         ratios["best"] = max(ratios.values())
-    engines = [f"{args.engines_per_gpu}engines"] if args.gpus == 2 and args.engines_per_gpu > 1 else []
-    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu", *engines)
+    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu", _engines(args))
     write_result(name, "python -m bench.vs_trl " + " ".join(sys.argv[1:]), f"random-weight Qwen2.5-{args.model_size} "
                  "shape, bf16", {"trl": trl, "ours": ours, "vs_trl": ratios}, workload=WORKLOAD)
     return 0 if ratios else 1
+
+
+def _engines(args) -> str:
+    """The result names' tag for several of our engines on GPU 1 ("" for one, and on one GPU)."""
+    return f"{args.engines_per_gpu}engines" if args.gpus == 2 and args.engines_per_gpu > 1 else ""
 
 
 def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
@@ -126,8 +130,7 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
 def run_ours(args, model: str, ks: str) -> dict:
     """bench.colocated (1 GPU, one k) or bench.pipeline_speedup (2 GPUs, a phase per k) at max_staleness `ks`,
     read from its result: {"k0": figures, ...}."""
-    engines = f"_{args.engines_per_gpu}engines" if args.gpus == 2 and args.engines_per_gpu > 1 else ""
-    name = f"vs_trl_ours_{args.gpus}gpu_k{ks.replace(',', '')}{engines}"
+    name = "_".join(filter(None, [f"vs_trl_ours_{args.gpus}gpu_k{ks.replace(',', '')}", _engines(args)]))
     limit = args.timeout * len(ks.split(","))
     w = WORKLOAD
     common = ["--model-dir", model, "--batch-size", str(w["batch_size"]), "--group-size",

@@ -90,6 +90,8 @@ class Engine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        from generator.sampled_logprobs import request_key
+
         tapped = await self._tapped()
         ignore_eos = sampling.ignore_eos  # sampling: pipeline.protocol.Sampling
         params = SamplingParams(
@@ -110,7 +112,7 @@ class Engine:
         finally:
             del self._active[rid]
         if tapped:  # kept in the worker: one call for the whole group
-            keys = [rid if n == 1 else f"{c.index}_{rid}" for c in final.outputs]
+            keys = [request_key(rid, n, c.index) for c in final.outputs]
             logprobs = (await self.llm.collective_rpc("take_sampled_logprobs",
                                                       args=(keys, [len(c.token_ids) for c in final.outputs])))[0]
             for lp in logprobs:

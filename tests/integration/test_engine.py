@@ -110,12 +110,14 @@ def _tapped_engine(path: str, **extra):
 async def _run(llm, rid: str, prompt: list[int], n: int, tokens: int, logprobs: int | None, temperature: float = 0.9):
     from vllm import SamplingParams
 
+    from generator.sampled_logprobs import request_key
+
     params = SamplingParams(n=n, max_tokens=tokens, temperature=temperature, ignore_eos=True, logprobs=logprobs,
                             detokenize=False, flat_logprobs=True)
     final = None
     async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id=rid):
         final = out
-    keys = [rid if n == 1 else f"{c.index}_{rid}" for c in final.outputs]
+    keys = [request_key(rid, n, c.index) for c in final.outputs]
     taken = (await llm.collective_rpc("take_sampled_logprobs", args=(keys, [len(c.token_ids) for c in final.outputs])))
     return final.outputs, taken[0]
 
