@@ -125,27 +125,27 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
         step += 1
         if hub is not None:
             hub.finish_step(step)  # its groups are trained; admission moves on
+        if rank == 0:  # the step's record before its checkpoint: a crash between them loses no record
+            now = time.perf_counter()
+            tokens = hub.counters["tokens"]
+            record = {
+                "step": step - 1, "version": step, **stats, **drop_stats, "time/wait_s": waited,
+                "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
+                **publisher.metrics(),
+                "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
+                "generators": len(hub.registry.generators), "max_staleness": cfg.trainer.max_staleness,
+                "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
+                "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+                **{f"hub/{k}": v for k, v in hub.counters.items()},
+            }
+            for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
+                record.update({"eval/version": done["version"],
+                               **{k: v for k, v in done.items() if k.startswith("eval/")}})
+            last_tokens, last_time = tokens, now
+            metrics.write(record)
         every = cfg.trainer.checkpoint_every
         if every and step % every == 0 and step < cfg.trainer.total_steps:
             checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
-        if rank != 0:
-            continue
-        now = time.perf_counter()
-        tokens = hub.counters["tokens"]
-        record = {
-            "step": step - 1, "version": step, **stats, **drop_stats, "time/wait_s": waited,
-            "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
-            **publisher.metrics(),
-            "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
-            "generators": len(hub.registry.generators), "max_staleness": cfg.trainer.max_staleness,
-            "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
-            "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
-            **{f"hub/{k}": v for k, v in hub.counters.items()},
-        }
-        for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
-            record.update({"eval/version": done["version"], **{k: v for k, v in done.items() if k.startswith("eval/")}})
-        last_tokens, last_time = tokens, now
-        metrics.write(record)
     checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
     return step
 

@@ -130,10 +130,18 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     assert "vLLM engine died" in leave["reason"], leave
     timeline.append(f"step {_steps(run_dir)}: a's engine core killed; a left: {leave['reason'][:60]}...")
 
-    # the learner dies (both ranks, SIGKILL) one step past a checkpoint, with c holding the newer weights
-    wait_for(lambda: (lambda n: n % 2 == 1 and n > 8 and max(
-        [e["version"] for e in _events(run_dir, "weights_applied") if e["generator"] == id_c] or [0]) >= n)(
-        _steps(run_dir)), 300, "an odd version applied by c", [learner, gen_c])
+    # the learner dies (both ranks, SIGKILL) one step past a checkpoint, with c holding the newer weights. It is
+    # stopped (SIGSTOP) before each look, so the step it is killed at is the one seen, not one it finished meanwhile
+    def stopped_past_a_checkpoint() -> bool:
+        os.killpg(learner.pid, signal.SIGSTOP)
+        n, latest = _steps(run_dir), run_dir / "checkpoints" / "latest"
+        applied = [e["version"] for e in _events(run_dir, "weights_applied") if e["generator"] == id_c]
+        if n % 2 == 1 and n > 8 and max(applied or [0]) >= n and latest.exists() and int(latest.read_text()[1:]) < n:
+            return True
+        os.killpg(learner.pid, signal.SIGCONT)
+        return False
+
+    wait_for(stopped_past_a_checkpoint, 300, "an odd version applied by c", [learner, gen_c])
     os.killpg(learner.pid, signal.SIGKILL)
     learner.wait(30)
     killed_at = _steps(run_dir)
