@@ -9,9 +9,11 @@ Versions: `version` is the weights version loaded. Each request records the vers
 (first) and the newest version loaded while it was still running (last). Updates close a gate so
 no request starts mid-update. `inflight` mode loads between two engine steps without pausing (the
 worker call runs in the engine's loop; it waits for the kernels in flight): running requests continue
-on the new weights (first < last) and keep their KV cache, and vLLM cannot reset the prefix cache while
-requests run, so a prompt's cached KV may come from the previous weights. `drain` mode pauses with
-mode="wait" (running requests finish first), loads, resets the prefix cache and resumes.
+on the new weights (first < last) and keep their KV cache. vLLM cannot reset the prefix cache while
+requests run, so every request carries a `cache_salt` that changes with each load: a new request never
+reuses prompt KV that other weights computed (requests of one load still share their prefixes; a group's
+samples are one request and share its prompt). `drain` mode pauses with mode="wait" (running requests
+finish first), loads, resets the prefix cache and resumes.
 With the nccl transport the receive is staged when there is room (`weights.staging`): a thread in each
 worker receives a version as soon as it is announced, outside the engine's loop, and the engine keeps
 generating until the swap copies it in.
@@ -69,6 +71,7 @@ class Engine:
         self.version = 0
         self.run_id = ""  # the run whose weights are loaded ("": the model as loaded from disk)
         self._ids = itertools.count()
+        self._loads = 0  # weights loads begun: a request's prefix-cache salt (KV of other weights is never reused)
         self._active: dict[str, _Active] = {}
         self._gate = asyncio.Event()
         self._gate.set()
@@ -104,10 +107,11 @@ class Engine:
         await self._gate.wait()
         rid = f"r{next(self._ids)}"
         active = self._active[rid] = _Active(self.version, self.version)
+        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"w{self._loads}"}
         start = time.perf_counter()
         final = None
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=rid):
+            async for out in self.llm.generate(prompt, params, request_id=rid):
                 final = out
         finally:
             del self._active[rid]
@@ -204,6 +208,7 @@ class Engine:
         drain = self.mode == "drain"
         async with self._update_lock:
             self._gate.clear()
+            self._loads += 1  # before the load: a load that fails halfway leaves weights no cached KV belongs to
             start = time.perf_counter()
             try:
                 if drain:
@@ -212,8 +217,8 @@ class Engine:
                 try:
                     results = await self.llm.collective_rpc(method, args=args)
                     loaded = time.perf_counter()
-                    if drain or not self._active:  # with requests running vLLM refuses (and warns)
-                        await self.llm.reset_prefix_cache()
+                    if drain or not self._active:  # frees the old blocks; with requests running vLLM refuses (and
+                        await self.llm.reset_prefix_cache()  # warns), and the new salt keeps them from being reused
                     self.version = version
                     if not drain:  # drain: every request finished before the swap
                         for a in self._active.values():

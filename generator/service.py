@@ -297,7 +297,8 @@ class Generator:
                 room.clear()
                 await room.wait()
                 continue
-            reply = await self._ask(P.LeaseRequest(self.id, min(free, self.cfg.generator.lease_size)))
+            # as many as the engine has room for: the hub caps it by its generator.lease_size (a run-time knob)
+            reply = await self._ask(P.LeaseRequest(self.id, free))
             if isinstance(reply, P.RunComplete):
                 log.info("generator %s: the run is complete at version %d", self.id, reply.version)
                 self.stopping = max(self.stopping, 1)

@@ -40,7 +40,7 @@ from learner.registry import GeneratorInfo, Registry
 from learner.server import Server
 from learner.validation import Expected, Rejected, RunShape, check_rollout
 from pipeline import protocol as P
-from pipeline.config import Config
+from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
 from weights.serving import WeightServing
 
@@ -330,9 +330,11 @@ class Hub:
 
     # ---- the learner's thread -----------------------------------------------------------------------
 
-    def take_batch(self, step: int) -> tuple[list[P.RolloutGroup], dict]:
+    def take_batch(self, step: int) -> tuple[list[P.RolloutGroup], dict, dict]:
         """Block until batch_size groups fresh enough for `step` are buffered; stale ones are dropped and their
-        prompts leased again."""
+        prompts leased again. Returns (the batch, its stats, the run-time knobs it was built under): the step
+        trains with those knobs on every rank and records that bound, whatever `pipeline set` changes meanwhile
+        (a change holds from the next batch taken: `next_step`)."""
         B = self.cfg.trainer.batch_size
         stats = {"staleness/dropped": 0}
         with self.lock:
@@ -341,14 +343,15 @@ class Hub:
                     raise HubStopped("hub stopped while the learner waited for rollouts")
                 if self.failure:
                     raise HubStopped(self.failure)
-                k = self.cfg.trainer.max_staleness
+                knobs = runtime_values(self.cfg)
+                k = knobs["trainer.max_staleness"]
                 batch, dropped = self.ledger.batch(step, k, B)
                 if dropped:
                     stats["staleness/dropped"] += dropped
                     log.info("step %d: dropped %d groups older than max_staleness=%d, prompts re-queued", step,
                              dropped, k)
                 if batch is not None:
-                    return batch, stats
+                    return batch, stats, knobs
                 if self.ledger.exhausted():
                     raise DatasetExhausted(
                         f"dataset exhausted: trainer.epochs={self.cfg.trainer.epochs} over {len(self.prompts)} prompts "
@@ -356,6 +359,10 @@ class Hub:
                         f"a batch of {B}; the run ends at version {self.version} of trainer.total_steps="
                         f"{self.cfg.trainer.total_steps}")
                 self.lock.wait(0.5)
+
+    def next_step(self) -> int:
+        """The first step whose batch is not taken yet: a run-time change made now holds from it."""
+        return self.version + (1 if self.ledger.in_step else 0)
 
     def finish_step(self, version: int) -> None:
         """The step that produced `version` is done: its groups join the ledger, admission moves on."""

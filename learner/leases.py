@@ -40,7 +40,7 @@ def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
     items = _items(hub, room, gen)
     if not items:
         return P.Wait("dataset exhausted", retry_s=0.5)
-    min_version = staleness.min_version(hub.version, in_flight, t.batch_size, t.max_staleness)
+    min_version = staleness.min_version(hub.version, in_flight, t.batch_size, t.max_staleness, len(items))
     sampling = hub.sampling()
     lease = LeaseState(next(hub.lease_ids), gen.generator_id, items, sampling.temperature, min_version,
                        time.monotonic())

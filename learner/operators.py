@@ -1,7 +1,7 @@
 """What operators may ask of a running learner (`pipeline status`, `pipeline set`; with `auth.keys`, operator keys
 only): the hub's status, and run-time changes of the knobs marked `runtime` in pipeline/config.py. A change is
-range-checked, applied from the next step (every rank gets it with the next batch), and appended to
-RUN_DIR/changes.jsonl, which `--resume` applies again."""
+range-checked, applied from the next batch the learner takes (every rank gets it with that batch; the reply names
+its step), and appended to RUN_DIR/changes.jsonl, which `--resume` applies again."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def set_knob(hub, msg: P.SetRequest) -> P.Message:
         value = apply_runtime_change(hub.cfg, msg.key, msg.value)
     except ConfigError as e:
         return P.Error(str(e))
-    hub.journal.event("set", key=msg.key, value=value, version=hub.version)
+    step = hub.next_step()  # a batch already taken keeps the knobs it was built under
+    hub.journal.event("set", key=msg.key, value=value, version=hub.version, from_step=step)
     with (hub.run_dir / "changes.jsonl").open("a") as f:
-        f.write(json.dumps({"time": time.time(), "version": hub.version, "key": msg.key, "value": value}) + "\n")
-    log.info("run-time change: %s = %r (from step %d)", msg.key, value, hub.version)
-    return P.SetReply(msg.key, value, hub.version)
+        f.write(json.dumps({"time": time.time(), "version": hub.version, "from_step": step, "key": msg.key,
+                            "value": value}) + "\n")
+    log.info("run-time change: %s = %r (from step %d)", msg.key, value, step)
+    return P.SetReply(msg.key, value, step)

@@ -33,7 +33,7 @@ from learner.publisher import WeightPublisher
 from learner.staleness import behaviour_version
 from learner.step import train_step
 from pipeline import protocol as P
-from pipeline.config import Config, ConfigError, apply_runtime_change, runtime_keys, save_config
+from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
@@ -107,13 +107,13 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
     step, skipped = version, 0
     while step < cfg.trainer.total_steps:
         t0 = time.perf_counter()
-        groups, drop_stats, end = _take(hub, step) if rank == 0 else (None, {}, "")
-        groups, end = broadcast_batch(groups, cfg, end, rank, world, engine.device)
+        groups, drop_stats, knobs, end = _take(hub, step) if rank == 0 else (None, {}, {}, "")
+        groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, engine.device)
         if end:
             log.warning("%s", end)
             break
         waited = time.perf_counter() - t0
-        stats = train_step(engine, groups, cfg, step, pad_id)
+        stats = train_step(engine, groups, cfg, step, pad_id, knobs)
         if stats["skipped"]:
             skipped += 1
             _skipped(hub, step, stats, len(groups), skipped, cfg.trainer.max_skipped_steps)
@@ -133,7 +133,7 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
                 "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
                 **publisher.metrics(),
                 "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
-                "generators": len(hub.registry.generators), "max_staleness": cfg.trainer.max_staleness,
+                "generators": len(hub.registry.generators), "max_staleness": knobs["trainer.max_staleness"],
                 "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
                 "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
                 **{f"hub/{k}": v for k, v in hub.counters.items()},
@@ -150,12 +150,12 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
     return step
 
 
-def _take(hub: Hub, step: int) -> tuple[list[P.RolloutGroup] | None, dict, str]:
+def _take(hub: Hub, step: int) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
     try:
-        groups, stats = hub.take_batch(step)
+        groups, stats, knobs = hub.take_batch(step)
     except DatasetExhausted as e:
-        return None, {}, str(e)
-    return groups, stats, ""
+        return None, {}, {}, str(e)
+    return groups, stats, knobs, ""
 
 
 def _skipped(hub, step: int, stats: dict, n_groups: int, in_a_row: int, limit: int) -> None:
@@ -170,15 +170,16 @@ def _skipped(hub, step: int, stats: dict, n_groups: int, in_a_row: int, limit: i
                         f"the weights of version {step} were kept. Check trainer.lr, the rewards and the data")
 
 
-def broadcast_batch(groups, cfg: Config, end: str, rank: int, world: int, device) -> tuple[list, str]:
-    """Send rank 0's batch to every rank, encoded with the wire codec (no pickle), with the run-time knobs as
-    rank 0 has them now (`pipeline set` reaches rank 0's hub) and why the run ends, if it does."""
+def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world: int, device) -> tuple[list, dict,
+                                                                                                       str]:
+    """Send rank 0's batch to every rank, encoded with the wire codec (no pickle), with the run-time knobs it was
+    built under (`pipeline set` reaches rank 0's hub, which read them once for the batch: every rank trains the step
+    with that one snapshot) and why the run ends, if it does."""
     if world == 1:
-        return groups, end
+        return groups, knobs, end
     import torch.distributed as dist
 
     if rank == 0:
-        knobs = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in runtime_keys()}
         data = msgpack.packb({"groups": [P.encode(g) for g in groups or []], "knobs": knobs, "end": end})
         size = torch.tensor([len(data)], dtype=torch.long, device=device)
     else:
@@ -188,14 +189,14 @@ def broadcast_batch(groups, cfg: Config, end: str, rank: int, world: int, device
            else torch.empty(int(size), dtype=torch.uint8, device=device))
     dist.broadcast(buf, 0)
     if rank == 0:
-        return groups, end
+        return groups, knobs, end
     body = msgpack.unpackb(buf.cpu().numpy().tobytes())
-    for key, value in body["knobs"].items():
+    for key, value in body["knobs"].items():  # kept in this rank's config too (its checkpoints, its log)
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) != value:
-            value = apply_runtime_change(cfg, key, value)
+            apply_runtime_change(cfg, key, value)
             log.info("rank %d: %s = %r (run-time change, from rank 0)", rank, key, value)
-    return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["end"]
+    return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["knobs"], body["end"]
 
 
 def reapply_changes(cfg: Config, run_dir: Path) -> None:

@@ -4,7 +4,8 @@ A group's behaviour version is the oldest weights version any of its tokens came
 version v into v + 1 trains only groups with v - behaviour <= k (`trainer.max_staleness`). Admission keeps
 the groups in flight (leased + buffered + in the step being trained) at most (k + 1) x batch_size, so
 generation runs at most k versions ahead of training; a lease says the oldest version its groups may
-start from (`min_version`), which the generator waits for before generating.
+start from (`min_version`, for its last group: every group of it started at or after that version is within k
+when trained), which the generator waits for before generating.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def room(version: int, in_flight: int, total_steps: int, batch_size: int, k: int
     return 0, "waiting for the last steps" if still_needed <= 0 else "staleness window full"
 
 
-def min_version(version: int, in_flight: int, batch_size: int, k: int) -> int:
-    """The oldest weights a new lease's groups may start from: the first of them is trained at step
-    version + in_flight // batch_size at the latest, and must then lag at most k."""
-    return min(version, max(0, version + in_flight // batch_size - k))
+def min_version(version: int, in_flight: int, batch_size: int, k: int, n: int = 1) -> int:
+    """The oldest weights a new lease's `n` groups may start from: the last of them is trained at step
+    version + (in_flight + n - 1) // batch_size at the latest, and must then lag at most k (a lease that straddles a
+    batch boundary: its later groups are trained a step after its first)."""
+    return min(version, max(0, version + (in_flight + n - 1) // batch_size - k))
 
 
 def split_stale(buffered: list, step: int, k: int) -> tuple[list, list]:

@@ -5,12 +5,15 @@ memory free at the step (`token_budget`, from the memory per token that the larg
 
 A batch's rows are split into `trainer.minibatches` parts in an order fixed by the step (the same on every
 rank), one optimizer step each. Before the first, when there are several, the proximal log-probs of the rows
-of the later parts are computed with the batch's starting weights (a no-grad forward): decoupled and masked
-measure each update against them. Every rank runs the same number of micro-batches per part (padded with
-empty ones) because ZeRO's collectives must line up; a part's loss is normalised by its trained tokens over
-all ranks, so the gradient is the same however the rows are split. A part whose loss or gradient is not
-finite on any rank changes nothing (learner.model.FiniteGuard); `stats["skipped"]` is True when no part
-updated the weights. learner/health.py turns the step's tokens into its health metrics.
+of the later parts are computed with the batch's starting weights (a no-grad forward, each rank its own
+micro-batches, then shared with every rank): decoupled and masked measure each update against them. Every rank
+runs the same number of micro-batches per part (padded with empty ones) because ZeRO's collectives must line up;
+a part's loss is normalised by its trained tokens over all ranks and each rank's backward scaled by the rank
+count (DeepSpeed averages gradients over ranks), so the gradient, its norm and its clip are the same however the
+rows are split and over however many ranks. The run-time knobs (`trainer.lr`) come from the batch's snapshot.
+A part whose loss or gradient is not finite on any rank changes nothing (learner.model.FiniteGuard);
+`stats["skipped"]` is True when no part updated the weights. learner/health.py turns the step's tokens into its
+health metrics.
 """
 
 from __future__ import annotations
@@ -26,25 +29,31 @@ from learner.health import StepHealth
 from learner.logprobs import forward_logprobs
 from learner.loss import masked_sum, token_loss
 from pipeline import protocol as P
-from pipeline.config import Config
+from pipeline.config import Config, runtime_values
 
 
-def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int) -> dict:
+def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int,
+               knobs: dict | None = None) -> dict:
+    """`knobs`: the run-time knobs the batch was built under (`Hub.take_batch`, the same on every rank); None: as
+    `cfg` holds them now (one read)."""
     t = cfg.trainer
+    knobs = knobs or runtime_values(cfg)
     rows, stats = build_rows(groups, step, t.scale_rewards, (cfg.sampling.max_tokens, t.overlong_buffer,
                                                             t.overlong_penalty))
+    lr = knobs["trainer.lr"]
     for group in engine.optimizer.param_groups:
-        group["lr"] = t.lr  # a run-time change of trainer.lr applies from this step
+        group["lr"] = lr  # a run-time change of trainer.lr applies from the batch it came before
     parts = split(rows, t.minibatches, step)
     budget = token_budget(engine, t.micro_batch_tokens)
     memory = MemoryWatch(engine)
     if len(parts) > 1:
         proximal(engine, [r for part in parts[1:] for r in part], budget, pad_id, rows, groups)
-    health = StepHealth(max(t.max_staleness, max(r.lag for r in rows) if rows else 0))
+    health = StepHealth(max((r.lag for r in rows), default=0))  # the lags present (<= k), whatever k is
     losses, norms, applied = [], [], 0
     try:
-        for part in parts:
-            loss, grad_norm, finite = _update(engine, part, cfg, budget, pad_id, rows, groups, health, memory)
+        for i, part in enumerate(parts):
+            loss, grad_norm, finite = _update(engine, part, cfg, budget, pad_id, rows, groups, health, memory,
+                                              needs_prox=i > 0)
             losses.append(loss)
             norms.append(grad_norm)
             applied += finite
@@ -56,7 +65,7 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
     if memory.on:
         stats["learner/peak_gpu_gib"] = memory.peak / 2**30
     stats.update({
-        "skipped": applied == 0, "updates": applied, "loss": float(np.mean(losses)), "lr": t.lr,
+        "skipped": applied == 0, "updates": applied, "loss": _all_ranks_mean(losses), "lr": lr,
         "grad_norm": float(np.mean(norms)), "tokens/trained": int(sum(r.mask.sum() for r in rows)),
     })
     return stats
@@ -117,13 +126,24 @@ class MemoryWatch:
 
 
 def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[Row], groups) -> None:
-    """Set each row's `prox`: its completion's log-probs under the current weights (no gradient)."""
+    """Set each row's `prox`: its completion's log-probs under the current weights (no gradient), on every rank.
+    Each rank computes those of its own micro-batches; one all-reduce of a flat buffer of every row's completion
+    tokens (each filled by the one rank that computed it) gives every rank all of them, since the later parts are
+    packed and dealt to the ranks anew."""
+    offsets = np.cumsum([0] + [len(r.completion) for r in rows])
+    flat = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=engine.device)
+    index = {id(r): i for i, r in enumerate(rows)}
     for batch, mb in _micro_batches(rows, budget, pad_id, all_rows, groups, engine.device):
         with torch.no_grad():
-            logp = forward_logprobs(engine, batch)[0].cpu().numpy()
+            logp = forward_logprobs(engine, batch)[0]
         for i, r in enumerate(mb or []):
-            p = len(r.prompt)
-            r.prox = logp[i, p - 1:p + len(r.completion) - 1].copy()
+            p, j = len(r.prompt), index[id(r)]
+            flat[offsets[j]:offsets[j + 1]] = logp[i, p - 1:p + len(r.completion) - 1]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+    flat = flat.cpu().numpy()
+    for j, r in enumerate(rows):
+        r.prox = flat[offsets[j]:offsets[j + 1]].copy()
 
 
 def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
@@ -141,14 +161,26 @@ def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
 
 
 def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows, groups, health: StepHealth,
-            memory: MemoryWatch):
-    """One optimizer step on `part`: (its loss, gradient norm, whether it was applied)."""
+            memory: MemoryWatch, needs_prox: bool = False):
+    """One optimizer step on `part`: (this rank's share of its loss as a device value, gradient norm, whether it
+    was applied). `needs_prox`: a later part of several, measured against the proximal log-probs of the batch's
+    starting weights, which each of its rows must have (the current weights would silently turn decoupled and
+    masked into truncated IS).
+
+    Every rank's loss is divided by the trained tokens of the whole part (all ranks), so the sum over ranks is the
+    part's loss; DeepSpeed averages the gradients over the ranks, so each rank's backward is scaled by their number:
+    the gradient, its norm and its clip are the same with any rank count."""
     t = cfg.trainer
+    world = dist.get_world_size() if dist.is_initialized() else 1
     total_tokens = max(1, int(sum(r.mask.sum() for r in part)))  # the trained tokens (mask 1)
     batches = list(_micro_batches(part, budget, pad_id, rows, groups, engine.device))
     total_loss = torch.zeros((), device=engine.device)  # read once, at the end: no host sync per micro-batch
-    for i, (batch, _) in enumerate(batches):
+    for i, (batch, mb) in enumerate(batches):
         last = i == len(batches) - 1
+        if needs_prox and mb and "prox" not in batch:
+            raise RuntimeError(f"trainer.minibatches: {sum(r.prox is None for r in mb)} of {len(mb)} rows of a "
+                               "micro-batch have no proximal log-probs; decoupled and masked would measure them "
+                               "against the current weights")
         memory.start()
         engine.set_gradient_accumulation_boundary(last)
         logp, logits = forward_logprobs(engine, batch)
@@ -164,7 +196,7 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
         loss = masked_sum(loss_tok, batch["mask"] * kept[:, None]) / total_tokens
         health.add(batch, logits, prox, st, kept)
         engine.finite_guard.add_loss(loss)
-        engine.backward(loss, scale_wrt_gas=False)
+        engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
         memory.end(batch["input_ids"].numel())
         if last:
             finite = engine.finite_guard.step_is_finite(engine.device)
@@ -177,7 +209,15 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
         total_loss += loss.detach().float()
     if grad_norm < 0 and finite:
         grad_norm = float(engine.get_global_grad_norm() or 0.0)
-    return float(total_loss), grad_norm, finite
+    return total_loss, grad_norm, finite
+
+
+def _all_ranks_mean(losses: list[torch.Tensor]) -> float:
+    """The mean over the parts of each part's loss, summed over the ranks (each holds its share)."""
+    total = torch.stack(losses)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total.mean())
 
 
 def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> torch.Tensor:

@@ -69,7 +69,8 @@ class SamplingConfig:
     temperature: float = runtime(1.0)
     """Sampling temperature (the learner scales its logits by the same value)."""
     top_p: float = 1.0
-    """Nucleus sampling; keep 1.0 so behaviour log-probs cover the full distribution."""
+    """Nucleus sampling: only 1.0 (a TRL config's `top_p: 1.0` loads as is). vLLM's behaviour log-probs come after the
+    nucleus is renormalised, the learner's over the whole vocabulary: below 1 every importance weight would be off."""
     ignore_eos: bool = False
     """Generate exactly max_tokens (benchmarks)."""
 
@@ -154,7 +155,8 @@ class GeneratorConfig:
     """inflight: swap weights between two engine steps, running requests continue on the new weights; drain:
     pause, let running requests finish, swap, resume."""
     lease_size: int = runtime(4)
-    """Prompt groups asked for per lease."""
+    """Prompt groups per lease at most: the hub's value caps every lease (a generator asks for what its engine has
+    room for); a generator also keeps this many groups waiting beside those its engine runs."""
     rollout: str = "generator.rollout:single_turn"
     """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py); e.g.
     `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss)."""
@@ -376,6 +378,12 @@ def runtime_keys() -> list[str]:
         if dataclasses.is_dataclass(tp):
             keys += [f"{top.name}.{f.name}" for f in dataclasses.fields(tp) if f.metadata.get("runtime")]
     return keys
+
+
+def runtime_values(cfg: Config) -> dict[str, Any]:
+    """The run-time knobs as they are now, {dotted key: value}: one step's snapshot, read once (under the hub's lock
+    on rank 0) and used by every rank for the whole step."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in runtime_keys()}
 
 
 def apply_runtime_change(cfg: Config, key: str, value: Any) -> Any:

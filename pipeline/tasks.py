@@ -6,7 +6,8 @@ messages; the tokenizer's chat template is applied). Rewards are plain callables
 as TRL's GRPOTrainer calls them: `f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
 **columns) -> list[float]`, where every dataset column other than the prompt arrives as a keyword list aligned
 with `completions`. Conversational: `prompts` are the message lists and each completion is
-`[{"role": "assistant", "content": text}]`. A reward function copied from TRL's documentation runs unchanged.
+`[{"role": "assistant", "content": text}]`. A reward function copied from TRL's documentation runs unchanged, and
+the rewards defined here take either format (`completion_text`).
 """
 
 from __future__ import annotations
@@ -84,11 +85,21 @@ def echo_rows(size: int, seed: int) -> list[dict]:
     return rows
 
 
+def completion_text(completion: str | list) -> str:
+    """The text of a completion in either of TRL's formats: a string (standard), or a list of messages
+    (conversational: `[{"role": "assistant", "content": text}]`) whose assistant messages are joined."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
+        return "".join(str(m.get("content") or "") for m in completion if m.get("role", "assistant") == "assistant")
+    raise TypeError(f"a completion must be a string or a list of messages, got {type(completion).__name__}")
+
+
 def echo_reward(prompts, completions, completion_ids=None, target=None, **_) -> list[float]:
     """Fraction of the first ECHO_LEN completion characters equal to the target digit."""
     out = []
-    for text, t in zip(completions, target, strict=True):
-        chars = text.replace(" ", "")[:ECHO_LEN]
+    for completion, t in zip(completions, target, strict=True):
+        chars = completion_text(completion).replace(" ", "")[:ECHO_LEN]
         out.append(sum(c == t for c in chars) / ECHO_LEN)
     return out
 
@@ -111,8 +122,8 @@ def reverse_rows(size: int, seed: int) -> list[dict]:
 def reverse_reward(prompts, completions, completion_ids=None, target=None, **_) -> list[float]:
     """Fraction of the target's positions the completion's first characters (spaces removed) get right."""
     out = []
-    for text, t in zip(completions, target, strict=True):
-        chars = text.replace(" ", "")[:len(t)]
+    for completion, t in zip(completions, target, strict=True):
+        chars = completion_text(completion).replace(" ", "")[:len(t)]
         out.append(sum(a == b for a, b in zip(chars, t, strict=False)) / len(t))
     return out
 
@@ -146,9 +157,9 @@ def extract_answer(text: str) -> str | None:
 def math_answer(prompts, completions, completion_ids=None, answer=None, **_) -> list[float]:
     """1.0 when the completion's final answer equals the `answer` column (GSM8K '#### 42' form accepted)."""
     out = []
-    for text, ref in zip(completions, answer, strict=True):
+    for completion, ref in zip(completions, answer, strict=True):
         want = extract_answer(str(ref))
-        got = extract_answer(text)
+        got = extract_answer(completion_text(completion))
         out.append(1.0 if got is not None and got == want else 0.0)
     return out
 

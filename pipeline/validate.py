@@ -25,6 +25,7 @@ class Range:
     hi: float | None = None
     lo_closed: bool = True
     hi_closed: bool = True
+    why: str = ""  # the reason for a bound that is not obvious, said in the refusal
 
     def holds(self, v) -> bool:
         above = self.lo is None or (v >= self.lo if self.lo_closed else v > self.lo)
@@ -34,21 +35,27 @@ class Range:
     def __str__(self) -> str:
         if self.hi is None:
             return f"must be {'>=' if self.lo_closed else '>'} {self.lo}"
-        return f"must be in {'[' if self.lo_closed else '('}{self.lo}, {self.hi}{']' if self.hi_closed else ')'}"
+        why = f" ({self.why})" if self.why else ""
+        return f"must be in {'[' if self.lo_closed else '('}{self.lo}, {self.hi}{']' if self.hi_closed else ')'}{why}"
 
 
 POSITIVE, NON_NEGATIVE, FRACTION = Range(0, lo_closed=False), Range(0), Range(0, 1, lo_closed=False)
-# Every numeric field is range-checked at load and on `pipeline set`; every float must also be finite.
+# Every numeric field is range-checked at load and on `pipeline set`; every float must also be finite. The run-time
+# knobs have upper bounds too: a value past them cannot be meant, and `pipeline set` must not wreck a running run.
+TEMPERATURE = Range(0, 10, lo_closed=False, why="past 10 sampling is close to uniform over the vocabulary")
 RANGES = {
     "trainer.total_steps": POSITIVE, "trainer.batch_size": POSITIVE, "trainer.group_size": Range(2),
-    "trainer.micro_batch_tokens": NON_NEGATIVE, "trainer.lr": POSITIVE, "trainer.max_staleness": NON_NEGATIVE,
+    "trainer.micro_batch_tokens": NON_NEGATIVE,
+    "trainer.lr": Range(0, 1, lo_closed=False, why="AdamW moves every weight by about lr per step"),
+    "trainer.max_staleness": Range(0, 10**6, why="a bound of trainer.total_steps or more is no bound"),
     "trainer.epochs": NON_NEGATIVE, "trainer.checkpoint_every": NON_NEGATIVE, "trainer.weight_decay": NON_NEGATIVE,
     "trainer.grad_clip": NON_NEGATIVE, "trainer.clip_eps": FRACTION, "trainer.is_cap": POSITIVE,
     "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,
     "trainer.keep_checkpoints": Range(1), "trainer.minibatches": POSITIVE, "trainer.overlong_buffer": NON_NEGATIVE,
     "trainer.overlong_penalty": NON_NEGATIVE, "trainer.kl_coef": NON_NEGATIVE, "trainer.max_skipped_steps": POSITIVE,
-    "sampling.max_tokens": POSITIVE, "sampling.temperature": POSITIVE, "sampling.top_p": FRACTION,
-    "generator.lease_size": POSITIVE, "generator.max_inflight_groups": NON_NEGATIVE,
+    "sampling.max_tokens": POSITIVE, "sampling.temperature": TEMPERATURE, "sampling.top_p": FRACTION,
+    "generator.lease_size": Range(1, 4096, why="prompt groups per lease; a generator asks for what its engine runs"),
+    "generator.max_inflight_groups": NON_NEGATIVE,
     "generator.max_num_seqs": NON_NEGATIVE,
     "generator.max_model_len": Range(2), "generator.tensor_parallel_size": POSITIVE,
     "generator.gpu_memory_utilization": FRACTION, "generator.cpu_kvcache_gb": POSITIVE, "generator.seed": NON_NEGATIVE,
@@ -57,7 +64,7 @@ RANGES = {
     "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE, "hub.max_rejected_rollouts": POSITIVE,
     "hub.quarantine_s": NON_NEGATIVE,
     "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
-    "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": POSITIVE,
+    "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": TEMPERATURE,
     "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
 }
 
@@ -132,6 +139,11 @@ def check_config(cfg) -> None:
     if cfg.sampling.max_tokens >= cfg.generator.max_model_len:
         raise ConfigError(f"sampling.max_tokens: {cfg.sampling.max_tokens} leaves no room for a prompt within "
                           f"generator.max_model_len={cfg.generator.max_model_len}")
+    if cfg.sampling.top_p != 1.0:
+        raise ConfigError(f"sampling.top_p: must be 1.0, got {cfg.sampling.top_p}: vLLM's behaviour log-probs are "
+                          "taken after the nucleus is renormalised and the learner's over the whole vocabulary, so "
+                          "every importance weight would be off by the nucleus's mass. Lower sampling.temperature "
+                          "instead")
     if cfg.hub.heartbeat_timeout_s <= cfg.hub.heartbeat_s:
         raise ConfigError(f"hub.heartbeat_timeout_s: must exceed hub.heartbeat_s ({cfg.hub.heartbeat_s}), got "
                           f"{cfg.hub.heartbeat_timeout_s}")

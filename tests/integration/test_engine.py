@@ -61,13 +61,26 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             finally:
                 gc.unfreeze()
             assert len((await probe)[0].logprobs) == 240 and len(seen) > 2 and max(seen) == 0
-            # inflight: a long request keeps running across the update and records both versions
+            # a prompt of several cache blocks, its KV cached under version 0
+            prompt, one = [4 + (7 * j) % 10 for j in range(150)], P.Sampling(max_tokens=1, temperature=0.0)
+            await engine.generate(prompt, 1, one)
+            # inflight: a long request keeps running across the update and records both versions (8 samples: room
+            # for the request below beside them)
             engine.mode = "inflight"
-            task = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long))
+            task = asyncio.create_task(engine.generate([4, 5, 6, 3], 8, long))
             await asyncio.sleep(0.1)
             assert not task.done()
             await engine.load(blobs[1], checksum(blobs[1]), 1)
+            # while it runs vLLM cannot reset the prefix cache: the prompt labelled version 1 must still not reuse
+            # the KV version 0 computed; its log-prob equals that of a fresh computation on version 1 (the cache
+            # reset once the engine is idle)
+            (cached,) = await engine.generate(prompt, 1, one)
+            assert not task.done() and cached.first_version == 1
             outs = await task
+            await engine.llm.reset_prefix_cache()
+            (fresh,) = await engine.generate(prompt, 1, one)
+            assert cached.token_ids == fresh.token_ids
+            assert cached.logprobs[0] == pytest.approx(fresh.logprobs[0], abs=1e-4), (cached.logprobs, fresh.logprobs)
             assert {(o.first_version, o.last_version) for o in outs} == {(0, 1)}
             assert {(len(o.token_ids), len(o.logprobs)) for o in outs} == {(240, 240)}
             assert all(-50 < lp <= 0 for o in outs for lp in o.logprobs)

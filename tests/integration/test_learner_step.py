@@ -223,3 +223,27 @@ def test_running_out_of_gpu_memory_names_the_micro_batch_budget(model_cache, mon
     monkeypatch.setattr(learner.step, "forward_logprobs", oom)
     with pytest.raises(torch.OutOfMemoryError, match=r"up to 512 tokens \(trainer.micro_batch_tokens=512\): lower it"):
         train_step(engine, _groups(4), cfg, 0, PAD_ID)
+
+
+def test_the_steps_health_costs_grow_with_the_lags_present_not_with_k(model_cache, monkeypatch):
+    """A user's "no limit" (trainer.max_staleness 10**6) sizes nothing: the health metrics hold one slot per lag
+    present in the batch (here lags 0 and 2, at step 2)."""
+    import learner.step
+    from learner.health import StepHealth
+
+    sizes = []
+
+    class Spy(StepHealth):
+        def __init__(self, max_lag):
+            sizes.append(max_lag)
+            super().__init__(max_lag)
+
+    monkeypatch.setattr(learner.step, "StepHealth", Spy)
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 10**6}})
+    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    groups = _distinct_groups(4)
+    for s in groups[0].samples:
+        s.first_version = s.last_version = 2
+    stats = train_step(engine, groups, cfg, 2, PAD_ID)
+    assert sizes == [2] and {"mismatch/kl_lag0", "mismatch/kl_lag2"} <= set(stats)

@@ -29,13 +29,14 @@ def test_file_then_overrides(tmp_path):
 @pytest.mark.parametrize("data, overrides, message", [
     ({"trainer": {"max_stalness": 1}}, [], "trainer.max_stalness: unknown field (did you mean max_staleness?)"),
     ({}, ["trainer.batch_size=many"], "trainer.batch_size: expected int, got 'many'"),
-    ({}, ["trainer.max_staleness=-1"], "trainer.max_staleness: must be >= 0"),
+    ({}, ["trainer.max_staleness=-1"], "trainer.max_staleness: must be in [0, 1000000]"),
     ({}, ["trainer.loss=reinforce"], "trainer.loss: 'reinforce' is not one of"),
     ({}, ["generator.enforce_eager=3"], "generator.enforce_eager: expected true or false"),
     ({"rewards": [{"fn": "nocolon"}]}, [], "rewards[0].fn: expected 'module:function'"),
     ({"rewards": [{"fnn": "a:b"}]}, [], "rewards[0].fnn: unknown field"),
     ({}, ["trainer.group_size=1"], "trainer.group_size: must be >= 2"),
-    ({}, ["sampling.temperature=0"], "sampling.temperature: must be > 0, got 0.0"),
+    ({}, ["sampling.temperature=0"], "sampling.temperature: must be in (0, 10]"),
+    ({}, ["sampling.top_p=0.9"], "sampling.top_p: must be 1.0, got 0.9: vLLM's behaviour log-probs are taken after"),
     ({}, ["trainer.lr=inf"], "trainer.lr: must be a finite number, got inf"),
     ({}, ["trainer.lr=.nan"], "trainer.lr: must be a finite number, got nan"),
     ({}, ["rewards=[{fn: 'a:b', weight: .inf}]"], "rewards[0].weight: must be a finite number"),
@@ -74,12 +75,22 @@ def test_runtime_changes():
         apply_runtime_change(cfg, "trainer.batch_size", 8)
     with pytest.raises(ConfigError, match="unknown field"):
         apply_runtime_change(cfg, "trainer.nope", 1)
-    for key, value, message in [("trainer.lr", -1.0, "must be > 0"), ("trainer.lr", float("inf"), "finite"),
-                                ("trainer.lr", "inf", "finite"), ("sampling.temperature", 0, "must be > 0"),
-                                ("trainer.max_staleness", -1, "must be >= 0"), ("generator.lease_size", 0, "> 0")]:
+    huge = 2**64 - 1
+    for key, value, message in [("trainer.lr", -1.0, r"must be in \(0, 1\]"), ("trainer.lr", float("inf"), "finite"),
+                                ("trainer.lr", "inf", "finite"), ("trainer.lr", 1e308, "AdamW moves every weight"),
+                                ("trainer.lr", huge, r"must be in \(0, 1\]"),
+                                ("sampling.temperature", 0, r"must be in \(0, 10\]"),
+                                ("sampling.temperature", 1e6, "close to uniform"),
+                                ("trainer.max_staleness", -1, r"must be in \[0, 1000000\]"),
+                                ("trainer.max_staleness", huge, "trainer.total_steps or more is no bound"),
+                                ("generator.lease_size", 0, r"must be in \[1, 4096\]"),
+                                ("generator.lease_size", huge, r"must be in \[1, 4096\]")]:
         with pytest.raises(ConfigError, match=message):
             apply_runtime_change(cfg, key, value)
+        with pytest.raises(ConfigError, match=message):  # the same range at load
+            config_from_dict({}, [f"{key}={value}"])
     assert cfg.trainer.lr == 2e-3 and cfg.sampling.temperature == 1.0 and cfg.generator.lease_size == 4
+    assert apply_runtime_change(cfg, "trainer.max_staleness", 10**6) == 10**6  # "no limit" is a usable value
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "gpu-qwen-math.yaml", "gpu-single.yaml"])

@@ -82,14 +82,15 @@ def publish(hub, version: int) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def running(cfg, run_dir, engine, rows=None, version: int = 0, announce: bool = True):
+async def running(cfg, run_dir, engine, rows=None, version: int = 0, announce: bool = True, gen_cfg=None):
     """A hub in its thread (its weights `version` published, as the learner does at its start) and a generator
-    on this loop; the generator leaves and the hub stops afterwards."""
+    on this loop (with `gen_cfg`, a config of its own, as a separate process has); the generator leaves and the hub
+    stops afterwards."""
     hub = Hub(cfg, rows or echo_rows(32, 0), run_dir, "unit", version, encode=encode, vocab_size=VOCAB)
     hub.start()
     if announce:
         publish(hub, version)
-    gen = Generator(cfg, engine, FakeTokenizer(), hub.address)
+    gen = Generator(gen_cfg or cfg, engine, FakeTokenizer(), hub.address)
     task = asyncio.create_task(gen.run(handle_signals=False))
     gen.task = task
     try:
@@ -107,7 +108,7 @@ async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
     engine = FakeEngine()
     async with running(cfg, tmp_path, engine) as (hub, gen):
         await _until(lambda: len(hub.ledger.buffer) >= 8)  # (k + 1) * batch_size groups, then the window is full
-        batch, _ = await asyncio.to_thread(hub.take_batch, 0)
+        batch, *_ = await asyncio.to_thread(hub.take_batch, 0)
         assert len(batch) == 4
         for g in batch:  # rewards computed by the generator: 4 echoed digits of the 8 the echo task scores
             assert g.samples[0].reward == 4 / 8 and P.unpack_ints(g.prompt_ids)[0] == P.unpack_ints(
@@ -221,7 +222,7 @@ async def test_failed_groups_are_leased_again_or_rejected_never_lost(tmp_path):
     trained = set()
     async with running(cfg, tmp_path, engine, rows) as (hub, gen):
         while len(trained) < 30:  # every valid prompt of the epoch, despite the failures
-            batch, _ = await asyncio.wait_for(asyncio.to_thread(hub.take_batch, 0), 10)
+            batch, *_ = await asyncio.wait_for(asyncio.to_thread(hub.take_batch, 0), 10)
             trained |= {(g.epoch, g.prompt_id) for g in batch}
             hub.finish_step(0)
     assert {pid for e, pid in trained if e == 0} == set(range(32)) - {3, 7}
@@ -348,3 +349,27 @@ def test_rollouts_go_to_the_host_the_generator_reached_the_hub_by():
 
     assert _on_host_of("tcp://127.0.0.1:41234", "tcp://10.1.2.3:5555") == "tcp://10.1.2.3:41234"
     assert _on_host_of("tcp://127.0.0.1:41234", "tcp://[fe80::1]:5555") == "tcp://[fe80::1]:41234"
+
+
+async def test_a_lease_size_set_at_run_time_reaches_the_generators(tmp_path):
+    """`pipeline set generator.lease_size=6` acts on generators started with 2 in their own config: they ask for
+    what their engine has room for and the hub grants up to its own value."""
+    import copy
+
+    from learner import operators
+
+    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "max_staleness": 0, "total_steps": 5},
+                            "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})
+    sizes = []
+    async with running(cfg, tmp_path, FakeEngine(), gen_cfg=copy.deepcopy(cfg)) as (hub, gen):
+        grant = hub.ledger.grant
+        hub.ledger.grant = lambda lease: (sizes.append(len(lease.items)), grant(lease))
+        await _until(lambda: len(hub.ledger.buffer) >= 8)
+        assert set(sizes) <= {2}
+        with hub.lock:
+            reply = operators.set_knob(hub, P.SetRequest("generator.lease_size", 6))
+        assert isinstance(reply, P.SetReply) and gen.cfg.generator.lease_size == 2
+        await asyncio.to_thread(hub.take_batch, 0)
+        publish(hub, 1)
+        await _until(lambda: len(hub.ledger.buffer) >= 8)
+        assert 6 in sizes

@@ -51,7 +51,7 @@ def test_admission_with_k0_is_one_batch_at_a_time(make_hub):
     assert peer.lease(8) == P.Wait("staleness window full", 0.05)
     peer.send_groups(lease)
     _wait_buffer(hub, 2)
-    batch, _ = hub.take_batch(0)
+    batch, *_ = hub.take_batch(0)
     assert len(batch) == 2
     assert isinstance(peer.lease(8), P.Wait)  # the groups in the step still count until it publishes
     _publish(hub, 1)
@@ -407,4 +407,62 @@ def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_h
     reply = peer.ask(P.Heartbeat("a", 0))
     assert isinstance(reply, P.Error) and reply.fatal and "register again" in reply.message
     assert "a" not in ipc.applied
+    peer.close()
+
+
+def test_every_group_of_a_lease_started_at_its_min_version_is_within_k_when_trained(tmp_path):
+    """Leases of 3 groups with batches of 4 straddle batch boundaries. A generator that starts each lease's groups
+    on the oldest weights the lease allows (its min_version) loses none of them to the stale filter, and every
+    trained group lags at most k: min_version holds for the lease's last group, not only its first."""
+    k, B = 1, 4
+    hub = new_hub(tmp_path, version=5, trainer={"max_staleness": k, "batch_size": B, "total_steps": 12},
+                  generator={"lease_size": 3})
+    peer = Peer(hub)
+    peer.register()
+    sent = 0
+    try:
+        for step in range(5, 12):
+            while isinstance(lease := peer.lease(3), P.Lease):
+                peer.send_groups(lease, version=lease.min_version)
+                sent += len(lease.groups)
+            wait_until(lambda n=sent: hub.counters["rollouts"] >= n)
+            batch, _, knobs = hub.take_batch(step)
+            assert knobs["trainer.max_staleness"] == k
+            assert all(step - min(s.first_version for s in g.samples) <= k for g in batch)
+            _publish(hub, step + 1)
+        assert sent >= 7 * B and hub.counters["stale_dropped"] == 0
+    finally:
+        peer.close()
+        hub.stop()
+
+
+def test_a_staleness_change_holds_from_the_step_its_reply_names(make_hub):
+    """`pipeline set trainer.max_staleness=0` while step 0 trains: its batch keeps the bound it was built under (and
+    says so), the reply names step 1, and step 1's batch is built under k = 0: a group older than that is not
+    trained but dropped as stale."""
+    hub = make_hub(max_staleness=2)
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(2)
+    peer.send_groups(lease, version=0)
+    _wait_buffer(hub, 2)
+    batch, _, knobs = hub.take_batch(0)
+    assert knobs["trainer.max_staleness"] == 2
+    old = peer.lease(2)  # generated at version 0, trained no earlier than step 1
+    peer.send_groups(old, version=0)
+    _wait_buffer(hub, 2)
+    reply = peer.ask(P.SetRequest("trainer.max_staleness", 0))
+    assert isinstance(reply, P.SetReply) and reply.from_step == 1  # step 0's batch was taken under k = 2
+    _publish(hub, 1)
+    result = {}
+    learner = threading.Thread(target=lambda: result.update(taken=hub.take_batch(1)))
+    learner.start()
+    wait_until(lambda: hub.counters["stale_dropped"] == 2)  # the version-0 groups lag 1 > 0 at step 1
+    fresh = peer.lease(2)
+    assert fresh.min_version == 1
+    peer.send_groups(fresh, version=1)
+    learner.join(5)
+    batch, _, knobs = result["taken"]
+    assert knobs["trainer.max_staleness"] == 0
+    assert [g.samples[0].first_version for g in batch] == [1, 1]
     peer.close()

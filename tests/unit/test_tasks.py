@@ -92,3 +92,20 @@ def test_conversational_prompts_reach_reward_functions_as_trl_hands_them():
     assert seen["completions"][1] == [{"role": "assistant", "content": "1 1 1"}]
     assert seen["kwargs"] == {"target": ["1", "1"]} and seen["state"].global_step == 3
     assert is_conversational(prompt) and not is_conversational("1 2") and not is_conversational([{"role": "user"}])
+
+
+@pytest.mark.parametrize("fn,columns,completions", [
+    ("pipeline.tasks:echo_reward", {"target": "3"}, ["3 3 3 3 3 3 3 3", "3 1", ""]),
+    ("pipeline.tasks:reverse_reward", {"target": "54321"}, ["5 4 3 2 1", "54", "12345"]),
+    ("pipeline.tasks:math_answer", {"answer": "#### 72"}, ["so \\boxed{72}", "I think 71", "none"]),
+])
+def test_every_reward_of_the_project_takes_both_of_trls_formats(fn, columns, completions):
+    """The same completions scored in the standard format (strings) and in the conversational one (the prompt a list
+    of messages, each completion `[{"role": "assistant", "content": text}]`, as score hands them over) give the same
+    rewards, and not all equal (so the text was read)."""
+    fns = load_reward_fns([RewardConfig(fn)])
+    ids = [[4]] * len(completions)
+    standard, _ = score(fns, "q", completions, ids, columns)
+    messages = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "q"}]
+    conversational, _ = score(fns, messages, completions, ids, columns)
+    assert conversational == standard and len(set(standard)) > 1
