@@ -3,8 +3,9 @@ Qwen2.5-0.5B's shape (bf16), 64-token prompts, exactly 256 generated tokens (`ig
 samples per optimizer step, lr 1e-6, the parity reward.
 
     --gpus 1   everything on GPU 0: TRL with vLLM colocated (`vllm_gpu_memory_utilization` 0.35) against
-               `pipeline run` colocated (bench.colocated: configs/gpu-single.yaml's split, vLLM's share 0.35,
-               groups in flight sized from the engine, CUDA graphs, the ipc transport) at each k of --ks
+               `pipeline run -c configs/gpu-single.yaml` as a user runs it (bench.colocated: the config as shipped,
+               only model, data, reward, workload and max_staleness set) at each k of --ks; --max-num-seqs and
+               --micro-batch-tokens change it further, and the result says so (`differs_from_config`)
     --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with `trl vllm-serve` (vLLM's server, nccl weight
                transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs, the learner compiled as
                configs/gpu-single.yaml has it) at each k of --ks
@@ -137,8 +138,8 @@ def run_ours(args, model: str, ks: str) -> dict:
               str(w["group_size"]), "--prompt-tokens", str(w["prompt_tokens"]), "--max-tokens", str(w["max_tokens"]),
               "--name", name, *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else [])]
     if args.gpus == 1:
-        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--enforce-eager", "0",
-                "--lr", str(w["lr"]), "--timeout", str(args.timeout)]
+        argv = ["bench.colocated", *common, "--steps", str(args.steps), "--k", ks, "--lr", str(w["lr"]),
+                "--timeout", str(args.timeout)]
     else:
         argv = ["bench.pipeline_speedup", *common, "--steps", str(args.steps), "--phases", ks,
                 "--transport", "nccl", "--enforce-eager", "0", "--timeout", str(limit), "--compile",
@@ -159,7 +160,10 @@ def run_ours(args, model: str, ks: str) -> dict:
         return {f"k{k}": command | {"error": child.tail(20)} for k in ks.split(",")}
     metrics = json.loads(path.read_text())["metrics"]
     if args.gpus == 1:
-        return {f"k{ks}": command | metrics}
+        differs = [f"--{k.replace('_', '-')} {v}" for k, v in (("max_num_seqs", args.max_num_seqs),
+                                                                  ("micro_batch_tokens", args.micro_batch_tokens))
+                   if v is not None]
+        return {f"k{ks}": command | metrics | {"differs_from_config": differs}}
     return {f"k{k}": command | metrics.get("phases", {}).get(f"k{k}", {"error": "no phase"}) for k in ks.split(",")}
 
 

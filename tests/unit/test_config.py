@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from pipeline.config import (
@@ -93,9 +95,24 @@ def test_runtime_changes():
     assert apply_runtime_change(cfg, "trainer.max_staleness", 10**6) == 10**6  # "no limit" is a usable value
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "gpu-qwen-math.yaml", "gpu-single.yaml"])
-def test_shipped_configs_load(name):
-    from pathlib import Path
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+
+def _gpu_config(cfg) -> bool:
+    """A config meant for GPUs: it places services on GPUs or trains in bf16."""
+    return bool(cfg.run.learner_gpus or cfg.run.generator_gpus) or cfg.model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load_and_gpu_ones_run_the_engine_with_cuda_graphs(path):
+    """Every config in configs/ loads; a GPU config runs vLLM with CUDA graphs (`generator.enforce_eager: false`,
+    the fast path a user starts from) unless its enforce_eager line gives the measured reason (`# measured: ...`)."""
+    cfg = load_config(path)
     assert cfg.trainer.total_steps > 0 and cfg.rewards
+    if _gpu_config(cfg) and cfg.generator.enforce_eager:
+        lines = [line for line in path.read_text().splitlines() if line.strip().startswith("enforce_eager:")]
+        assert lines and "# measured:" in lines[0], f"{path.name}: enforce_eager true without a measured reason"
+
+
+def test_the_gpu_configs_are_found():
+    assert {"gpu-single.yaml", "gpu-qwen-math.yaml"} <= {p.name for p in CONFIGS if _gpu_config(load_config(p))}
