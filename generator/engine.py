@@ -22,9 +22,11 @@ generating until the swap copies it in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
+import signal
 import time
 from dataclasses import asdict, dataclass
 
@@ -65,7 +67,8 @@ class Engine:
         )
         # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
         # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
-        self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        with _sigint_blocked():  # its processes never act on a terminal's Ctrl-C (below)
+            self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self.mode = g.update_mode
         self.eos_id = eos_id
         self.version = 0
@@ -151,6 +154,12 @@ class Engine:
             log.warning("the sampled tokens' log-probs come through vLLM's output at every step: %s", why[0])
         self._tap = not why
         return self._tap
+
+    def tokens_in_flight(self) -> int:
+        """Tokens the requests still running have generated so far, from vLLM's per-request stats (FINAL_ONLY output
+        says nothing before a request ends); 0 where this vLLM keeps no such stats."""
+        states = getattr(getattr(self.llm, "output_processor", None), "request_states", {})
+        return sum(getattr(getattr(s, "stats", None), "num_generation_tokens", 0) or 0 for s in states.values())
 
     def concurrent_sequences(self) -> int:
         """Sequences the engine runs at once: its max_num_seqs, fewer when its KV cache holds fewer sequences of
@@ -300,6 +309,26 @@ class _Receivers:
         for sock in self.socks:
             sock.close(linger=0)
         self.ctx.term()
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread while vLLM spawns its engine core and workers. They install handlers that shut
+    them down on SIGINT (vllm/v1/engine/core.py, run_engine_core; vllm/v1/executor/multiproc_executor.py,
+    worker_main), and a terminal's Ctrl-C goes to its whole foreground process group: the engine died under a
+    generator that was draining. A handler never runs for a blocked signal, and the blocked set is inherited through
+    fork and exec, so the processes spawned now keep SIGINT blocked for life, wherever and whenever vLLM installs its
+    handlers. They stay in the generator's process group and still end on SIGTERM, which vLLM's own shutdown
+    (Engine.shutdown, on every way out of the generator) sends. A Ctrl-C while they start reaches this process once
+    they have."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # started first: starting it unblocks SIGINT in the calling thread (CPython)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _sampled_logprobs(c) -> list[float]:

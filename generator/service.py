@@ -4,14 +4,17 @@
     tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists leases the hub took back
              weights     WeightsReady, pushed by the hub on the control channel (the one route a version takes;
                          the current one right after the Welcome) -> fetch -> engine.load -> WeightsApplied
-             leases      LeaseRequest while there is room in the engine -> one task per prompt group
+             leases      LeaseRequest while there is room in the engine -> one task per prompt group; with no
+                         room, one for none every heartbeat_s (RunComplete reaches a busy generator too)
              engine      watches the vLLM engine: a dead one ends the generator (below)
 Nothing is generated before the engine holds weights of this run (the run id and version of the Welcome):
 a generator that reconnects to a restarted learner, or to another run on the same port, loads them first.
-A lost hub (no reply within the timeout) tears the session down and re-registers with back-off under the
-same id, showing its last session; the engine stays warm. The first SIGTERM/SIGINT drains: a heartbeat
-tells the hub at once (an nccl generator takes no more broadcasts: its engine may be stopping too), then
-finish groups, return leases, Leave, exit 0. A second one leaves at once. A dead engine leaves at once
+A lost hub (no request sent and answered within the timeout) tears the session down and re-registers with
+back-off under the same id, showing its last session; the engine stays warm. Each registration resets the
+back-off; no answer for generator.hub_lost_s ends the generator (exit 1). The first SIGTERM/SIGINT drains: a
+heartbeat tells the hub at once (an nccl generator takes no more broadcasts: its engine may be stopping too),
+then finish groups, return the leases not started (nothing else is waited for), Leave, exit 0. A second one
+leaves at once, whatever is still waited for. A dead engine leaves at once
 with the engine's error (the hub re-queues the leases) and exits 1; so does a generator the hub refuses.
 A reward function that raises is reported as an error of the run (GroupFailed kind "reward").
 """
@@ -35,8 +38,15 @@ from pipeline.client import HubClient
 from pipeline.config import Config, env_flag
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt, load_callable, load_reward_fns
-from weights import receiver
-from weights.files import host_identity, record_segments, remove_receiver_dir, shm_segments
+from weights import VersionGone, receiver
+from weights.files import (
+    host_identity,
+    own_segments,
+    record_segments,
+    remove_left_segments,
+    remove_receiver_dir,
+    shm_segments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,10 @@ class Refused(Exception):
     """The hub refuses this generator or the run failed (Error.stop): leave and exit."""
 
 
+class LeavingNow(Exception):
+    """A second signal: whatever the session waited for was cancelled; it says Leave and the generator exits."""
+
+
 class EngineDied(Exception):
     """The vLLM engine is dead: leave at once (the hub re-queues the leases) and exit."""
 
@@ -75,6 +89,8 @@ class Generator:
         self.stopping = 0  # 1: draining, 2: leave now
         self.refusals = 0  # registrations refused in a row
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
+        self.leave_now = asyncio.Event()  # a second signal: stop waiting for anything, Leave, exit
+        self.welcomed = False  # the current session registered
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
         self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
         self.session = ""  # of the last registration: shown when registering again under the same id
@@ -92,23 +108,37 @@ class Generator:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, self._on_signal)
         backoff = 0.5
+        reached = time.monotonic()  # when the hub last answered (none yet: now)
         while self.stopping < 2:
+            self.welcomed = False
             try:
                 await self._session()
+                return self.exit_code
+            except LeavingNow:
                 return self.exit_code
             except (EngineDied, Refused, P.SchemaMismatch) as e:
                 log.error("generator %s: %s", self.id, e)
                 return 1
             except (P.PeerLost, Reregister, P.ProtocolError) as e:
-                if self.stopping:
+                if self.stopping:  # draining, or the run is complete: nothing to come back for
                     return self.exit_code
                 self.refusals = self.refusals + 1 if isinstance(e, NotRegistered) else 0
                 if self.refusals >= MAX_REFUSALS:
                     log.error("generator %s: registration refused %d times in a row, the last: %s", self.id,
                               self.refusals, e)
                     return 1
+                if self.welcomed:  # a session that registered: this is a new incident, not the last one going on
+                    backoff = 0.5
+                reached = max(reached, self.client.last_reply)
+                silent = time.monotonic() - reached
+                if silent >= self.cfg.generator.hub_lost_s:  # the learner is gone for good (or the run ended unheard)
+                    log.error("generator %s: no answer from the hub at %s for %.0f s (generator.hub_lost_s=%g), the "
+                              "last error: %s; giving up", self.id, self.address, silent,
+                              self.cfg.generator.hub_lost_s, e)
+                    return 1
                 log.warning("generator %s: %s; reconnecting in %.1f s (engine stays warm)", self.id, e, backoff)
-                await asyncio.sleep(backoff)
+                with contextlib.suppress(TimeoutError):  # a second signal ends the wait
+                    await asyncio.wait_for(self.leave_now.wait(), min(backoff, self.cfg.generator.hub_lost_s - silent))
                 backoff = min(backoff * 2, 10.0)
         return self.exit_code
 
@@ -117,7 +147,8 @@ class Generator:
         self.draining.set()
         log.info("generator %s: %s", self.id, "draining (Ctrl-C again to leave now)" if self.stopping == 1 else
                  "leaving now")
-        if self.stopping >= 2:
+        if self.stopping >= 2:  # whatever the session waits for (a version, nccl setup, groups) ends now: Leave
+            self.leave_now.set()
             for t in list(self.groups):
                 t.cancel()
 
@@ -125,13 +156,13 @@ class Generator:
         client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s), keys=self.keys)
         self.client = client
         try:
-            welcome = await self._ask(P.Register(
+            welcome = await self._unless_leaving(self._ask(P.Register(
                 self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
                 self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", "")),
-                timeout=10.0)
+                timeout=10.0))
             if not isinstance(welcome, P.Welcome):
                 raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
-            self.refusals = 0
+            self.refusals, self.welcomed = 0, True
             log.info("generator %s registered (run %s, learner version %d, transport %s)", self.id, welcome.run_id,
                      welcome.version, welcome.transport)
             self.welcome, self.session, self.pushed = welcome, welcome.session, 0
@@ -144,12 +175,17 @@ class Generator:
             self.announced: asyncio.Queue = asyncio.Queue()
             self.version_changed = asyncio.Condition()
             try:
-                try:  # nccl: meet the learner in this generator's process group
-                    await self.receiver.start(self.engine, _host_of(self.address), welcome)
+                try:  # nccl: meet the learner in this generator's process group; a drain has no use for it
+                    await self._unless_leaving(self.receiver.start(self.engine, _host_of(self.address), welcome),
+                                               self.draining)
+                except LeavingNow:
+                    raise
                 except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
                     self._raise_if_dead(e)
                     raise Reregister(f"weights transport {welcome.transport} not started: {e}") from e
-                await self._run_tasks()
+                await self._unless_leaving(self._run_tasks())
+            except LeavingNow:  # a second signal (or a drain before any lease): Leave now; the hub re-queues the leases
+                pass
             except EngineDied as e:  # leave at once: the hub re-queues the leases and records why
                 with contextlib.suppress(P.PeerLost):
                     await client.request(P.Leave(self.id, sorted(self.held), str(e)[:16000]), timeout=5.0)
@@ -164,6 +200,24 @@ class Generator:
             client.close()
             if hasattr(self, "push"):
                 self.push.close(linger=2000)
+
+    async def _unless_leaving(self, aw, until: asyncio.Event | None = None):
+        """Await `aw`, unless `until` is set first (default leave_now: a second signal): then it is cancelled and
+        LeavingNow raised, so that leaving waits for nothing (nccl setup, a version, groups in flight)."""
+        task = asyncio.ensure_future(aw)
+        leaving = asyncio.create_task((until or self.leave_now).wait())
+        try:
+            await asyncio.wait([task, leaving], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            leaving.cancel()
+        if not task.done():  # the second signal came first
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise LeavingNow()
+        return task.result()
 
     async def _ask(self, msg: P.Message, timeout: float | None = None) -> P.Message:
         """A request whose Error reply ends the session: `stop` (refused, or the run failed) or `fatal`
@@ -205,7 +259,9 @@ class Generator:
             reply = await self._ask(P.Heartbeat(
                 self.id, self.engine.version if self._holds(0) else -1,
                 self.tokens / max(1e-6, time.monotonic() - self.started), len(self.groups), sorted(self.held),
-                draining, self.pushed))
+                draining, self.pushed,
+                # progress, which the hub watches (a count that stops moving while it holds leases: a hung engine)
+                self.tokens + getattr(self.engine, "tokens_in_flight", lambda: 0)()))
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
@@ -215,6 +271,9 @@ class Generator:
                 for t, lease_id in list(self.groups.items()):
                     if lease_id in dead:
                         t.cancel()
+                if dead:  # a lease that waits for its weights is not waited for any more
+                    async with self.version_changed:
+                        self.version_changed.notify_all()
             if draining:
                 await asyncio.sleep(self.welcome.heartbeat_s)
             else:  # a drain is reported at once
@@ -267,6 +326,9 @@ class Generator:
         start = time.perf_counter()
         try:
             stopped_ms = await self.receiver.apply(ready, self.engine)  # a file is verified before the engine stops
+        except VersionGone as e:  # a newer version replaced it before it was read: take that one, same session
+            log.warning("generator %s: weights v%d skipped: %s", self.id, ready.version, e)
+            return
         except (P.ProtocolError, asyncio.CancelledError):
             raise
         except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
@@ -292,16 +354,22 @@ class Generator:
         cap = self.inflight_cap()
         log.info("generator %s: up to %d groups in flight", self.id, cap)
         while not self.stopping:
-            free = cap - len(self.groups)
-            if free <= 0:
+            if len(self.groups) >= cap:
                 room.clear()
-                await room.wait()
-                continue
-            # as many as the engine has room for: the hub caps it by its generator.lease_size (a run-time knob)
-            reply = await self._ask(P.LeaseRequest(self.id, free))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room.wait(), self.welcome.heartbeat_s)
+                if self.stopping:
+                    break
+            # as many as the engine has room for: the hub caps it by its generator.lease_size (a run-time knob).
+            # With no room it still asks, for none, every heartbeat period: the answer says whether the run is over,
+            # which it would otherwise hear only once a group finishes (minutes for long completions), while the
+            # learner waits 15 s for its generators to leave
+            reply = await self._ask(P.LeaseRequest(self.id, max(0, cap - len(self.groups))))
             if isinstance(reply, P.RunComplete):
                 log.info("generator %s: the run is complete at version %d", self.id, reply.version)
                 self.stopping = max(self.stopping, 1)
+                for t in list(self.groups):  # nothing generated now can be trained
+                    t.cancel()
                 await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
                 break
             if isinstance(reply, P.Wait):
@@ -310,9 +378,10 @@ class Generator:
             if isinstance(reply, P.Error):
                 raise P.ProtocolError(f"lease refused: {reply.message}")
             self.held[reply.lease_id] = len(reply.groups)  # reported from now on, while it waits for weights too
-            # k = 0: generate only on the newest weights; always on weights of this run
-            await self._wait_version(reply.min_version)
-            if reply.lease_id not in self.held:  # the hub took it back meanwhile
+            # k = 0: generate only on the newest weights; always on weights of this run. A lease that cannot start
+            # (the hub took it back, or a drain began: a draining nccl/ipc generator receives no more versions) is
+            # not started; a drain returns it with the Leave
+            if not await self._wait_version(reply.min_version, reply.lease_id) or self.draining.is_set():
                 continue
             for item in reply.groups:
                 task = asyncio.create_task(self._group(reply, item))
@@ -335,15 +404,24 @@ class Generator:
             if self.held[lease_id] <= 0:
                 del self.held[lease_id]
 
-    async def _wait_version(self, version: int, timeout: float | None = None) -> None:
+    async def _wait_version(self, version: int, lease_id: int | None = None, timeout: float | None = None) -> bool:
+        """Wait until the engine holds weights `version` of this run; returns whether it does. The wait ends without
+        them when a drain begins (no wait outlives the groups in flight), when the hub takes `lease_id` back, or
+        after `timeout` seconds."""
         async def loaded() -> None:
             async with self.version_changed:
-                await self.version_changed.wait_for(lambda: self._holds(version))
+                await self.version_changed.wait_for(
+                    lambda: self._holds(version) or lease_id is not None and lease_id not in self.held)
 
+        waits = [asyncio.create_task(loaded()), asyncio.create_task(self.draining.wait())]
         try:
-            await asyncio.wait_for(loaded(), timeout)
-        except TimeoutError:
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in waits:
+                t.cancel()
+        if not done:
             log.warning("generator %s: weights v%d did not arrive within %s s", self.id, version, timeout)
+        return self._holds(version)
 
     # ---- one prompt group -----------------------------------------------------------------------
 
@@ -403,13 +481,14 @@ async def main(cfg: Config, address: str, gpus: str = "") -> int:
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
     before = shm_segments()
     engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, tok.eos_token_id)
-    record_segments(before)  # removed by remove_stale if this process and its engine are killed
-    gen = Generator(cfg, engine, tok, address, gpus)
+    segments = record_segments(own_segments(before))  # removed by remove_stale, should this process and engine die
     try:
+        gen = Generator(cfg, engine, tok, address, gpus)
         return await gen.run()
     finally:
         with contextlib.suppress(Exception):
             engine.shutdown()
+        remove_left_segments(segments)  # then the record of them, which no later start would find to sweep
         remove_receiver_dir()
 
 

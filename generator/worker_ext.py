@@ -62,11 +62,12 @@ class WeightLoader:
 
         import torch.distributed as dist
 
-        from weights.nccl import make_group
+        from weights.nccl import JOIN_KEY, make_group
 
         rank = 1 + int(getattr(self, "rank", 0))
         self.drop_staging()  # its receiver belongs to the previous group
         store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+        store.add(JOIN_KEY, 1)  # the learner makes its end of the group once every worker has come
         self._rendezvous = (host, port, world)
         device = getattr(self, "device", None) if backend == "nccl" else None
         self._collective = make_group(store, rank, world, backend, timeout_s, device)

@@ -3,7 +3,8 @@
 RUN_DIR/checkpoints/v{N}/ holds DeepSpeed's files and hub.json; RUN_DIR/checkpoints/latest names
 the newest complete one (written last, atomically, once every rank has saved), so a crash mid-save
 leaves the previous one. Every rank saves (DeepSpeed's save is collective: each rank writes its own
-shards); rank 0 writes hub.json, `latest`, and removes all but the newest `keep` checkpoints.
+shards); rank 0 writes hub.json, `latest`, and removes all but the newest `keep` checkpoints up to it (never the
+one `latest` names).
 """
 
 from __future__ import annotations
@@ -31,9 +32,18 @@ def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int,
         tmp = root / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, root / "latest")
-        for old in sorted(_tags(root), key=lambda t: int(t[1:]))[:-keep]:
-            shutil.rmtree(root / old, ignore_errors=True)
+        _prune(root, version, keep)
     return root / tag
+
+
+def _prune(root: Path, version: int, keep: int) -> None:
+    """Keep the newest `keep` checkpoints up to `version`, the one `latest` now names. Tags above it are of
+    steps this run no longer has (it was resumed from an older checkpoint: a crash mid-save, or a kill after
+    them); sorted by number they would push out the checkpoints being written, `latest`'s own among them."""
+    tags = sorted(_tags(root), key=lambda t: int(t[1:]))
+    older = [t for t in tags if int(t[1:]) <= version]
+    for old in older[:-keep] + [t for t in tags if int(t[1:]) > version]:
+        shutil.rmtree(root / old, ignore_errors=True)
 
 
 def _tags(root: Path) -> list[str]:

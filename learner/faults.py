@@ -43,8 +43,9 @@ class Faults:
 
     def reject_prompt(self, key: Key, by: str, reason: str) -> None:
         self.counters["rejected_prompts"] += 1
-        self.ledger.forgive(key)
-        self.journal.event("prompt_rejected", generator=by, epoch=key[0], prompt_id=key[1], reason=reason)
+        self.ledger.reject(key)  # done for its epoch, its fault memory forgotten
+        self.journal.event("prompt_rejected", "" if by == "hub" else self.registry.principal_of(by), generator=by,
+                           epoch=key[0], prompt_id=key[1], reason=reason)
         self.journal.warn("prompt_rejected", "hub: prompt %s rejected (%s): %s", key, by, reason)
         limit = self.cfg.hub.max_rejected_prompts
         if self.counters["rejected_prompts"] >= limit:
@@ -63,15 +64,15 @@ class Faults:
         log.error("hub: generator %s quarantined for %.0f s: %d of its rollouts were rejected, the last: %s",
                   gen.generator_id, until, gen.rejected, why)
         self.counters["quarantined"] = self.counters.get("quarantined", 0) + 1
-        self.journal.event("quarantine", generator=gen.generator_id, key=gen.user.split(":", 1)[-1], seconds=until,
-                           rejected=gen.rejected, reason=why)
+        self.journal.event("quarantine", gen.principal, generator=gen.generator_id, key=gen.user.split(":", 1)[-1],
+                           seconds=until, rejected=gen.rejected, reason=why)
         return True
 
     def _reward_error(self, key: Key, msg: P.GroupFailed, confirmed: bool) -> None:
         self.ledger.requeue([key])
         self.counters["reward_errors"] += 1
-        self.journal.event("reward_error", generator=msg.generator_id, epoch=key[0], prompt_id=key[1],
-                           error=msg.reason, confirmed=confirmed)
+        self.journal.event("reward_error", self.registry.principal_of(msg.generator_id), generator=msg.generator_id,
+                           epoch=key[0], prompt_id=key[1], error=msg.reason, confirmed=confirmed)
         self.journal.warn("reward_error", "hub: a reward function failed in %s on prompt %s:\n%s", msg.generator_id,
                           key, msg.reason)
         if not confirmed:  # another generator tries the prompt first

@@ -15,9 +15,12 @@
 The learner's thread talks to the hub through `take_batch`, `finish_step`, `abandon_step`, `finish_run` and
 `announce` (a lock and a condition), so the hub keeps answering heartbeats and leases while a step trains.
 Every peer is hostile until shown otherwise: a message about a generator from another connection is refused,
-a rejected rollout is counted by reason and its prompt leased again, and faults that could end the run
-(prompts no engine takes, reward functions that raise) count only when confirmed by two principals or every
-registered one. A failure of the hub thread, or of the run (`failure`), ends `take_batch` with that error.
+a rejected rollout is counted by reason and its prompt leased again, a weights version it reports must be one
+the hub published, and faults that could end the run (prompts no engine takes, reward functions that raise)
+count only when confirmed by two principals or every registered one. What one principal may take is bounded:
+its registrations (per key), its part of the lease window, how long it holds leases without progress, and what
+it writes to events.jsonl a minute. A failure of the hub thread, or of the run (`failure`), ends `take_batch`
+with that error.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class Hub:
         self.counters = dict(bad_messages=0, refused=0, muted=0, unknown_lease=0, duplicates=0, stale_dropped=0,
                              requeued=0, rollouts=0, tokens=0, rejected_rollouts=0, rejected_prompts=0, lost_leases=0,
                              reward_errors=0, skipped_steps=0)
-        self.registry = Registry(cfg.hub.max_generators)
+        self.registry = Registry(cfg.hub.max_generators, cfg.hub.max_generators_per_key)
         self.ledger = PromptLedger(len(rows), cfg.trainer.epochs, cfg.data.seed, self.counters)
         self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
         t = cfg.trainer
@@ -91,7 +94,7 @@ class Hub:
         self.auth = ServerAuth.load(cfg.auth.keys)
         self.server = Server(cfg.hub.host, cfg.hub.port, self.auth, limits, self, self.counters)
         self.weights = WeightServing(cfg, self, run_id, version)  # builds the weight senders (weights/__init__.py)
-        self.journal = Journal(run_dir)
+        self.journal = Journal(run_dir, cfg.hub.journal_kib_per_minute, self.counters)
         self.faults = Faults(cfg, self.ledger, self.registry, self.journal, self.counters, self.failed)
         if cfg.hub.host not in ("127.0.0.1", "localhost", "::1") and self.auth is None:
             log.warning("hub binds %s without auth.keys (hub.allow_insecure): anyone who reaches it can register, "
@@ -169,6 +172,9 @@ class Hub:
         refusal, forged = self.registry.refusal(msg, user)
         if refusal:
             return self._refuse(refusal) if forged else P.Error(refusal, stop=True)
+        if msg.loaded_run == self.run_id and not -1 <= msg.loaded_version <= self.published:
+            return P.Error(f"registration refused: loaded_version {msg.loaded_version} of this run was never published "
+                           f"(the newest is {self.published})", stop=True)
         old = self.registry.generators.get(msg.generator_id)
         if old is not None:  # a reconnect under the same id, with its session
             self.weights.leave(old.generator_id, again=True)
@@ -180,9 +186,9 @@ class Hub:
         loaded = msg.loaded_version if msg.loaded_run == self.run_id else -1  # weights of another run: reloaded
         gen = self.registry.add(msg, ident, user, transport, loaded)
         last = self.weights.last_ready
-        self.journal.event("register", generator=gen.generator_id, host=gen.host, gpus=gen.gpus, transport=transport,
-                    key=user.split(":", 1)[-1], version=self.version,
-                    weights=self.version if collective is not None or last is None else last.version)
+        self.journal.event("register", gen.principal, generator=gen.generator_id, host=gen.host, gpus=gen.gpus,
+                           transport=transport, key=user.split(":", 1)[-1], version=self.version,
+                           weights=self.version if collective is not None or last is None else last.version)
         return P.Welcome(
             run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
             rollouts_endpoint=self.rollouts_address, transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s,
@@ -193,19 +199,36 @@ class Hub:
         s = self.cfg.sampling
         return P.Sampling(s.max_tokens, s.temperature, s.top_p, s.ignore_eos)
 
+    @property
+    def published(self) -> int:
+        """The newest version announced: no engine can hold a newer one."""
+        return max(self.version, self.weights.newest)
+
     def _on_heartbeat(self, msg: P.Heartbeat, gen: GeneratorInfo) -> P.Message:
+        if not -1 <= msg.version <= self.published:  # -1: it holds no weights of this run yet
+            return self._refuse(f"Heartbeat from {gen.generator_id}: version {msg.version} was never published "
+                                f"(the newest is {self.published})")
         gen.version, gen.tokens_per_s = msg.version, msg.tokens_per_s
+        if msg.generated != gen.generated:  # its engine generated tokens (or finished a group) since the last one
+            gen.generated = msg.generated
+            self.registry.progressed(gen)
         if msg.draining and not gen.draining:  # no more broadcasts to it: its engine may already be stopping
             gen.draining = True
             self.weights.leave(msg.generator_id)
-            self.journal.event("drain", generator=msg.generator_id)
+            self.journal.event("drain", gen.principal, generator=msg.generator_id)
         return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen))
 
     def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
+        if not 0 <= msg.version <= self.published:
+            return self._refuse(f"WeightsApplied from {gen.generator_id}: version {msg.version} was never published "
+                                f"(the newest is {self.published})")
         gen.version = msg.version
         self.weights.applied(msg.generator_id, msg.version)
-        self.journal.event("weights_applied", generator=msg.generator_id, version=msg.version, load_ms=msg.load_ms,
-                    via=msg.via)
+        if msg.version != gen.applied:  # a repeat is acknowledged, not journaled again
+            gen.applied = msg.version
+            self.registry.progressed(gen)
+            self.journal.event("weights_applied", gen.principal, generator=msg.generator_id, version=msg.version,
+                               load_ms=msg.load_ms, via=msg.via)
         return P.Ack()
 
     def _on_weights_fetch(self, msg: P.WeightsFetch, gen: GeneratorInfo) -> P.Message:
@@ -225,7 +248,8 @@ class Hub:
             self.server.forget(gen.ident)
         self.weights.leave(gen_id)
         n = self.ledger.take_back_all(gen_id) + self.evaluation.take_back(gen_id)
-        self.journal.event("requeue" if why != "left" else "leave", generator=gen_id, reason=detail or why, prompts=n)
+        self.journal.event("requeue" if why != "left" else "leave", gen.principal if gen else gen_id, generator=gen_id,
+                           reason=detail or why, prompts=n)
         self.lock.notify_all()
 
     # ---- leases (learner/leases.py) ------------------------------------------------------------------
@@ -243,9 +267,10 @@ class Hub:
                 self._reject(reason, detail, msg.generator_id)
                 return
             gen.received += 1
+            self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
             if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
                 try:
-                    self.evaluation.received(msg, gen.generator_id, max(self.version, self.weights.newest))
+                    self.evaluation.received(msg, gen.generator_id, self.published)
                 except Rejected as e:
                     self._reject(e.reason, e.detail, gen.generator_id)
                     self._count_against(gen, f"{e.reason}: {e.detail}")
@@ -266,7 +291,7 @@ class Hub:
             expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
             self.ledger.settle(msg.lease_id, key)
             try:
-                check_rollout(msg, expected, max(self.version, self.weights.newest), self.shape)
+                check_rollout(msg, expected, self.published, self.shape)
             except Rejected as e:
                 self.ledger.requeue([key])  # its prompt is leased again
                 self._reject(e.reason, e.detail, gen.generator_id)
@@ -300,6 +325,7 @@ class Hub:
         if msg.kind not in ("engine", "prompt", "reward"):
             return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt or reward")
         self.ledger.settle(msg.lease_id, key)
+        self.registry.progressed(gen)
         self.faults.group_failed(msg, gen.principal)
         self.lock.notify_all()
         return P.Ack()
@@ -355,7 +381,7 @@ class Hub:
                 if self.ledger.exhausted():
                     raise DatasetExhausted(
                         f"dataset exhausted: trainer.epochs={self.cfg.trainer.epochs} over {len(self.prompts)} prompts "
-                        f"gave {len(self.ledger.trained)} trained groups, {len(self.ledger.buffer)} left, fewer than "
+                        f"gave {self.ledger.trained} trained groups, {len(self.ledger.buffer)} left, fewer than "
                         f"a batch of {B}; the run ends at version {self.version} of trainer.total_steps="
                         f"{self.cfg.trainer.total_steps}")
                 self.lock.wait(0.5)

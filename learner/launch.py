@@ -2,11 +2,13 @@
 
 Each child gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and, on GPUs, sees only
 its own GPU (CUDA_VISIBLE_DEVICES), so no rank allocates on another's device. Rank 0 serves the hub.
-Signals to the parent are passed on; when one rank fails, the others are stopped (by PID).
+Signals to the parent are passed on; when one rank fails, the others are stopped (by PID). A rank gets SIGTERM
+when the parent dies (a parent-death signal), so none outlives it, even after a SIGKILL or the OOM killer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,7 +28,22 @@ def spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
     """Run `pipeline.cli *argv` once per rank; returns the exit code (a failed rank's, if any)."""
     port = str(free_port())
     command = [sys.executable, "-m", "pipeline.cli", *argv]
-    return supervise([subprocess.Popen(command, env=rank_env(rank, world, gpus, port)) for rank in range(world)])
+    end_with_me = _parent_death_signal(os.getpid())
+    return supervise([subprocess.Popen(command, env=rank_env(rank, world, gpus, port), preexec_fn=end_with_me)
+                      for rank in range(world)])
+
+
+def _parent_death_signal(parent: int):
+    """A preexec_fn: the child gets SIGTERM (a rank ends as on Ctrl-C, removing its files) once the thread that
+    started it is gone; this one, the main thread, lives as long as the parent process."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def rank_env(rank: int, world: int, gpus: str | None, port: str) -> dict:

@@ -2,10 +2,13 @@
 
 A lease request gets an evaluation lease first (learner/evaluation.py: outside admission), else up to `room`
 prompts of the training ledger (learner/staleness.py: admission and the lease's minimum version), each
-tokenised here (learner/prompts.py: a prompt no engine can take is rejected without asking one). A lease goes
-back to the queue when it is not returned within hub.lease_timeout_s, or when its generator leaves it out of
-two heartbeats in a row (a lease the generator holds but the hub does not is named in the reply, and dropped
-there); its late rollouts are dropped as unknown.
+tokenised here (learner/prompts.py: a prompt no engine can take is rejected without asking one). No principal
+(a key, or an id without keys) may take the room that every other registered one needs for a lease of its own
+(`share`), so one peer cannot hold the whole window. A lease goes back to the queue when it is not returned
+within hub.lease_timeout_s, when its generator shows no progress for hub.progress_timeout_s (no tokens, no
+groups: a hung engine behind a live heartbeat), or when its generator leaves it out of two heartbeats in a row
+(a lease the generator holds but the hub does not is named in the reply, and dropped there); its late rollouts
+are dropped as unknown.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
     if hub.complete:
         return P.RunComplete(hub.version)
     n = min(msg.max_groups, hub.cfg.generator.lease_size)
+    if gen.stalled:  # its last leases were taken back for want of progress: it shows it runs with one group
+        n = min(n, 1)
     lease = hub.evaluation.lease(next(hub.lease_ids), gen.generator_id, n)
     if lease is not None:
         return lease
@@ -34,9 +39,9 @@ def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
         return P.Wait("the last evaluation", retry_s=0.5) if hub.evaluation.busy() else P.RunComplete(hub.version)
     in_flight = hub.ledger.in_flight()
     room, why = staleness.room(hub.version, in_flight, t.total_steps, t.batch_size, t.max_staleness)
-    room = min(room, n)
+    room = min(share(hub, gen, room), n)
     if room <= 0:
-        return P.Wait(why or "no room", retry_s=0.05)
+        return P.Wait(why or "the rest of the window is kept for other generators", retry_s=0.05)
     items = _items(hub, room, gen)
     if not items:
         return P.Wait("dataset exhausted", retry_s=0.5)
@@ -46,6 +51,22 @@ def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
                        time.monotonic())
     hub.ledger.grant(lease)
     return P.Lease(lease.lease_id, min_version, list(items.values()), sampling=sampling)
+
+
+def share(hub, gen: GeneratorInfo, room: int) -> int:
+    """What `gen`'s principal may take of `room` free groups: what leaves every other registered principal (not
+    draining) room for r groups beyond what it holds, r = generator.lease_size or its equal part of the window
+    when that is smaller; and at least its own r. Work-conserving: a principal that holds its r does not hold
+    back another, so a large engine beside a small one still fills the window."""
+    t = hub.cfg.trainer
+    held: dict[str, int] = {}
+    for lease in hub.ledger.leases.values():
+        p = hub.registry.principal_of(lease.generator_id)
+        held[p] = held.get(p, 0) + len(lease.items)
+    principals = {g.principal for g in hub.registry.generators.values() if not g.draining} | {gen.principal}
+    r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // len(principals)))
+    others = sum(max(0, r - held.get(p, 0)) for p in principals if p != gen.principal)
+    return max(min(room, r - held.get(gen.principal, 0)), room - others)
 
 
 def _items(hub, n: int, gen: GeneratorInfo) -> dict[Key, P.PromptItem]:
@@ -80,18 +101,27 @@ def reconcile(hub, msg: P.Heartbeat, gen: GeneratorInfo) -> list[int]:
 
 
 def expire_old(hub, now: float) -> None:
+    """Leases not returned within hub.lease_timeout_s, and those of generators that made no progress (no tokens
+    reported, no group delivered or failed, no weights loaded) for hub.progress_timeout_s since the lease was
+    granted: at least 3 heartbeats, by which progress is reported."""
     timeout = hub.cfg.hub.lease_timeout_s
+    idle = max(hub.cfg.hub.progress_timeout_s, 3 * hub.cfg.hub.heartbeat_s)
     hub.evaluation.take_back(older_than=timeout)
     for lease in list(hub.ledger.leases.values()):
+        gen = hub.registry.generators.get(lease.generator_id)
         if now - lease.granted > timeout:
             expire(hub, lease, f"not returned within hub.lease_timeout_s={timeout}")
+        elif gen is not None and now - max(lease.granted, gen.progress_at) > idle:
+            gen.stalled = True
+            expire(hub, lease, f"its generator made no progress (no tokens, no groups) for {idle:g} s "
+                               "(hub.progress_timeout_s)")
 
 
 def expire(hub, lease: LeaseState, why: str) -> None:
     """A lease goes back to the queue while its generator stays (its late rollouts are dropped as unknown)."""
     keys = hub.ledger.take_back(lease.lease_id)
     hub.counters["lost_leases"] += 1
-    hub.journal.event("lease_expired", generator=lease.generator_id, lease=lease.lease_id, prompts=len(keys),
-                      reason=why)
+    hub.journal.event("lease_expired", hub.registry.principal_of(lease.generator_id), generator=lease.generator_id,
+                      lease=lease.lease_id, prompts=len(keys), reason=why)
     log.warning("hub: lease %d of %s re-queued (%d prompts): %s", lease.lease_id, lease.generator_id, len(keys), why)
     hub.lock.notify_all()

@@ -1,17 +1,21 @@
 """The prompt ledger: where every prompt of the run is, with no sockets and no threads (the hub holds its lock).
 
 A prompt (epoch, prompt_id) lives in exactly one place: pending (a deque; epochs are appended in a seeded
-shuffle as they are needed), a lease, the buffer of received groups, the step being trained, trained, or filtered
-(trainer.dynamic_sampling: its group's rewards were all equal, so it is done for the epoch without a step).
-Moving it is the ledger's job and nobody else's: grant and settle leases, take a lease back (expired, its
-generator gone), buffer a group, hand a batch to the learner, finish or abandon that step. Faults are
-remembered per prompt (engine attempts, and which principals failed it), so a prompt one generator fails is
-offered to another first. `snapshot` / `restore` carry it across a checkpoint: what was leased or buffered
-counts as pending.
+shuffle as they are needed), a lease, the buffer of received groups, the step being trained, or done for its
+epoch: trained, filtered (trainer.dynamic_sampling: its group's rewards were all equal, so it is done without a
+step) or rejected (no engine can take it). Moving it is the ledger's job and nobody else's: grant and settle
+leases, take a lease back (expired, its generator gone), buffer a group, hand a batch to the learner, finish or
+abandon that step. Faults are remembered per prompt (engine attempts, and which principals failed it), so a
+prompt one generator fails is offered to another first. "Done" is kept as one flag per prompt for the epochs
+that still have a prompt out, so the ledger holds about one epoch of keys however many epochs pass.
+`snapshot` / `restore` carry it across a checkpoint: what was leased or buffered counts as pending, and the
+state lists only what is not done (the untouched rest of an epoch by its length), the size of the staleness
+window rather than of the dataset.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -22,6 +26,7 @@ from learner import staleness
 from pipeline import protocol as P
 
 Key = tuple[int, int]  # (epoch, prompt_id)
+STATE_FORMAT = 2  # of `snapshot`; `restore` reads 1 too (before issue 32: every key listed)
 
 
 @dataclass
@@ -40,11 +45,16 @@ class PromptLedger:
         self.n_prompts, self.epochs, self.seed = n_prompts, epochs, seed
         self.counters = counters  # the hub's: requeued, stale_dropped, skipped_steps are counted here
         self.pending: deque[Key] = deque()
+        self.fresh = 0  # the last `fresh` keys of pending: the rest of epoch next_epoch - 1's shuffle, untouched
         self.leases: dict[int, LeaseState] = {}
         self.buffer: list[tuple[P.RolloutGroup, float]] = []  # (group, arrival time)
         self.in_step: list[P.RolloutGroup] = []
-        self.trained: set[Key] = set()
-        self.filtered: set[Key] = set()  # done for their epoch without a step (dynamic sampling)
+        # done for its epoch (trained, filtered or rejected): one flag per prompt of each epoch that still has a
+        # prompt not done, and how many those are; an epoch all done is forgotten (every key of it is done), so
+        # the ledger holds about one epoch of keys however long the run
+        self._done: dict[int, bytearray] = {}
+        self._remaining: dict[int, int] = {}
+        self.trained = 0  # groups trained in this run (across resumes)
         self.next_epoch = 0
         self.attempts: dict[Key, int] = {}  # engine failures per prompt
         self.failed_by: dict[Key, set[str]] = {}  # principals (keys, or ids) that failed the prompt, any kind
@@ -56,6 +66,8 @@ class PromptLedger:
         failed while another may still try them (`confirmed(failed_by)` is False)."""
         out, skipped = [], []
         while len(out) < n and (self.pending or self._refill()):
+            if len(self.pending) <= self.fresh:  # the front is the untouched rest of the epoch
+                self.fresh -= 1
             key = self.pending.popleft()
             tried = self.failed_by.get(key)
             if self.done(key):
@@ -70,11 +82,19 @@ class PromptLedger:
     def _refill(self) -> bool:
         if self.epochs and self.next_epoch >= self.epochs:
             return False
-        order = list(range(self.n_prompts))
-        random.Random(self.seed * 1_000_003 + self.next_epoch).shuffle(order)
-        self.pending.extend((self.next_epoch, pid) for pid in order)
+        epoch = self.next_epoch
+        self.pending.extend((epoch, pid) for pid in self._order(epoch))
+        self.fresh = len(self.pending)
+        if self.n_prompts:
+            self._done[epoch], self._remaining[epoch] = bytearray(self.n_prompts), self.n_prompts
         self.next_epoch += 1
         return True
+
+    def _order(self, epoch: int) -> list[int]:
+        """The epoch's prompt ids in its seeded shuffle (a checkpoint keeps where in it the run is, not the keys)."""
+        order = list(range(self.n_prompts))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
 
     def requeue(self, keys: list[Key]) -> None:
         """Back to the front of the queue, in order: they are leased again first."""
@@ -118,6 +138,10 @@ class PromptLedger:
         """The prompt is not at fault (or was rejected): anyone may take it again."""
         self.failed_by.pop(key, None)
 
+    def reject(self, key: Key) -> None:
+        """No engine can take the prompt: done for its epoch without a group (learner/faults.py counts it)."""
+        self._finish(key)
+
     # ---- received groups and steps ------------------------------------------------------------------
 
     def buffered(self, group: P.RolloutGroup) -> None:
@@ -126,11 +150,27 @@ class PromptLedger:
     def filter(self, group: P.RolloutGroup) -> None:
         """Its rewards were all equal (no signal, dynamic sampling): done for its epoch, a fresh group takes its
         place in the batch."""
-        self.filtered.add((group.epoch, group.prompt_id))
+        self._finish((group.epoch, group.prompt_id))
         self.counters["filtered_groups"] = self.counters.get("filtered_groups", 0) + 1
 
     def done(self, key: Key) -> bool:
-        return key in self.trained or key in self.filtered
+        """Trained, filtered or rejected in its epoch (any key a peer names may be asked about)."""
+        epoch, pid = key
+        if not (0 <= epoch < self.next_epoch and 0 <= pid < self.n_prompts):
+            return False
+        flags = self._done.get(epoch)
+        return flags is None or flags[pid] == 1  # an epoch no longer kept is done, all of it
+
+    def _finish(self, key: Key) -> None:
+        if self.done(key) or key[0] not in self._done:
+            return
+        epoch, pid = key
+        self._done[epoch][pid] = 1
+        self._remaining[epoch] -= 1
+        if not self._remaining[epoch]:  # the whole epoch is done: its flags are no longer needed
+            del self._done[epoch], self._remaining[epoch]
+        self.attempts.pop(key, None)
+        self.failed_by.pop(key, None)
 
     def is_buffered(self, key: Key) -> bool:
         return any((g.epoch, g.prompt_id) == key for g, _ in self.buffer) or any(
@@ -143,9 +183,9 @@ class PromptLedger:
     def batch(self, step: int, k: int, size: int) -> tuple[list[P.RolloutGroup] | None, int]:
         """(a batch of `size` groups fresh enough for `step`, oldest first, or None; groups dropped as stale,
         their prompts leased again)."""
-        fresh, stale = staleness.split_stale(self.buffer, step, k)
+        keep, stale = staleness.split_stale(self.buffer, step, k)
         if stale:
-            self.buffer = fresh
+            self.buffer = keep
             self.pending.extendleft(reversed([(g.epoch, g.prompt_id) for g, _ in stale]))
             self.counters["stale_dropped"] += len(stale)  # (not counted as re-queued)
         if len(self.buffer) < size:
@@ -156,7 +196,9 @@ class PromptLedger:
         return self.in_step, len(stale)
 
     def finish_step(self) -> None:
-        self.trained.update((g.epoch, g.prompt_id) for g in self.in_step)
+        for g in self.in_step:
+            self._finish((g.epoch, g.prompt_id))
+        self.trained += len(self.in_step)
         self.in_step = []
 
     def abandon_step(self) -> None:
@@ -173,14 +215,43 @@ class PromptLedger:
     # ---- checkpoint state ---------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """Taken between steps: leased and buffered prompts count as pending."""
-        unfinished = [k for lease in self.leases.values() for k in lease.items]
-        unfinished += [(g.epoch, g.prompt_id) for g, _ in self.buffer]
-        return {"next_epoch": self.next_epoch, "pending": [list(k) for k in unfinished + list(self.pending)],
-                "trained": sorted(list(k) for k in self.trained), "filtered": sorted(list(k) for k in self.filtered)}
+        """Taken between steps: leased and buffered prompts count as pending. Everything not done is listed, ahead
+        of the untouched rest of the current epoch (only its length: the seeded shuffle gives it back); every
+        other key of an epoch begun is done. So the state is about the size of the staleness window, not of an
+        epoch: it is taken under the hub's lock, and the learner's thread writes it as JSON, holding Python's GIL."""
+        out = [k for lease in self.leases.values() for k in lease.items]
+        out += [(g.epoch, g.prompt_id) for g, _ in self.buffer] + [(g.epoch, g.prompt_id) for g in self.in_step]
+        out += itertools.islice(self.pending, len(self.pending) - self.fresh)
+        seen = set()
+        listed = [list(k) for k in out if not self.done(k) and not (k in seen or seen.add(k))]
+        return {"format": STATE_FORMAT, "prompts": self.n_prompts, "seed": self.seed, "next_epoch": self.next_epoch,
+                "pending": listed, "fresh": self.fresh, "trained_groups": self.trained}
 
     def restore(self, state: dict) -> None:
+        """Load a snapshot: this format, or the first (every key listed: pending, trained, filtered)."""
+        fmt = state.get("format", 1)
+        if fmt not in (1, STATE_FORMAT):
+            raise ValueError(f"hub state format {fmt}: this learner reads formats 1 and {STATE_FORMAT} (a checkpoint "
+                             "of a newer release)")
+        if fmt == STATE_FORMAT and (state["prompts"], state["seed"]) != (self.n_prompts, self.seed):
+            raise ValueError(f"the checkpoint was taken over {state['prompts']} prompts shuffled with data.seed="
+                             f"{state['seed']}, this run has {self.n_prompts} with data.seed={self.seed}: resume with "
+                             "the same data")
         self.next_epoch = state["next_epoch"]
-        self.pending = deque(tuple(k) for k in state["pending"])
-        self.trained = {tuple(k) for k in state["trained"]}
-        self.filtered = {tuple(k) for k in state.get("filtered", [])}
+        done = {tuple(k) for k in state.get("filtered", [])} | (
+            {tuple(k) for k in state["trained"]} if fmt == 1 else set())
+        listed = list(dict.fromkeys(k for k in map(tuple, state["pending"]) if k not in done))
+        self.fresh = state.get("fresh", 0)
+        tail = self._order(self.next_epoch - 1)[self.n_prompts - self.fresh:] if self.fresh else []
+        self.pending = deque(listed + [(self.next_epoch - 1, pid) for pid in tail])
+        self.trained = len(state["trained"]) if fmt == 1 else state["trained_groups"]
+        # every key of an epoch begun that is not pending is done: flags for the epochs with keys still pending
+        self._done, self._remaining = {}, {}
+        for epoch, pid in self.pending:
+            flags = self._done.get(epoch)
+            if flags is None:
+                flags = self._done[epoch] = bytearray(b"\x01") * self.n_prompts
+                self._remaining[epoch] = 0
+            if flags[pid]:
+                flags[pid] = 0
+                self._remaining[epoch] += 1

@@ -255,8 +255,13 @@ def _groups(named, limit: int) -> Iterator[list]:
 
 
 def save_hf(engine, cfg: Config, tokenizer, out_dir, rank: int) -> None:
-    """Final weights in Hugging Face format (loadable with from_pretrained)."""
-    state = {name: t.to("cpu", copy=True) for name, t in gathered_weights(engine, cfg.trainer.zero_stage)}
+    """Final weights in Hugging Face format (loadable with from_pretrained). Every rank takes part in the gathers
+    (collective under ZeRO-3); only rank 0, which writes, holds the CPU copy (a whole model in host memory: 14 GB
+    for a 7B model in bf16: once, not once per rank)."""
+    state = {}
+    for name, t in gathered_weights(engine, cfg.trainer.zero_stage):
+        if rank == 0:
+            state[name] = t.to("cpu", copy=True)
     if rank == 0:
         engine.module.save_pretrained(out_dir, state_dict=state)
         if tokenizer is not None:

@@ -22,7 +22,7 @@ def status(hub) -> P.StatusReply:
         leases[lease.generator_id] = leases.get(lease.generator_id, 0) + 1
     return P.StatusReply(
         hub.run_id, hub.version, hub.cfg.trainer.max_staleness, hub.cfg.trainer.batch_size, len(ledger.buffer),
-        ledger.in_flight(), len(ledger.pending), len(ledger.trained), dict(hub.counters), hub.failure,
+        ledger.in_flight(), len(ledger.pending), ledger.trained, dict(hub.counters), hub.failure,
         hub.auth is not None, hub.registry.status(hub.version, leases))
 
 

@@ -5,7 +5,8 @@ CURVE key (with `auth.keys`) and to a secret session its rollouts carry; a messa
 anywhere else is refused. Re-registering under a live id needs that session. A fault that could end the run
 counts only when confirmed by principals: two of them, or every one registered (a lone generator). A
 principal is a generator's key (generators sharing a key are one), else its id: without keys nothing tells
-two ids of one local process apart.
+two ids of one local process apart. One key registers at most hub.max_generators_per_key generators. What a
+generator last reported (its version, its progress) is kept here; the hub checks it first.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class GeneratorInfo:
     received: int = 0  # rollouts of this registration that reached the hub (trained or not)
     rejected: int = 0  # rollouts of its own leases that were invalid (learner/validation.py)
     joined_at: float = field(default_factory=time.time)
+    applied: int = -1  # the last version it said it loaded (WeightsApplied): only a new one is journaled
+    generated: int = 0  # its last Heartbeat.generated: a count that moves is progress
+    progress_at: float = field(default_factory=time.monotonic)  # tokens, a group, a failed group, a weights load
+    stalled: bool = False  # its leases were taken back for want of progress: one group a lease until it progresses
 
     @property
     def principal(self) -> str:
@@ -49,8 +54,8 @@ class GeneratorInfo:
 
 
 class Registry:
-    def __init__(self, max_generators: int):
-        self.max_generators = max_generators
+    def __init__(self, max_generators: int, max_per_key: int):
+        self.max_generators, self.max_per_key = max_generators, max_per_key
         self.generators: dict[str, GeneratorInfo] = {}
         self._index = itertools.count()
         self._quarantined: dict[str, tuple[float, str]] = {}  # principal -> (until, why)
@@ -72,6 +77,10 @@ class Registry:
         elif len(self.generators) >= self.max_generators:
             return f"registration refused: {len(self.generators)} generators are registered (hub.max_generators)", \
                 False
+        elif user and sum(g.user == user for g in self.generators.values()) >= self.max_per_key:
+            # one key cannot take every slot (without keys each id is its own principal: nothing to count)
+            return (f"registration refused: {self.max_per_key} generators are registered under this key "
+                    "(hub.max_generators_per_key)"), False
         return "", False
 
     def add(self, msg: P.Register, ident: bytes, user: str, transport: str, loaded_version: int) -> GeneratorInfo:
@@ -128,10 +137,16 @@ class Registry:
         """Some generator uses one of `transports`, or none is registered (the next one may)."""
         return not self.generators or any(g.transport in transports for g in self.generators.values())
 
+    def progressed(self, gen: GeneratorInfo) -> None:
+        gen.progress_at, gen.stalled = time.monotonic(), False
+
     def status(self, version: int, leases: dict[str, int]) -> list[P.GeneratorStatus]:
+        """One row per generator. Its version is one the hub published (checked where it is reported), so the lag
+        is small and fits the wire; a generator ahead of the learner's trained version (announced, not yet
+        finished) shows lag 0."""
         now = time.monotonic()
         return [P.GeneratorStatus(g.generator_id, g.host, g.gpus, g.version,
-                                  version - g.version if g.version >= 0 else -1, g.tokens_per_s,
+                                  max(0, version - g.version) if g.version >= 0 else -1, g.tokens_per_s,
                                   leases.get(g.generator_id, 0), g.groups, g.tokens, round(now - g.last_seen, 2),
                                   g.transport, g.draining)
                 for g in self.generators.values()]

@@ -46,9 +46,13 @@ class NotFinite(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient."""
 
 
-def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
+def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> Path:
+    """`token`: `pipeline run`'s, written in hub.json so that it takes this learner's address and no other."""
     signal.signal(signal.SIGTERM, _terminate)  # finally blocks run: the hub stops, shm files are removed
+    signal.signal(signal.SIGINT, _terminate)
     rank, world = init_distributed()
+    if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
+        (run_dir / "hub.json").unlink(missing_ok=True)
     from transformers import AutoTokenizer
 
     model_path = resolve_model_path(cfg.model.path)
@@ -72,8 +76,8 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                       encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
                       vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg))
             hub.start()
-            (run_dir / "hub.json").write_text(json.dumps({"address": hub.address, "pid": os.getpid(),
-                                                          "run_id": run_id, "rollouts": hub.rollouts_address}))
+            _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": run_id,
+                                      "rollouts": hub.rollouts_address, "token": token})
             print(f"learner: hub listening on {hub.address}  (pipeline generator -c CONFIG --learner {hub.address})",
                   flush=True)
         publisher = WeightPublisher(cfg, engine, hub, rank)
@@ -98,7 +102,18 @@ def main(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
 
 
 def _terminate(signum, frame) -> None:
+    # once: the clean-up the first signal starts (the hub's sockets, the /dev/shm files) must not be cut short by
+    # the next (a rank gets SIGTERM from its group and from its parent; a second Ctrl-C)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _write_hub_json(run_dir: Path, hub: dict) -> None:
+    """RUN_DIR/hub.json, whole or not at all: a launcher polling for it never reads half of it."""
+    tmp = run_dir / "hub.json.tmp"
+    tmp.write_text(json.dumps(hub))
+    os.replace(tmp, run_dir / "hub.json")
 
 
 def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id) -> int:

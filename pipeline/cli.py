@@ -26,10 +26,13 @@ def _parser() -> argparse.ArgumentParser:
         return s
 
     run = service("run", "learner + generators on this machine (no config: the embedded default)", False)
-    run.add_argument("--run-dir", type=Path, default=None)
+    run.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
+    run.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                     help="continue RUN_DIR's run from its newest checkpoint (config: RUN_DIR/config.yaml unless -c)")
     lrn = service("learner", "the learner service (DeepSpeed + hub)", True)
     lrn.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
     lrn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue from RUN_DIR's checkpoint")
+    lrn.add_argument("--launch-token", default="", help=argparse.SUPPRESS)  # `pipeline run`'s, echoed in hub.json
     gen = service("generator", "a generator service (vLLM)", True)
     gen.add_argument("--learner", required=True, help="hub address, e.g. tcp://127.0.0.1:5555")
     st = sub.add_parser("status", help="the learner's version, buffer and generators")
@@ -49,30 +52,42 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from pipeline.launcher import RunDirError, check_run_dir, run_dir_of
+
     try:
         if args.command in ("status", "set"):
             return _remote(args)
         if args.command == "keys":
             return _keys(args)
+        resume = getattr(args, "resume", None)
+        if resume is not None and not env_flag("RANK"):
+            check_run_dir(resume.resolve(), resume=True)
+            if args.config is None:  # `pipeline run --resume RUN_DIR`: the run's own config, --set on top
+                args.config = str(resume / "config.yaml")
         cfg = load_config(args.config, args.overrides)
         if args.command in ("learner", "run"):
             from pipeline.security import check_exposure
 
             check_exposure(cfg)
+            run_dir = run_dir_of(cfg, resume or args.run_dir)
+            if resume is None and not env_flag("RANK"):  # a rank's directory was checked by the process that spawned it
+                check_run_dir(run_dir, resume=False)
     except ConfigError as e:
         print(f"pipeline: config error: {e}", file=sys.stderr)
+        return 2
+    except RunDirError as e:
+        print(f"pipeline {args.command}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     apply_environment(cfg, args.gpus)
     if args.command == "run":
         from pipeline.launcher import launch
 
-        return launch(cfg, args.config, args.overrides, args.run_dir)
+        return launch(cfg, run_dir, resume=resume is not None)
     if args.command == "learner":
         from learner.launch import spawn_ranks, world_size
-        from pipeline.launcher import make_run_dir
 
-        run_dir = make_run_dir(cfg, args.resume or args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
         world = world_size(cfg.trainer.ranks, args.gpus)
         if world > 1 and not env_flag("RANK"):  # the parent: start one process per rank, same run directory
             child = _without_gpus(sys.argv[1:] if argv is None else argv)
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         from learner.service import main as learner_main
 
         try:
-            learner_main(cfg, run_dir, resume=args.resume is not None)
+            learner_main(cfg, run_dir, resume=resume is not None, token=args.launch_token)
         except (HubStopped, NotFinite, CheckpointError) as e:  # the run cannot go on: its reason, not a traceback
             logging.getLogger("pipeline").error("the run failed: %s", e)
             return 1

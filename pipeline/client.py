@@ -1,10 +1,11 @@
 """Async request/reply client of the hub's control channel (DEALER socket, request ids).
 
 One reader task dispatches replies to the futures of their requests, so weight chunks, leases and
-heartbeats can be in flight at once. A request that gets no reply within `timeout` raises `PeerLost`;
-so does every waiting request when the client is closed. The socket's routing id is a random secret of
-this client, so a reconnect after a network hiccup is still the connection that registered; with keys
-the socket is a CURVE client of the hub (pipeline/security.py).
+heartbeats can be in flight at once. A request that is not sent and answered within `timeout` raises
+`PeerLost` (the send counts: a DEALER with no connection to send on waits in it); so does every waiting request
+when the client is closed. `last_reply` is when the hub last answered (time.monotonic). The socket's routing id
+is a random secret of this client, so a reconnect after a network hiccup is still the connection that
+registered; with keys the socket is a CURVE client of the hub (pipeline/security.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 
 import zmq
 import zmq.asyncio
@@ -36,6 +38,7 @@ class HubClient:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self.pushed: asyncio.Queue = asyncio.Queue()  # messages the hub sent unasked (request id 0)
+        self.last_reply = float("-inf")  # time.monotonic() of the hub's last message
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -51,6 +54,7 @@ class HubClient:
             except P.ProtocolError as e:
                 log.warning("hub sent a bad reply: %s", e)
                 continue
+            self.last_reply = time.monotonic()
             if rid == 0 and not isinstance(msg, P.Error):
                 self.pushed.put_nowait(msg)
                 continue
@@ -62,9 +66,12 @@ class HubClient:
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        await self.sock.send(P.encode(msg, rid))
         try:
-            return await asyncio.wait_for(fut, timeout or self.timeout)
+            # one deadline for the send and the reply: a send can wait for ever (no connection to send on, a
+            # handshake that never completes), and a generator whose every request waited there fell silent for good
+            async with asyncio.timeout(timeout or self.timeout):
+                await self.sock.send(P.encode(msg, rid))
+                return await fut
         except TimeoutError:
             raise P.PeerLost(f"no reply from the hub at {self.address} to {type(msg).__name__} "
                              f"within {timeout or self.timeout} s") from None

@@ -185,6 +185,10 @@ class GeneratorConfig:
     seed: int = 0
     """Sampling seed base; each generator adds its process id modulo 1000, so generators sample differently (an
     asynchronous run is not reproducible sample for sample anyway)."""
+    hub_lost_s: float = 600.0
+    """A generator that has had no answer from its hub for this long (the learner exited or never came, or cannot be
+    reached) stops retrying and exits 1 with that reason. Long enough to restart a learner with --resume at the same
+    address; a generator that heard the run's end does not retry at all."""
 
 
 @dataclass
@@ -221,6 +225,17 @@ class HubConfig:
     allow_insecure: bool = False
     """Let the hub bind an interface other than loopback without `auth.keys`: anyone who reaches the port can
     then register, send rollouts and change run-time knobs. Keep false outside a trusted network."""
+    progress_timeout_s: float = 30.0
+    """A generator that holds leases and shows no progress this long (no tokens generated, no group delivered or
+    failed, no new weights loaded) loses them: they go back to the queue, and it gets one group a lease until it
+    progresses again. A hung engine behind a live heartbeat holds nothing longer than this. Raise it where a rollout
+    or reward function runs this long on every group at once without generating."""
+    max_generators_per_key: int = 16
+    """With auth.keys: generators registered under one key at most, so one key cannot take every hub.max_generators
+    slot. Without keys each id is its own principal, and only hub.max_generators bounds them."""
+    journal_kib_per_minute: int = 256
+    """RUN_DIR/events.jsonl written on behalf of one principal (a key, or a generator id without keys) at most this
+    many KiB a minute; its further events that minute are counted (hub counter journal_dropped), not written."""
 
 
 @dataclass
@@ -357,14 +372,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
-    """Return (section object, field name) of a knob `pipeline set` may change, else raise ConfigError."""
+    """Return (section object, field name) of a knob `pipeline set` may change, else raise ConfigError; a misspelt
+    name gets the "did you mean" a config file's does (pipeline/validate.py, `build`)."""
+    import difflib
+
+    def unknown(dotted: str, name: str, names: list[str]) -> ConfigError:
+        close = difflib.get_close_matches(name, names, n=1)
+        return ConfigError(f"{dotted}: unknown field" + (f" (did you mean {close[0]}?)" if close else
+                                                         f" (known: {', '.join(names)})"))
+
     parts = key.split(".")
-    if len(parts) != 2 or not hasattr(cfg, parts[0]) or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
-        raise ConfigError(f"{key}: unknown field")
+    sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    if parts[0] not in sections:
+        raise unknown(parts[0], parts[0], sections)
     section = getattr(cfg, parts[0])
     fields = {f.name: f for f in dataclasses.fields(section)}
-    if parts[1] not in fields:
-        raise ConfigError(f"{key}: unknown field")
+    if len(parts) != 2 or parts[1] not in fields:
+        raise unknown(key, parts[-1] if len(parts) > 1 else "", list(fields))
     if not fields[parts[1]].metadata.get("runtime"):
         allowed = ", ".join(runtime_keys())
         raise ConfigError(f"{key}: cannot change while a run goes on (run-time knobs: {allowed})")

@@ -4,13 +4,26 @@ Each child runs in its own process session and writes its log to RUN_DIR/logs/; 
 RUN_DIR/metrics.jsonl. Children are stopped by PID (their process group): on Ctrl-C, on a failure,
 and generators once the learner has finished. On Ctrl-C generators leave at once (two SIGTERMs: no
 drain, the run is being abandoned) and the learner removes its shared-memory files; what a child killed
-after the grace period could not remove is removed afterwards (`remove_stale`).
+after the grace period could not remove is removed afterwards (`remove_stale`). Signals never interrupt the
+launcher's code: they are counted and its loops look (the first stops the run, another cuts the grace period
+short), so no second Ctrl-C can leave a child running.
+
+Nothing outlives the process that started it: each child has a guard (`guard`, a small process in a session of
+its own) that ends the child's process group once the child or its starter is gone, however it went (SIGKILL,
+the OOM killer, a CI time-out killing pytest), then removes the /dev/shm files of dead processes.
+
+A run directory holds one run. A new run refuses a directory that holds one (`check_run_dir`), naming what is
+there and the ways on (`--resume`, another `run.name`): a second run of a fixed `run.name` would otherwise read
+the first one's metrics and hub.json and append to its files. The learner writes in hub.json the token its
+launcher passed, and the launcher takes no other address.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,16 +33,30 @@ from pathlib import Path
 from pipeline.config import Config, save_config
 from pipeline.metrics import read_metrics
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # guards run `-m pipeline.launcher` from here
+# what a learner writes into its run directory (launch.yaml and logs/ are the launcher's, written before it starts)
+RUN_FILES = ("metrics.jsonl", "checkpoints", "hub.json", "config.yaml", "events.jsonl", "changes.jsonl",
+             "eval.jsonl", "final")
+
+
+class RunDirError(Exception):
+    """The run directory does not suit the command: it holds a run already, or has no checkpoint to resume."""
+
 
 class Child:
     """A child process in its own process session (its group holds vLLM's engine processes too), logging
-    to `log_path`; stopped by PID, never by name. The tests and benchmarks start their services with it."""
+    to `log_path`; stopped by PID, never by name. The tests and benchmarks start their services with it.
+    Its guard ends the group should the child or this process die without stopping it."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict | None = None, cwd=None):
         self.name, self.log_path = name, log_path
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=env, cwd=cwd)
+        # a session of its own: Ctrl-C in a terminal or a signal to either group does not reach it
+        self.guard = subprocess.Popen([sys.executable, "-m", "pipeline.launcher", str(os.getpid()), str(self.pid)],
+                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      cwd=PACKAGE_ROOT)
 
     @property
     def pid(self) -> int:
@@ -38,36 +65,62 @@ class Child:
     def stop(self, grace: float = 20.0, now: bool = False) -> int:
         """SIGTERM (twice when `now`: a generator leaves without draining), then SIGKILL to the child's process
         group (it includes vLLM's engine process)."""
-        if self.proc.poll() is None:
-            _signal_group(self.pid, signal.SIGTERM)
-            if now:
-                time.sleep(0.5)
-                os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.pid, signal.SIGKILL)
-                self.proc.wait()
-        # the rest of the group ends by itself once the child is gone: Python's resource tracker removes the
-        # shared-memory segments vLLM's processes leaked (a SIGKILL would leave them in /dev/shm); else killed
-        if not _group_gone(self.pid, timeout=10.0):
-            _signal_group(self.pid, signal.SIGKILL)
-        self.log.close()
+        stop_all([self], grace, now)
         return self.proc.returncode
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def _group_gone(pgid: int, timeout: float) -> bool:
+def stop_all(children: list[Child], grace: float = 20.0, now: bool = False, hurry=lambda: False) -> None:
+    """Stop every child's process group: SIGTERM to all at once, SIGKILL to the groups still there after `grace`
+    seconds or as soon as `hurry()` is true. Nothing here raises on a signal: once begun, it ends every group."""
+    for c in children:
+        if c.proc.poll() is None:
+            _signal_group(c.pid, signal.SIGTERM)
+    if now:
+        time.sleep(0.5)
+        for c in children:
+            if c.proc.poll() is None:
+                os.kill(c.pid, signal.SIGTERM)
+    _wait(lambda: all(c.proc.poll() is not None for c in children), grace, hurry)
+    for c in children:
+        if c.proc.poll() is None:
+            _signal_group(c.pid, signal.SIGKILL)
+        c.proc.wait()
+    # the rest of a group ends by itself once its child is gone: Python's resource tracker removes the
+    # shared-memory segments vLLM's processes leaked (a SIGKILL would leave them in /dev/shm); else killed
+    _wait(lambda: not any(_members(c.pid) for c in children), 10.0, hurry)
+    for c in children:
+        if _members(c.pid):  # only while it has members: a group's id is not given to another process before
+            _signal_group(c.pid, signal.SIGKILL)
+    for c in children:  # its guard is done once the group is empty (it sweeps /dev/shm, then exits)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.guard.wait(30)
+        c.log.close()
+
+
+def _wait(done, timeout: float, hurry=lambda: False) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
+    while not done():
+        if time.monotonic() > deadline or hurry():
+            return False
         time.sleep(0.1)
-    return False
+    return True
+
+
+def _members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`, from /proc; a zombie (exited, not reaped yet) is not live."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state, _ppid, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(group) == pgid and state != "Z":
+                out.append(int(entry.name))
+    return out
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -77,26 +130,90 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def make_run_dir(cfg, explicit: Path | None) -> Path:
+def guard(starter: int, leader: int, grace: float = 30.0) -> None:
+    """The guard of one child, run as `python -m pipeline.launcher STARTER LEADER` (Child starts it). Once the
+    child's starter (this guard's parent) or the child (its group's leader) is gone, whatever ended it, the group
+    (vLLM's engine processes, learner ranks) is stopped as on Ctrl-C: SIGTERM, a second to the child (a generator
+    leaves without draining: the run is abandoned), SIGKILL after `grace` seconds; then the /dev/shm files of dead
+    processes are removed. A SIGKILLed `pipeline run` or generator cannot do this itself, and vLLM's engine core
+    outlives a generator killed with SIGKILL. Polls every half second."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # only its own end stops it (a group's leader cannot outlive it anyway)
+    while os.getppid() == starter and leader in _members(leader):
+        time.sleep(0.5)
+    if _members(leader):
+        gone = f"its starter (pid {starter})" if os.getppid() != starter else f"pid {leader}"
+        print(f"guard: {gone} is gone; stopping process group {leader}", file=sys.stderr, flush=True)
+        _signal_group(leader, signal.SIGTERM)  # the learner removes its files on SIGTERM, generators leave
+        time.sleep(0.5)
+        if leader in _members(leader):
+            os.kill(leader, signal.SIGTERM)
+        if not _wait(lambda: not _members(leader), grace):
+            print(f"guard: SIGKILL to {_members(leader)} after {grace} s", file=sys.stderr, flush=True)
+            _signal_group(leader, signal.SIGKILL)
+    # until no process of the group is left, zombies included (remove_stale takes one for a live owner); bounded,
+    # for a host whose init does not reap them
+    _wait(lambda: _gone(leader), 10.0)
+    from weights.files import remove_stale
+
+    remove_stale()  # the folders and vLLM segments of processes that could not remove their own
+
+
+def _gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def run_dir_of(cfg: Config, explicit: Path | None) -> Path:
     """RUN_DIR: given, or run.dir/run.name (default: a timestamp)."""
-    run_dir = explicit or Path(cfg.run.dir) / (cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir.resolve()
+    return (explicit or Path(cfg.run.dir) / (cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))).resolve()
 
 
-def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: Path | None) -> int:
-    run_dir = make_run_dir(cfg, run_dir)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run like Ctrl-C: children stopped, files removed
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """A new run needs a directory without a run in it; `--resume` one with a checkpoint. Else RunDirError,
+    naming what is there and the ways on. Nothing is written: the run that is there stays as it was."""
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    latest = run_dir / "checkpoints" / "latest"
+    if resume and not latest.exists():
+        raise RunDirError(f"--resume {run_dir}: no checkpoint to resume from ({latest} does not exist)")
+    if resume or not found:
+        return
+    metrics = run_dir / "metrics.jsonl"
+    steps = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+    tag = latest.read_text().strip() if latest.exists() else "none"
+    state = "finished" if (run_dir / "final").exists() else "not finished"
+    ways = (f"continue it with `pipeline run --resume {run_dir}` (the learner alone: `pipeline learner -c CONFIG "
+            f"--resume {run_dir}`), or start another with `--set run.name=NEW_NAME` (or `--run-dir DIR`)"
+            if latest.exists() else
+            "it has no checkpoint to resume from: start another with `--set run.name=NEW_NAME` (or `--run-dir DIR`), "
+            "or remove the directory")
+    raise RunDirError(f"{run_dir} holds a run already ({steps} steps done, newest checkpoint {tag}, {state}); a new "
+                      f"run does not write into another run's directory. Either {ways}")
+
+
+def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
+    """Run a learner (resumed from RUN_DIR's newest checkpoint when `resume`) and the generators until the learner
+    ends; returns the exit code. `run_dir` was checked by `check_run_dir`."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    received: list[int] = []  # signals: counted, never raised (see the module's docstring)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the run like Ctrl-C: children stopped, files removed
+        signal.signal(sig, lambda signum, frame: received.append(signum))
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)
+    token = secrets.token_hex(8)  # the learner writes it in hub.json: its address, not a stale one, is used
     cli = [sys.executable, "-m", "pipeline.cli"]
-    learner = Child("learner", cli + ["learner", "-c", str(resolved), "--run-dir", str(run_dir)]
-                    + _gpus(cfg.run.learner_gpus), run_dir / "logs" / "learner.log")
-    children = [learner]
-    print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
+    argv = cli + ["learner", "-c", str(resolved), "--run-dir", str(run_dir), "--launch-token", token]
+    argv += (["--resume", str(run_dir)] if resume else []) + _gpus(cfg.run.learner_gpus)
+    children: list[Child] = []
+    rc = 1
     try:
-        address = _wait_for_hub(run_dir, learner)
+        learner = Child("learner", argv, run_dir / "logs" / "learner.log")
+        children.append(learner)
+        print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
+        address = _wait_for_hub(run_dir, learner, token, received)
         gpus = cfg.run.generator_gpus
         started: dict[str | None, list[Child]] = {}  # GPU set -> its generators so far
         for i in range(cfg.run.generators):
@@ -104,19 +221,19 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
             argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
             # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (or a
             # machine, without --gpus) start one after another, or two would count the same free memory
-            _wait_registered(run_dir, started.get(mine, []), learner)
+            _wait_registered(run_dir, started.get(mine, []), learner, received=received)
             child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log")
             started.setdefault(mine, []).append(child)
             children.append(child)
-        rc = _follow(cfg, run_dir, learner, children[1:])
+        rc = _follow(cfg, run_dir, learner, children[1:], received)
     except KeyboardInterrupt:
-        print("\nstopping (Ctrl-C)...", flush=True)
+        print("\nstopping (Ctrl-C; again to kill the children now)...", flush=True)
         rc = 130
     except RuntimeError as e:
         print(f"pipeline run: {e}", file=sys.stderr)
-        rc = 1
-    for child in reversed(children):
-        child.stop(now=rc != 0)
+    finally:
+        seen = len(received)  # a signal from here on only hurries the shutdown
+        stop_all(children, now=rc != 0, hurry=lambda: len(received) > seen)
     from weights.files import remove_stale
 
     remove_stale()
@@ -129,31 +246,41 @@ def launch(cfg: Config, config_path: str | None, overrides: list[str], run_dir: 
     return rc
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def _stopped(received: list[int]) -> None:
+    if received:
+        raise KeyboardInterrupt
 
 
 def _gpus(gpus: str | None) -> list[str]:
     return ["--gpus", gpus] if gpus else []
 
 
-def _wait_for_hub(run_dir: Path, learner: Child, timeout: float = 600) -> str:
+def _wait_for_hub(run_dir: Path, learner: Child, token: str, received: list[int], timeout: float = 600) -> str:
+    """The address in RUN_DIR/hub.json once the learner started with `token` has written it; a hub.json without
+    the token is another learner's (a resumed run's dead one) and is never used."""
     deadline = time.monotonic() + timeout  # seconds; the first DeepSpeed start compiles an op (~1 min)
     while time.monotonic() < deadline:
-        if (run_dir / "hub.json").exists():
-            return json.loads((run_dir / "hub.json").read_text())["address"]
+        _stopped(received)
+        try:
+            hub = json.loads((run_dir / "hub.json").read_text())
+        except (OSError, ValueError):
+            hub = {}
+        if hub.get("token") == token:
+            return hub["address"]
         if learner.proc.poll() is not None:
             raise RuntimeError(f"the learner exited with {learner.proc.returncode}:\n{learner.tail()}")
         time.sleep(0.2)
     raise RuntimeError(f"the learner did not start its hub within {timeout} s:\n{learner.tail()}")
 
 
-def _wait_registered(run_dir: Path, generators: list[Child], learner: Child, timeout: float = 900) -> None:
+def _wait_registered(run_dir: Path, generators: list[Child], learner: Child, timeout: float = 900,
+                     received: list[int] = ()) -> None:
     """Until each of `generators` has registered at the hub (its engine is up) or exited."""
     from pipeline.metrics import read_jsonl
 
     deadline = time.monotonic() + timeout
     while generators and time.monotonic() < deadline:
+        _stopped(received)
         ids = [e["generator"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
         if all(g.proc.poll() is not None or any(f"-{g.pid}-" in i for i in ids) for g in generators):
             return
@@ -162,12 +289,13 @@ def _wait_registered(run_dir: Path, generators: list[Child], learner: Child, tim
         time.sleep(0.5)
 
 
-def _follow(cfg: Config, run_dir: Path, learner: Child, generators: list[Child]) -> int:
+def _follow(cfg: Config, run_dir: Path, learner: Child, generators: list[Child], received: list[int]) -> int:
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.trainer.total_steps, desc="steps", unit="step", dynamic_ncols=True)
-    seen = 0
+    seen = len(read_metrics(run_dir))  # a resumed run's steps so far (the learner cut those after its checkpoint)
+    bar = tqdm(total=cfg.trainer.total_steps, initial=seen, desc="steps", unit="step", dynamic_ncols=True)
     while learner.proc.poll() is None:
+        _stopped(received)
         records = read_metrics(run_dir)
         if len(records) > seen:
             r = records[-1]
@@ -183,9 +311,10 @@ def _follow(cfg: Config, run_dir: Path, learner: Child, generators: list[Child])
     bar.close()
     if learner.proc.returncode != 0:
         raise RuntimeError(f"the learner exited with {learner.proc.returncode}:\n{learner.tail()}")
-    for g in generators:  # they leave on their own once they hear "run complete"
-        try:
-            g.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
+    # they leave on their own once they hear "run complete"
+    _wait(lambda: all(g.proc.poll() is not None for g in generators), 30.0, lambda: bool(received))
     return 0
+
+
+if __name__ == "__main__":  # a child's guard (see Child)
+    guard(int(sys.argv[1]), int(sys.argv[2]))

@@ -138,6 +138,9 @@ class Heartbeat(Message):
     lease_ids: list[int] = field(default_factory=list)  # every lease it holds (received, not yet finished)
     draining: bool = False  # finishing its groups before it leaves: it takes no more broadcasts
     pushed: int = 0  # rollouts sent in this session: until the hub has them all, an unlisted lease may be in flight
+    # tokens its engine generated so far (finished groups and requests still running): a count that stops moving
+    # while it holds leases is a hung engine, and the hub takes them back (hub.progress_timeout_s)
+    generated: int = 0
 
 
 @dataclass

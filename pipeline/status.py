@@ -10,7 +10,8 @@ def render(s) -> str:
              ("duplicates", "duplicates"), ("unknown_lease", "unknown lease"), ("lost_leases", "lost leases"),
              ("bad_messages", "bad messages"), ("refused", "refused"), ("muted", "muted"),
              ("quarantined", "quarantined"), ("rejected_prompts", "rejected prompts"),
-             ("reward_errors", "reward errors"), ("skipped_steps", "skipped steps")]
+             ("reward_errors", "reward errors"), ("skipped_steps", "skipped steps"),
+             ("journal_dropped", "journal dropped")]
     lines = [
         f"run {s.run_id}  version {s.version}  max_staleness {s.max_staleness}  batch {s.batch_size}",
         f"buffer {s.buffer}  in flight {s.in_flight}  pending {s.pending}  trained {s.trained}",

@@ -66,6 +66,8 @@ RANGES = {
     "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
     "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": TEMPERATURE,
     "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
+    "hub.progress_timeout_s": POSITIVE, "hub.max_generators_per_key": POSITIVE, "hub.journal_kib_per_minute": POSITIVE,
+    "generator.hub_lost_s": POSITIVE,
 }
 
 

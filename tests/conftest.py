@@ -20,6 +20,23 @@ def free_port() -> int:
     return _free_port()
 
 
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_process_group():
+    """A test that starts a learner in process (learner.model.init_distributed) sets MASTER_PORT and the rank
+    variables in this process, whose TCPStore keeps listening on that port: the services later tests start must not
+    inherit them (their learner would try to listen there too: EADDRINUSE)."""
+    before = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
     """Tests build the tiny model into their own cache, never the user's."""
@@ -29,7 +46,8 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 class Proc(Child):
-    """A `pipeline` service started by a test: the environment plus `env`, run from the repository."""
+    """A `pipeline` service started by a test: the environment plus `env`, run from the repository. Its guard (see
+    Child) ends its process group if pytest is killed (a CI time-out's SIGTERM), when no teardown runs."""
 
     def __init__(self, argv: list[str], log: Path, env: dict | None = None):
         super().__init__(log.stem, argv, log, env={**os.environ, **(env or {})}, cwd=REPO)

@@ -30,6 +30,8 @@ A sender (learner/publisher.py drives it; rank 0 only):
     transports                               set by `senders`: the transports it serves
     latest                                   set by the publisher: latest(fn, background=False) calls
                                              fn(version, named) with the newest version's CPU copy (late joiners)
+A receiver's `apply` that raises `VersionGone` skips that version: a newer one is, or will be, announced (the
+generator goes on with it, in the same session); any other error makes the generator register again.
 Adding a transport: its sender, its receiver, its line in TRANSPORTS, and its name among the choices of
 `weights.transport` (pipeline/config.py); `auto` picks among ipc, nccl, shm and zmq (`pick`).
 """
@@ -37,6 +39,12 @@ Adding a transport: its sender, its receiver, its line in TRANSPORTS, and its na
 from __future__ import annotations
 
 import importlib
+
+
+class VersionGone(Exception):
+    """The announced version can no longer be had (a newer one replaced it before it was read): skip it, take the
+    newest announced. Not a reason to register again."""
+
 
 TRANSPORTS = {  # name: (the learner's sender, the generator's receiver); senders of one class are one object
     "zmq": ("weights.files:FileSender", "weights.zmq:ZmqReceiver"),

@@ -149,14 +149,59 @@ def shm_segments() -> set[str]:
     return {p.name for p in SHM_ROOT.iterdir() if SEGMENT.fullmatch(p.name)}
 
 
-def record_segments(before: set[str]) -> list[str]:
-    """Record in this process's folder the segments that appeared since `before` (a vLLM engine's, made while it
-    started): if the process is killed with its engine (SIGKILL to the group: nobody unlinks them), remove_stale
-    removes them with the folder."""
-    new = sorted(n for n in shm_segments() - before if (SHM_ROOT / n).stat().st_uid == os.getuid())
-    if new:
-        (private_dir(receiver_dir()) / "segments").write_text("\n".join(new))
-    return new
+def own_segments(before: set[str]) -> list[str]:
+    """The segments that appeared since `before` and that this process or its descendants map: a vLLM engine's,
+    made while it started, not those of an engine starting beside it."""
+    new = [n for n in shm_segments() - before if (SHM_ROOT / n).stat().st_uid == os.getuid()]
+    return mapped_segments(new, process_tree(os.getpid()))
+
+
+def record_segments(names: list[str]) -> list[str]:
+    """Record `names` (own_segments) in this process's folder: if the process is killed with its engine (SIGKILL to
+    the group: nobody unlinks them), remove_stale removes them with the folder."""
+    if names:
+        (private_dir(receiver_dir()) / "segments").write_text("\n".join(names))
+    return names
+
+
+def remove_left_segments(segments: list[str]) -> None:
+    """Unlink the engine's shared-memory segments that outlived it: its processes do not unlink them on every way
+    out. Not one that another live process maps."""
+    others = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()} - {os.getpid()}
+    for name in set(segments) - set(mapped_segments(segments, others)):
+        with contextlib.suppress(OSError):
+            (SHM_ROOT / name).unlink()
+
+
+def mapped_segments(names, pids: set[int]) -> list[str]:
+    """Those of /dev/shm's `names` that a process of `pids` maps. Compared by inode: a semaphore is mapped under the
+    temporary name it was made with."""
+    inodes = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            inodes[(SHM_ROOT / name).stat().st_ino] = name
+    seen = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(str(SHM_ROOT)) and int(fields[4]) in inodes:
+                    seen.add(inodes[int(fields[4])])
+    return sorted(seen)
+
+
+def process_tree(root: int) -> set[int]:
+    """Process `root` and its descendants (a generator's: vLLM's engine core and workers), from /proc."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += [p for p, pp in parent.items() if pp == pid]
+    return tree
 
 
 def _remove_segments(d: Path) -> None:

@@ -2,7 +2,9 @@
 
 At registration the hub opens a TCPStore for the generator and tells it the port; the learner (rank 0
 of that group) and the generator's workers (ranks 1..tensor_parallel) meet there, so generators can
-join at any time. Joining ends with a one-element broadcast (the communicator really exists), then the
+join at any time. The learner's rendezvous thread makes its end of the group only once every worker has
+come (`JOIN_KEY`), and stops waiting when the registration ends: the store and the thread last no longer
+than the registration. Joining ends with a one-element broadcast (the communicator really exists), then the
 joiner is sent the current version from the learner's CPU copy (`NcclSender.latest`), and from then on every new
 version is broadcast while it is gathered (ZeRO-3: in groups of up to 256 MB), straight from the learner's
 GPU to the generators' GPUs, packed into flat buckets of about 256 MB (a few broadcasts per version, not
@@ -18,6 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,9 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float, dev
     probe = torch.ones(1, device=device if backend == "nccl" else "cpu")
     group.broadcast(probe, 0).wait(datetime.timedelta(seconds=timeout_s))
     return group
+
+
+JOIN_KEY = "joined"  # each of a generator's workers adds 1 on its group's store before it makes the group
 
 
 def announce_key(i: int) -> str:
@@ -65,6 +71,7 @@ class Peer:
         self.group = None
         self.ready = False  # joined and holding the current version: new versions are broadcast to it
         self.failed = False
+        self.closed = threading.Event()  # dropped: its rendezvous stops waiting, which frees the thread and store
         self.announced = 0  # versions announced on the store
 
     def announce(self, version: int) -> None:
@@ -179,6 +186,8 @@ class NcclSender:
 
     def _connect(self, peer: Peer) -> None:
         try:
+            if not self._joiners_came(peer):
+                return  # its registration ended first: this thread ends, and the store goes with the peer
             if self.device is not None:
                 torch.cuda.set_device(self.device)
             peer.group = make_group(peer.store, 0, peer.world, self.backend, self.timeout_s, self.device)
@@ -190,6 +199,18 @@ class NcclSender:
             abort(peer.group)
             return
         log.info("nccl transport: %s joined (%s, %d ranks)", peer.generator_id, self.backend, peer.world)
+
+    def _joiners_came(self, peer: Peer) -> bool:
+        """Wait until every worker of the generator has come to the store (JOIN_KEY), up to the timeout; False if
+        its registration ended first. Only then is the group made, a call that cannot be interrupted: a generator
+        that registers and leaves without joining holds no thread and no store past its registration."""
+        deadline = time.monotonic() + self.timeout_s
+        while peer.store.add(JOIN_KEY, 0) < peer.world - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{peer.world - 1} worker(s) did not come within {self.timeout_s:g} s")
+            if peer.closed.wait(0.1):  # s; a store request each time is cheap
+                return False
+        return not peer.closed.is_set()
 
     def _admit(self, peer: Peer) -> None:
         """Send a joiner the newest version and add it to the broadcasts, with no version begun in between."""
@@ -219,6 +240,7 @@ class NcclSender:
             if self.peers.get(peer.generator_id) is peer:
                 del self.peers[peer.generator_id]
             was_live, peer.failed = not peer.failed, True  # send() skips it from the next bucket on
+        peer.closed.set()
         return was_live
 
     def is_ready(self, generator_id: str) -> bool:

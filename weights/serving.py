@@ -4,7 +4,7 @@ At registration: the generator's transport (`weights.pick`) and its sender's `jo
 the newest file version pushed right after the Welcome). Each new version: the announcement pushed to the
 generators it concerns (a file version to every generator of a file transport, a broadcast to the ones the
 broadcasts will reach), its blob kept for zmq pulls, which are served chunk by chunk to registered generators,
-a few chunks in flight each.
+a few chunks in flight each (a version being pulled is kept until its generator applies a version or leaves).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class WeightServing:
 
     def leave(self, generator_id: str, again: bool = False) -> None:
         """It drains, left, went silent, or registers again (`again`)."""
+        self.blobs.done(generator_id)
         for sender in set(self.senders.values()):
             sender.leave(generator_id, again)
 
@@ -49,6 +50,7 @@ class WeightServing:
             sender.shutdown()
 
     def applied(self, generator_id: str, version: int) -> None:
+        self.blobs.done(generator_id)  # its pull, if any, has ended
         for sender in set(self.senders.values()):
             sender.on_applied(generator_id, version)
 
@@ -71,4 +73,4 @@ class WeightServing:
         if self.server.chunks_in_flight(gen.ident) >= CHUNKS_IN_FLIGHT:
             return P.Error(f"weights: more than {CHUNKS_IN_FLIGHT} chunks of {self.cfg.weights.chunk_mb} MB in "
                            "flight to this generator")
-        return self.blobs.chunk(msg, version)
+        return self.blobs.chunk(msg, gen.generator_id, version)

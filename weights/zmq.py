@@ -1,8 +1,10 @@
 """The zmq transport: a generator pulls each version's blob from the hub in chunks over its control channel.
 
 Works across hosts and for late joiners. The learner's side is the hub's `Blobs` (the newest blobs by version,
-served chunk by chunk to registered generators, a few chunks in flight per peer); the generator's side is
-`ZmqReceiver`, which writes the chunks straight into a private file, verifies it and hands the engine its path.
+served chunk by chunk to registered generators, a few chunks in flight per peer; a version being pulled is kept
+until the pull ends); the generator's side is `ZmqReceiver`, which writes the chunks straight into a private file,
+verifies it and hands the engine its path. A version no longer served raises `weights.VersionGone`: the generator
+takes the newest announced instead, without registering again.
 """
 
 from __future__ import annotations
@@ -12,30 +14,60 @@ import mmap
 import os
 
 from pipeline import protocol as P
+from weights import VersionGone
 from weights.files import ChecksumMismatch, private_dir, receiver_dir, verify_file
+
+KEEP = 2  # the newest versions always served
+PULLED_MAX = 2  # older versions kept while a generator pulls them: each is a blob of the model's size in host memory
+GONE = "is no longer served"  # in the error a pull of a dropped version gets: the receiver moves to the newest
 
 
 class Blobs:
-    """The learner's side: the safetensors blobs of the newest two versions."""
+    """The learner's side: the safetensors blobs (and deltas) of the newest two versions, and of an older version
+    while a generator pulls it. A pull slower than two learner steps would otherwise lose its version halfway
+    and never apply one. At most PULLED_MAX older versions are kept; past that the oldest goes, and a generator
+    pulling it is told it cannot keep up."""
 
     def __init__(self, chunk_bytes: int):
         self.chunk_bytes = chunk_bytes
         self.by_version: dict[int, bytes] = {}
         self.deltas: dict[int, bytes] = {}  # weights.delta: version -> the delta from the version before
+        self.pulling: dict[str, int] = {}  # generator id -> the version it pulls (from its first chunk to `done`)
+        self.newest = -1
 
     def put(self, version: int, blob: bytes | bytearray | mmap.mmap, delta: bytes | None = None) -> None:
         self.by_version[version] = blob
         if delta is not None:
             self.deltas[version] = delta
+        self.newest = max(self.newest, version)
+        self._trim()
+
+    def done(self, generator_id: str) -> None:
+        """Its pull ended (it applied a version, registers again, or left): its version is no longer kept for it."""
+        if self.pulling.pop(generator_id, None) is not None:
+            self._trim()
+
+    def _trim(self) -> None:
+        keep = {v for v in self.by_version if v > self.newest - KEEP}
+        pulled = sorted({v for v in self.pulling.values() if v in self.by_version} - keep, reverse=True)
+        keep.update(pulled[:PULLED_MAX])
         for kept in (self.by_version, self.deltas):
-            for v in [v for v in kept if v < version - 1]:
+            for v in [v for v in kept if v not in keep]:
                 del kept[v]
 
-    def chunk(self, msg: P.WeightsFetch, latest: int) -> P.Message:
+    def chunk(self, msg: P.WeightsFetch, generator_id: str, latest: int) -> P.Message:
         blob = (self.deltas if msg.delta else self.by_version).get(msg.version)
         if blob is None:
-            return P.Error(f"weights version {msg.version}{' (delta)' if msg.delta else ''} is no longer served "
-                           f"(latest: {latest})")
+            cut = self.pulling.get(generator_id) == msg.version  # dropped while this generator pulled it
+            if cut:
+                del self.pulling[generator_id]
+            return P.Error(f"weights version {msg.version}{' (delta)' if msg.delta else ''} {GONE} (latest: {latest})"
+                           + (f"; it was dropped while this generator pulled it: the generator cannot keep up (it "
+                              f"pulls slower than the learner publishes, and {PULLED_MAX} older versions are kept "
+                              "for slower pulls already)" if cut else ""))
+        if self.pulling.get(generator_id) != msg.version:
+            self.pulling[generator_id] = msg.version
+            self._trim()  # the version it pulled before, if any, is no longer kept for it
         end = min(len(blob), msg.offset + min(msg.length, self.chunk_bytes))
         return P.WeightsChunk(msg.version, msg.offset, memoryview(blob)[max(0, msg.offset):end], len(blob))
 
@@ -78,8 +110,12 @@ class ZmqReceiver:
             path = await verify_file(str(path), ready)
         except (FileNotFoundError, ChecksumMismatch, ValueError, P.ProtocolError):  # the full blob will do
             self.via = self.name
-            await self._pull(ready, path, False, ready.file.size, os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-                                                                          0o600))
+            try:
+                await self._pull(ready, path, False, ready.file.size,
+                                 os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+            except VersionGone:
+                path.unlink(missing_ok=True)  # a part of a blob: never the base of a delta
+                raise
             path = await verify_file(str(path), ready)
         self._remove_all_but(path)  # the engine has loaded the previous version; this one is the next base
         return path
@@ -115,6 +151,8 @@ class ZmqReceiver:
                 async with sem:
                     reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk, self.generator_id,
                                                                      delta))
+                if isinstance(reply, P.Error) and GONE in reply.message:
+                    raise VersionGone(reply.message)
                 if not isinstance(reply, P.WeightsChunk):
                     raise P.ProtocolError(f"weights v{ready.version} at {off}: {getattr(reply, 'message', reply)}")
                 if isinstance(into, int):
@@ -122,7 +160,13 @@ class ZmqReceiver:
                 else:
                     into[off:off + len(reply.data)] = reply.data
 
-            await asyncio.gather(*(one(o) for o in range(0, size, self.chunk)))
+            tasks = [asyncio.ensure_future(one(o)) for o in range(0, size, self.chunk)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # one failed: the others stop before the file is closed (its descriptor may be reused)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             if not delta:
                 self.fetched += size
         finally:

@@ -373,3 +373,160 @@ async def test_a_lease_size_set_at_run_time_reaches_the_generators(tmp_path):
         publish(hub, 1)
         await _until(lambda: len(hub.ledger.buffer) >= 8)
         assert 6 in sizes
+
+
+# ---- issue 32: drains, signals, reconnects and a lost hub ------------------------------------------------------
+
+
+def _events(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+async def test_a_draining_generator_waiting_for_a_version_returns_its_lease_and_leaves(tmp_path):
+    """A lease waits for weights that never come (as for a draining nccl/ipc generator, which takes no more
+    broadcasts): the drain ends the wait, the lease goes back with the Leave, and the generator exits 0."""
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 10},
+                            "weights": {"transport": "zmq"}, "hub": {"heartbeat_s": 0.2}})
+    engine = FakeEngine(version=3, run_id="an-older-run")  # never holds this run's weights: nothing is announced
+    async with running(cfg, tmp_path, engine, version=3, announce=False) as (hub, gen):
+        await _until(lambda: hub.ledger.leases and gen.held)  # a lease taken, waiting for its weights
+        leased = sum(len(lease.items) for lease in hub.ledger.leases.values())
+        gen._on_signal()
+        assert await asyncio.wait_for(gen.task, 10) == 0
+        assert gen.id not in hub.registry.generators and not hub.ledger.leases and not hub.ledger.buffer
+    leave = next(e for e in _events(tmp_path) if e["event"] == "leave" and e["generator"] == gen.id)
+    assert leave["prompts"] == leased > 0  # the lease that could not start went back to the queue
+
+
+class StubbornEngine(FakeEngine):
+    """Its requests outlive a cancellation (as a rollout function that cleans up at length when cancelled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def generate(self, prompt_ids, n, sampling, seed=None):
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            await self.release.wait()
+            raise
+        return await super().generate(prompt_ids, n, sampling, seed)
+
+
+async def test_a_second_signal_leaves_at_once_whatever_is_still_running(tmp_path):
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 10},
+                            "hub": {"heartbeat_s": 0.2}})
+    engine = StubbornEngine()
+    try:
+        async with running(cfg, tmp_path, engine) as (hub, gen):
+            await _until(lambda: gen.groups)
+            gen._on_signal()
+            gen._on_signal()
+            assert await asyncio.wait_for(gen.task, 10) == 0  # not held by groups that do not end when cancelled
+            assert gen.id not in hub.registry.generators and not hub.ledger.leases
+    finally:
+        engine.release.set()
+    assert [e["event"] for e in _events(tmp_path) if e.get("generator") == gen.id][-2:] == ["drain", "leave"]
+
+
+class StuckSetup:
+    """A weights receiver whose start (nccl: meeting the learner in a process group) never ends."""
+
+    in_order = True
+
+    async def start(self, engine, host, welcome):
+        await asyncio.Event().wait()
+
+
+async def test_a_drain_does_not_wait_for_the_weights_transport_to_start(tmp_path, monkeypatch):
+    monkeypatch.setattr("generator.service.receiver", lambda *args: StuckSetup())
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10},
+                            "hub": {"heartbeat_s": 0.2}})
+    async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
+        await _until(lambda: gen.id in hub.registry.generators)
+        gen._on_signal()
+        assert await asyncio.wait_for(gen.task, 10) == 0
+        assert gen.id not in hub.registry.generators
+    assert "leave" in [e["event"] for e in _events(tmp_path) if e.get("generator") == gen.id]
+
+
+async def test_a_registration_resets_the_reconnect_back_off(tmp_path, caplog):
+    """Separate incidents each start again at 0.5 s (docs/failures.md), instead of doubling on from the last."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="generator.service")
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 50},
+                            "hub": {"heartbeat_s": 0.1}})
+    async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
+        for incident in range(3):
+            await _until(lambda: gen.id in hub.registry.generators and gen.welcomed)
+            with hub.lock:  # as after a heartbeat timeout: told "register again", it reconnects
+                hub._drop_generator(gen.id, "heartbeat timeout")
+            await _until(lambda n=incident: len([r for r in caplog.records if "reconnecting in" in r.message]) > n)
+        await _until(lambda: gen.id in hub.registry.generators)
+    delays = [r.message.split("reconnecting in ")[1].split(" s")[0] for r in caplog.records
+              if "reconnecting in" in r.message]
+    assert delays == ["0.5"] * 3
+
+
+async def test_a_request_whose_send_never_completes_fails_as_a_lost_hub(monkeypatch, free_port):
+    """A send that waits for ever (no connection to send on) is bounded by the request's timeout like its reply."""
+    import zmq.asyncio
+
+    from pipeline.client import HubClient
+
+    async def never(self, *args, **kw):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(zmq.asyncio.Socket, "send", never)
+    client = HubClient(f"tcp://127.0.0.1:{free_port}", timeout=0.5)
+    try:
+        with pytest.raises(P.PeerLost, match="no reply from the hub"):
+            await asyncio.wait_for(client.request(P.Heartbeat("g")), 10)
+    finally:
+        client.close()
+
+
+async def test_a_generator_whose_messages_cannot_be_sent_gives_up_with_the_reason(tmp_path, monkeypatch, caplog):
+    """Its event loop alive but every send stuck (the hang seen twice): the heartbeat's request fails, and with no
+    answer from the hub for generator.hub_lost_s it exits 1 saying so, instead of falling silent for good."""
+    import zmq.asyncio
+
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 50},
+                            "generator": {"hub_lost_s": 1.0}, "hub": {"heartbeat_s": 0.2}})
+    async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
+        await _until(lambda: len(hub.ledger.buffer) >= 2)
+
+        async def never(self, *args, **kw):
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(zmq.asyncio.Socket, "send", never)
+        assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 10 s)
+    assert any("no answer from the hub" in r.message and "generator.hub_lost_s" in r.message for r in caplog.records)
+
+
+async def test_a_generator_reconnecting_when_the_learner_ends_gives_up_with_the_reason(tmp_path, caplog):
+    """The hub dropped it, and the learner finished and exited while it reconnected: it does not retry for ever."""
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 50},
+                            "generator": {"hub_lost_s": 1.0}, "hub": {"heartbeat_s": 0.2}})
+    async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
+        await _until(lambda: gen.id in hub.registry.generators)
+        with hub.lock:
+            hub._drop_generator(gen.id, "heartbeat timeout")
+        hub.stop()  # the learner is done and gone
+        assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 10 s)
+    assert any("no answer from the hub" in r.message for r in caplog.records)
+
+
+async def test_the_runs_end_reaches_a_generator_with_no_room_for_more(tmp_path):
+    """Every group it may hold is running (long completions): it still hears RunComplete, drops what cannot be
+    trained any more, leaves and exits 0, within the learner's 15 s wait for its generators."""
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 3, "total_steps": 100},
+                            "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})
+    engine = HoldingEngine(seqs=4)  # never finishes a request
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: len(gen.groups) >= 4)  # ceil(4 / 2) + 2: full
+        hub.finish_run()
+        assert await asyncio.wait_for(gen.task, 10) == 0
+        assert gen.id not in hub.registry.generators

@@ -323,7 +323,7 @@ def test_a_flood_of_bad_messages_is_dropped_undecoded_and_others_are_served(hubs
 def test_a_generator_whose_rollouts_keep_being_rejected_is_quarantined_and_others_go_on(hubs):
     """It took prompts from the window only to return them invalid: after hub.max_rejected_rollouts it is dropped,
     its leases go back to the queue, and its registration is refused (with the reason) for hub.quarantine_s."""
-    hub = hubs(hub={"max_rejected_rollouts": 3})
+    hub = hubs(hub={"max_rejected_rollouts": 3}, trainer={"batch_size": 4})  # each may hold 4 of the 8 groups
     rogue, honest = Peer(hub, "rogue"), Peer(hub, "honest")
     rogue.register()
     honest.register()
@@ -344,3 +344,124 @@ def test_a_generator_whose_rollouts_keep_being_rejected_is_quarantined_and_other
     assert quarantine and quarantine[0]["generator"] == "rogue"
     rogue.close()
     honest.close()
+
+
+def test_one_generator_cannot_fill_the_journal_or_claim_a_version_never_published(hubs):
+    """A flood of WeightsApplied (the fuzzer's: 20,000 in 2 s, never muted, every one journaled): a repeat is
+    acknowledged and not journaled, a version never published is refused, and what one principal has written to
+    events.jsonl is bounded a minute (hub.journal_kib_per_minute); another generator's events are still written."""
+    hub = hubs(hub={"journal_kib_per_minute": 4})
+    flood = Peer(hub, "flood")
+    flood.register()
+    hub.finish_step(1)
+    hub.announce(P.WeightsReady(1, file=P.FileVersion(0, 0)), None)
+    for i in range(600):
+        assert isinstance(flood.ask(P.WeightsApplied("flood", i % 2, via="x" * 16)), P.Ack)
+    claim = flood.ask(P.WeightsApplied("flood", 10**12 + 19_999))
+    assert isinstance(claim, P.Error) and "never published" in claim.message
+    assert hub.status().generators[0].version == 1  # the claim changed nothing (its last was 599 % 2)
+    other = Peer(hub, "other")
+    other.register()
+    lines = (hub.run_dir / "events.jsonl").read_text().splitlines(keepends=True)
+    events = [json.loads(line) for line in lines]
+    written = sum(len(line) for line, e in zip(lines, events, strict=True) if e.get("generator") == "flood")
+    assert written <= 4 * 1024 and hub.counters["journal_dropped"] > 500
+    assert [e["event"] for e in events if e.get("generator") == "other"] == ["register"]
+    flood.close()
+    other.close()
+
+
+def test_one_generator_cannot_hold_the_window_another_needs(hubs):
+    """A peer asks for leases until none is left: it gets what leaves every other registered principal room for a
+    lease (generator.lease_size, or its equal part of the window when smaller), not the whole window; the room left
+    is the other's, and the rest of the window is the greedy one's (a large engine beside a small one fills it)."""
+    hub = hubs(trainer={"batch_size": 8}, generator={"lease_size": 4})  # a window of 16 groups, leases of 4
+    greedy, polite = Peer(hub, "greedy"), Peer(hub, "polite")
+    greedy.register()
+    polite.register()
+    taken = []
+    while isinstance(lease := greedy.lease(4), P.Lease):
+        taken += lease.groups
+    assert len(taken) == 12 and "kept for other generators" in lease.reason
+    second = polite.lease(4)
+    assert isinstance(second, P.Lease) and len(second.groups) == 4
+    greedy.close()
+    polite.close()
+
+
+def test_a_lease_whose_holder_makes_no_progress_goes_back_and_another_generator_gets_it(hubs):
+    """A generator whose engine hangs while its heartbeats go on (or a peer listing leases it never works on) holds
+    them no longer than hub.progress_timeout_s: no tokens, no group. Another generator then gets those prompts; the
+    stalled one gets one group a lease until it progresses; one that reports tokens keeps its lease."""
+    hub = hubs(hub={"progress_timeout_s": 1.0, "heartbeat_s": 0.1, "heartbeat_timeout_s": 60},
+               trainer={"batch_size": 2})  # a window of 4 groups
+    hung, busy = Peer(hub, "hung"), Peer(hub, "busy")
+    hung.register()
+    held = hung.lease(8)
+    assert len(held.groups) == 4
+    busy.register()
+    assert isinstance(busy.lease(8), P.Wait)  # the window is full
+    tokens, dead = 0, []
+    deadline = time.monotonic() + 20  # the bound is 1 s; generous for a loaded machine
+    while not isinstance(got := busy.lease(8), P.Lease):
+        assert time.monotonic() < deadline, "the stalled generator kept its leases"
+        dead += hung.ask(P.Heartbeat("hung", 0, lease_ids=[held.lease_id], generated=7)).dead_leases
+        tokens += 1
+        busy.ask(P.Heartbeat("busy", 0, generated=tokens))
+        time.sleep(0.05)
+    assert {(g.epoch, g.prompt_id) for g in got.groups} <= {(g.epoch, g.prompt_id) for g in held.groups}
+    wait_until(lambda: hung.ask(P.Heartbeat("hung", 0, lease_ids=[held.lease_id], generated=7)).dead_leases)
+    assert hub.counters["lost_leases"] == 1 and "no progress" in (hub.run_dir / "events.jsonl").read_text()
+    probe = hung.lease(8)
+    assert isinstance(probe, P.Lease) and len(probe.groups) == 1  # stalled: one group until it shows progress
+    until = time.monotonic() + 2.5  # twice the bound and more: a generator reporting tokens keeps its lease
+    while time.monotonic() < until:
+        tokens += 1
+        assert busy.ask(P.Heartbeat("busy", 0, lease_ids=[got.lease_id], generated=tokens)).dead_leases == []
+        time.sleep(0.1)
+    assert got.lease_id in hub.ledger.leases
+    hung.close()
+    busy.close()
+
+
+# (message, what the generator sends): every number at the edges of what msgpack carries
+EDGES = [2**64 - 1, -(2**63), 2**63]
+FLOATS = [math.nan, math.inf, -math.inf]
+
+
+def test_no_value_a_peer_sends_makes_a_handler_fail_or_status_unanswered(hubs):
+    """The fuzzer's finding: a Heartbeat or WeightsApplied with version 2**64-1 from the registered connection made
+    every StatusRequest fail to encode (a lag past int64) for as long as the generator reported it. Every message a
+    generator may send, with numbers at the edges, gets an answer, and status is answered after each."""
+    hub = hubs()
+    peer = Peer(hub, "edge")
+    peer.register()
+    lease = peer.lease(2)
+    item = lease.groups[0]
+    sent = []
+    for v in EDGES:
+        sent += [P.Heartbeat("edge", v), P.WeightsApplied("edge", v), P.LeaseRequest("edge", v),
+                 P.Heartbeat("edge", 0, inflight_groups=v, lease_ids=[v, lease.lease_id], pushed=v, generated=v),
+                 P.GroupFailed("edge", v, v, v, "x"), P.GroupFailed("edge", lease.lease_id, item.epoch, v, "x"),
+                 P.WeightsFetch(v, v, v, "edge"), P.WeightsFetch(0, 0, v, "edge"),
+                 P.Register("edge", loaded_version=v, loaded_run="test", session=peer.session),
+                 P.Register("edge", pid=v, tensor_parallel=v, session=peer.session),
+                 P.SetRequest("trainer.max_staleness", v), P.SetRequest("generator.lease_size", [v])]
+    sent += [P.Heartbeat("edge", 0, tokens_per_s=f) for f in FLOATS]
+    sent += [P.WeightsApplied("edge", 0, load_ms=f) for f in FLOATS]
+    sent += [P.SetRequest("sampling.temperature", f) for f in FLOATS]
+    for msg in sent:
+        reply = peer.ask(msg)  # (no reply at all: the handler failed)
+        assert reply is not None
+        status = peer.ask(P.StatusRequest())
+        assert isinstance(status, P.StatusReply), (msg, status)
+        render(status)
+    for v in EDGES:
+        peer.send(peer.group(lease, item, lease_id=v, epoch=v, prompt_id=v))
+        peer.send(peer.group(lease, item, sample={"first_version": v, "last_version": v}))
+        peer.send(peer.group(lease, item, sample={"first_version": -(2**63), "last_version": v}))
+    wait_until(lambda: hub.counters["unknown_lease"] + hub.counters["rejected_rollouts"] >= 9)
+    assert isinstance(peer.ask(P.StatusRequest()), P.StatusReply)
+    assert isinstance(peer.ask(P.Leave("edge", returned_leases=EDGES, reason="x")), P.Ack)
+    assert hub.counters["bad_messages"] == 0  # a handler that failed is counted here
+    peer.close()

@@ -1,13 +1,19 @@
-"""`pipeline run` starts generators that share a GPU one after another: each waits until the earlier ones
-have registered at the hub (or exited). Real child processes (`sleep`), stopped by PID."""
+"""`pipeline run`'s launcher with stand-in children (`sleep`, small scripts), stopped by PID: generators that share
+a GPU start one after another, a stale hub.json is not taken, and signals during the shutdown leave no child."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from pipeline.launcher import Child, _wait_registered
+from tests.conftest import REPO, wait_for
 
 
 def _register(run_dir, child, delay):
@@ -45,3 +51,84 @@ def test_a_dead_learner_ends_the_wait(tmp_path):
     finally:
         for c in (learner, first):
             c.stop(grace=1)
+
+
+def test_a_stale_hub_json_is_never_taken_for_the_learners(tmp_path):
+    """A resumed run's directory holds the dead learner's hub.json: the launcher waits for the one written by the
+    learner it started (the token it passed), however early it looks."""
+    from pipeline.launcher import _wait_for_hub
+
+    learner = Child("learner", ["sleep", "60"], tmp_path / "learner.log")
+    try:
+        (tmp_path / "hub.json").write_text(json.dumps({"address": "tcp://127.0.0.1:1", "pid": 1, "run_id": "old"}))
+        with pytest.raises(RuntimeError, match="did not start its hub"):
+            _wait_for_hub(tmp_path, learner, "t0k3n", [], timeout=1.5)
+        (tmp_path / "hub.json").write_text(json.dumps({"address": "tcp://127.0.0.1:2", "token": "t0k3n"}))
+        assert _wait_for_hub(tmp_path, learner, "t0k3n", []) == "tcp://127.0.0.1:2"
+    finally:
+        learner.stop(grace=1)
+
+
+# `pipeline run` whose learner and generator are stand-ins that ignore SIGTERM: only SIGKILL ends them
+_FAKE_CHILD = """
+import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+argv = sys.argv[1:]
+if "learner" in argv:
+    hub = {"address": "tcp://127.0.0.1:1", "token": argv[argv.index("--launch-token") + 1]}
+    open(argv[argv.index("--run-dir") + 1] + "/hub.json", "w").write(json.dumps(hub))
+print("started", os.getpid(), flush=True)
+time.sleep(600)
+"""
+_RUN_WITH_FAKE_CHILDREN = f"""
+import sys
+from pathlib import Path
+
+import pipeline.launcher as launcher
+from pipeline.config import load_config
+
+
+class Fake(launcher.Child):
+    def __init__(self, name, argv, log_path, env=None, cwd=None):
+        super().__init__(name, [sys.executable, "-c", {_FAKE_CHILD!r}, *argv[3:]], log_path, env, cwd)
+
+
+launcher.Child = Fake
+sys.exit(launcher.launch(load_config(None, ["run.tensorboard=false"]), Path(sys.argv[1])))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_during_the_shutdown_still_stops_every_child(tmp_path):
+    """Ctrl-C stops the run; more Ctrl-Cs while the children are being stopped cut the grace period short, never the
+    shutdown: when `pipeline run` exits, no child of it runs (the learner, stopped last before, was left running)."""
+    out = tmp_path / "run.out"
+    with out.open("wb") as f:
+        run = subprocess.Popen([sys.executable, "-c", _RUN_WITH_FAKE_CHILDREN, str(tmp_path)], stdout=f,
+                               stderr=subprocess.STDOUT, cwd=REPO)
+    pids = []
+    try:
+        logs = [tmp_path / "logs" / "learner.log", tmp_path / "logs" / "generator-0.log"]
+        wait_for(lambda: all(log.exists() and "started" in log.read_text() for log in logs), 60,
+                 "the learner and the generator", [])
+        pids = [int(line.split()[1]) for log in logs for line in log.read_text().splitlines()
+                if line.startswith("started")]
+        run.send_signal(signal.SIGINT)
+        wait_for(lambda: "stopping" in out.read_text(), 30, "the shutdown to begin", [])
+        for _ in range(3):
+            run.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        assert run.wait(60) == 130, out.read_text()
+        assert len(pids) == 2 and not [p for p in pids if _running(p)], out.read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)

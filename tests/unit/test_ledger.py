@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import pickle
+import random
 from collections import Counter
+
+import pytest
 
 from learner import staleness
 from learner.ledger import LeaseState, PromptLedger
@@ -27,11 +33,20 @@ def group(key, version=0) -> P.RolloutGroup:
     return P.RolloutGroup(1, "g", key[1], key[0], b"", samples)
 
 
+def train(book: PromptLedger, state: LeaseState, version: int = 0) -> None:
+    """Every group of the lease arrives and is trained in one step."""
+    for key in list(state.items):
+        book.settle(state.lease_id, key)
+        book.buffered(group(key, version))
+    book.batch(version, 0, len(book.buffer))
+    book.finish_step()
+
+
 def places(book: PromptLedger) -> Counter:
     """How often each prompt of epoch 0 appears across the ledger's places (each must be exactly once)."""
     where = list(book.pending) + [k for le in book.leases.values() for k in le.items]
     where += [(g.epoch, g.prompt_id) for g, _ in book.buffer] + [(g.epoch, g.prompt_id) for g in book.in_step]
-    where += list(book.trained) + list(book.filtered)
+    where += [(0, pid) for pid in range(book.n_prompts) if book.done((0, pid))]
     return Counter(k for k in where if k[0] == 0)
 
 
@@ -55,7 +70,7 @@ def test_a_prompt_is_in_exactly_one_place_through_leases_steps_and_failures():
         book.buffered(group(key))
     batch, _ = book.batch(step=0, k=0, size=4)
     book.finish_step()
-    assert len(book.trained) == 4 and set(places(book).values()) == {1} and len(places(book)) == 6
+    assert book.trained == 4 and set(places(book).values()) == {1} and len(places(book)) == 6
 
 
 def test_stale_groups_are_dropped_and_leased_again_and_a_batch_takes_the_oldest_first():
@@ -93,9 +108,8 @@ def test_snapshot_restores_leased_and_buffered_prompts_as_pending_and_exhaustion
     again.restore(state)
     assert sorted(again.pending) == sorted(held.items | {key: None}) and again.next_epoch == 1
     assert not again.exhausted()
-    for i, k in enumerate(list(again.pending)):
-        again.take(1, "g", lambda t: False)
-        again.trained.add(k)
+    for i in range(4):
+        train(again, lease(again, 10 + i, 1))
         assert again.exhausted() == (i == 3)
 
 
@@ -123,6 +137,98 @@ def test_dynamic_sampling_filters_a_group_without_signal_once_and_for_its_epoch(
     book.finish_step()
     again = ledger(n=4, epochs=1)
     again.restore(book.snapshot())
-    assert again.filtered == {keys[0]} and again.exhausted()
+    assert again.done(keys[0]) and again.exhausted()
     book.requeue([keys[0]])  # a late duplicate lease of it: skipped when taken
     assert book.take(4, "g", lambda t: False) == []
+
+
+def test_the_ledger_keeps_about_one_epoch_of_keys_however_many_epochs_pass():
+    """Trained keys of finished epochs are not kept: the ledger after 30 epochs is no larger than after 3 (it kept
+    every trained key of every epoch, and a checkpoint sorted them all under the hub's lock)."""
+    book = ledger(n=40)
+    sizes = {}
+    for epoch in range(30):
+        for i in range(4):
+            train(book, lease(book, epoch * 10 + i, 10), epoch)
+        sizes[epoch] = len(pickle.dumps(book))
+    assert sizes[29] <= sizes[2] + 256, sizes
+    assert book.trained == 30 * 40 and book.next_epoch >= 30
+
+
+def test_a_checkpoint_is_the_size_of_the_window_not_of_the_dataset():
+    """A ledger of 50,000 prompts, mid-epoch: the state lists what is out and the rest of the epoch by its length, so
+    taking it under the hub's lock and writing it as JSON cost about as much as for 200 prompts."""
+    for n in (200, 50_000):
+        book = ledger(n=n, epochs=0)
+        held = lease(book, 1, 8)
+        train(book, lease(book, 2, 8))
+        state = book.snapshot()
+        assert len(json.dumps(state)) < 1000, n
+        again = ledger(n=n, epochs=0)
+        again.restore(json.loads(json.dumps(state)))
+        assert list(again.pending)[:8] == list(held.items) and list(again.pending)[8:] == list(book.pending)
+        assert again.trained == 8 and again.in_flight() == 0
+
+
+def test_every_prompt_of_each_epoch_is_trained_exactly_once_across_resumes():
+    """Random leases, arrivals, take-backs, rejections, filtered groups, stale drops and skipped steps over three
+    epochs, with the ledger saved and restored (JSON) between steps every so often, as a resumed learner: every
+    prompt of each epoch ends up trained once, or filtered or rejected once, never both, never twice."""
+    rng = random.Random(1)
+    n, epochs = 23, 3
+    book = ledger(n=n, epochs=epochs)
+    trained, gone = Counter(), Counter()
+    lease_ids = itertools.count(1)
+    step = 0
+    while not book.exhausted() or book.buffer:
+        for _ in range(rng.randrange(1, 4)):
+            state = lease(book, next(lease_ids), rng.randrange(1, 6))
+            for key in list(state.items):
+                fate = rng.random()
+                if fate < 0.2:  # not delivered: its lease is taken back later (expired, generator gone)
+                    continue
+                book.settle(state.lease_id, key)
+                if fate < 0.25:
+                    book.reject(key)
+                    gone[key] += 1
+                elif fate < 0.3:
+                    book.filter(group(key, step))
+                    gone[key] += 1
+                else:
+                    book.buffered(group(key, step - rng.randrange(0, 3)))
+        for lease_id in [i for i in book.leases if rng.random() < 0.3]:  # some leases stay out across a checkpoint
+            book.take_back(lease_id)
+        # the last groups of the last epoch make a smaller batch
+        batch, _ = book.batch(step, 1, 4 if not book.exhausted() else max(1, len(book.buffer)))
+        if batch is None:
+            continue
+        if rng.random() < 0.1:
+            book.abandon_step()
+            continue
+        trained.update((g.epoch, g.prompt_id) for g in batch)
+        book.finish_step()
+        step += 1
+        if rng.random() < 0.3:  # a checkpoint, and a learner resumed from it
+            snapshot = json.loads(json.dumps(book.snapshot()))
+            counters, book = book.counters, ledger(n=n, epochs=epochs)
+            book.restore(snapshot)
+            book.counters.update(counters)  # (the hub saves and restores them)
+    assert book.counters["stale_dropped"] and book.counters["skipped_steps"]  # (the random walk took these paths)
+    everything = {(e, p) for e in range(epochs) for p in range(n)}
+    assert set(trained) | set(gone) == everything and not set(trained) & set(gone)
+    assert set(trained.values()) == {1} and set(gone.values()) == {1}
+    assert book.trained == len(trained)
+
+
+def test_a_checkpoint_of_the_first_format_still_loads_and_a_newer_one_is_refused_with_the_reason():
+    old = {"next_epoch": 2, "pending": [[1, 2], [1, 0], [0, 3]], "trained": [[0, 0], [0, 1], [0, 2], [1, 1]],
+           "filtered": [[1, 3], [0, 3]]}  # (0, 3) filtered and pending again: a duplicate, not leased
+    book = ledger(n=4, epochs=2)
+    book.restore(old)
+    assert list(book.pending) == [(1, 2), (1, 0)] and book.trained == 4
+    assert [k for k in [(e, p) for e in range(2) for p in range(4)] if not book.done(k)] == [(1, 0), (1, 2)]
+    assert book.take(4, "g", lambda t: False) == [(1, 2), (1, 0)] and not book.take(1, "g", lambda t: False)
+    with pytest.raises(ValueError, match="format 3: this learner reads formats 1 and 2"):
+        ledger().restore({**book.snapshot(), "format": 3})
+    with pytest.raises(ValueError, match="4 prompts shuffled with data.seed=0, this run has 6 .* the same data"):
+        ledger(n=6).restore(book.snapshot())

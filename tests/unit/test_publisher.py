@@ -128,3 +128,35 @@ def test_cpu_copies_start_after_the_gathers_unless_the_held_buckets_pass_the_lim
     for i in range(3):
         copy.store(buffers, unpack(flats[i], plan, [i], [0]), flats[i])
     assert copy.held == [] and all(torch.equal(buffers[n], want(i)) for i, n in enumerate("abc"))  # 96 > 80
+
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_save_hf_copies_the_weights_to_host_memory_on_the_writing_rank_only(monkeypatch, tmp_path, rank):
+    """Every rank takes part in every gather (collective under ZeRO-3), but only rank 0, which writes, holds the
+    full CPU copy: 8 ranks each building it took 8 x 14 GB of host memory for a 7B model."""
+    import learner.model as M
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3, bias=False))
+    names = [n for n, _ in module.named_parameters()]
+    gathered, copies, saved = [], [], {}
+
+    class Tracked(torch.Tensor):  # counts the copies made of a gathered parameter
+        def to(self, *args, **kwargs):
+            copies.append(args)
+            return super().to(*args, **kwargs)
+
+    def gathers(engine, zero_stage):
+        for name, p in engine.module.named_parameters():
+            gathered.append(name)
+            yield name, p.detach().as_subclass(Tracked)
+
+    monkeypatch.setattr(M, "gathered_weights", gathers)
+    module.save_pretrained = lambda out_dir, state_dict: saved.update(state_dict)
+    M.save_hf(SimpleNamespace(module=module), SimpleNamespace(trainer=SimpleNamespace(zero_stage=3)), None, tmp_path,
+              rank)
+    assert gathered == names  # every gather, on every rank
+    if rank:
+        assert copies == [] and saved == {}
+    else:
+        assert len(copies) == len(names) and sorted(saved) == sorted(names)

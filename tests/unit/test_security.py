@@ -123,3 +123,26 @@ def test_one_key_under_several_ids_is_one_voice(keyed):
     assert (item.epoch, item.prompt_id) in {(g.epoch, g.prompt_id) for g in taken.groups}
     for p in (honest, *sybils):
         p.close()
+
+
+def test_one_key_cannot_take_every_generator_slot(tmp_path):
+    """hub.max_generators_per_key: a key (one principal) registers that many generators at most, so one compromised
+    host cannot fill hub.max_generators; another key still registers, and a reconnect under a live id is no new one."""
+    keys = tmp_path / "keys"
+    assert cli(["keys", str(keys)]) == 0
+    assert cli(["keys", str(keys), "--generator", "gen-b"]) == 0
+    hub = new_hub(tmp_path, hub={"host": "0.0.0.0", "max_generators_per_key": 2, "max_generators": 8},
+                  auth={"keys": str(keys)})
+    try:
+        sybils = [Peer(hub, f"sybil-{i}", client_keys(str(keys), "gen-b")) for i in range(3)]
+        assert all(isinstance(p.register(), P.Welcome) for p in sybils[:2])
+        refused = sybils[2].register()
+        assert isinstance(refused, P.Error) and refused.stop and "hub.max_generators_per_key" in refused.message
+        assert isinstance(sybils[0].register(), P.Welcome)  # the same id again, with its session
+        honest = Peer(hub, "honest", client_keys(str(keys), "generator"))
+        assert isinstance(honest.register(), P.Welcome)
+        assert set(hub.registry.generators) == {"sybil-0", "sybil-1", "honest"}
+        for p in (*sybils, honest):
+            p.close()
+    finally:
+        hub.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,7 +58,8 @@ async def test_shm_file_is_verified_and_corruption_refused(zmq_pulls):
     try:
         receiver = ShmReceiver(None, 2**20)
         announced = ready(3, len(blob), checksum(blob), path)
-        assert await receiver.fetch(announced) == path and receiver.via == "shm"
+        got = await receiver.fetch(announced)  # the receiver's own name of the learner's file
+        assert os.path.samefile(got, path) and got != path and receiver.via == "shm"
         assert torch.equal(load_file(path)["w"], torch.arange(1000, dtype=torch.float32))
         with pytest.raises(ChecksumMismatch, match="announced"):
             await receiver.fetch(ready(3, len(blob), checksum(blob) ^ 1, path))
@@ -228,10 +231,10 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     (stale / "weights-v1.safetensors").write_bytes(b"x")
     foreign = tmp_path / "pipeline-not-ours"  # no owner file: not made by this code, left alone
     foreign.mkdir()
-    before = transports.shm_segments() | {"psm_0000aaaa"}
-    for name in ("psm_0000aaaa", "psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"):  # one was there before
+    for name in ("psm_0000aaaa", "psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"):  # one another process's
         (tmp_path / name).write_bytes(b"segment")
-    assert transports.record_segments(before) == ["psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"]  # the engine's
+    engines = ["psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"]  # own_segments: tests/unit/test_generator_segments.py
+    assert transports.record_segments(engines) == engines
     recv = transports.receiver_dir()
     (recv / "owner").write_text(dead.stdout.strip())  # its generator and engine were killed with SIGKILL
     pid = int(dead.stdout)
@@ -310,3 +313,186 @@ def test_a_version_begun_while_a_generator_joins_reaches_it_too():
     sender.bucket(torch.zeros(8, dtype=torch.uint8))  # v2's only bucket
     sender.end()  # the lock is free again
     assert peer.group.sent == 2 and sender.join_lock.acquire(timeout=1)
+
+
+def test_a_version_being_pulled_is_served_until_its_pull_ends_and_older_pulls_are_bounded():
+    """zmq: a pull slower than two learner steps keeps its version (it would otherwise lose it halfway, every
+    time); at most PULLED_MAX such older versions are kept, and a generator whose version goes is told plainly that
+    it cannot keep up; a version not being pulled goes as before."""
+    from weights import zmq as Z
+
+    blobs = Z.Blobs(4)
+
+    def fetch(gen, version, offset=0):
+        return blobs.chunk(P.WeightsFetch(version, offset, 4, gen), gen, blobs.newest)
+
+    blobs.put(1, b"v1-blob-")
+    assert isinstance(fetch("slow", 1), P.WeightsChunk)  # its pull of v1 begins
+    for v in (2, 3, 4):
+        blobs.put(v, f"v{v}-blob-".encode())
+    assert fetch("slow", 1, 4).data == b"lob-"  # the rest of v1, two learner steps later
+    assert sorted(blobs.by_version) == [1, 3, 4]
+    gone = fetch("late", 2)  # nobody pulled v2: it went as before
+    assert isinstance(gone, P.Error) and Z.GONE in gone.message and "keep up" not in gone.message
+    blobs.done("slow")  # it applied v1
+    assert sorted(blobs.by_version) == [3, 4]
+
+    for gen, v in (("a", 5), ("b", 6), ("c", 7)):  # three slow pulls of three versions
+        blobs.put(v, b"blob")
+        assert isinstance(fetch(gen, v), P.WeightsChunk)
+    blobs.put(8, b"blob")
+    blobs.put(9, b"blob")
+    assert sorted(blobs.by_version) == [6, 7, 8, 9]  # the newest two, and the newest PULLED_MAX pulled
+    cut = fetch("a", 5)
+    assert isinstance(cut, P.Error) and "cannot keep up" in cut.message
+    assert isinstance(fetch("b", 6), P.WeightsChunk)
+    blobs.put(10, b"blob")  # b moves on to a newer version: the one it pulled before is not kept for it
+    assert isinstance(fetch("b", 10), P.WeightsChunk) and sorted(blobs.by_version) == [7, 9, 10]
+
+
+async def test_a_pull_of_a_version_no_longer_served_raises_version_gone_and_writes_nothing_after():
+    """The receiver takes "no longer served" as VersionGone (the generator moves to the newest, same session), and
+    the chunks still in flight stop before the file is closed."""
+    from weights import VersionGone
+    from weights import zmq as Z
+    from weights.files import remove_receiver_dir
+
+    blob = serialize([("w", torch.arange(5000, dtype=torch.float32))])
+    blobs = Z.Blobs(4096)
+    blobs.put(1, blob)
+    asked = []
+
+    class Client:
+        async def request(self, msg, timeout=None):
+            asked.append(msg.offset)
+            await asyncio.sleep(0.01 * (msg.offset // 4096))
+            if msg.offset == 4096:  # the hub dropped it meanwhile
+                return P.Error(f"weights version 1 {Z.GONE} (latest: 3)")
+            return blobs.chunk(msg, "g", blobs.newest)
+
+    receiver = ZmqReceiver(Client(), 4096, "g", window=2)
+    try:
+        with pytest.raises(VersionGone, match="no longer served"):
+            await receiver.fetch(ready(1, len(blob), checksum(blob)))
+        n = len(asked)
+        await asyncio.sleep(0.2)
+        assert len(asked) == n < -(-len(blob) // 4096)  # nothing more asked once it failed: not every chunk
+        assert not list(receiver.dir.glob("weights-v*"))  # no part of a blob left to pass for a delta's base
+    finally:
+        remove_receiver_dir()
+
+
+class LoadingEngine:
+    """Loads the path it is given the way a vLLM worker does: opens it again, after `before_open` ran."""
+
+    def __init__(self, before_open=lambda: None):
+        self.before_open, self.loaded = before_open, []
+
+    async def load(self, source, crc32, version):
+        self.before_open()
+        self.loaded.append((version, load_file(source)["w"].clone()))
+        return 1.0
+
+
+async def test_an_shm_version_removed_by_the_learner_while_it_loads_is_still_loaded():
+    """The learner keeps the newest two versions in /dev/shm: two more published between the generator's check
+    and its worker's open removed the file ("No such file or directory", and the generator registered again).
+    The receiver's own link keeps it readable until loaded, and is removed afterwards."""
+    from weights.files import receiver_dir, remove_receiver_dir
+
+    named = [("w", torch.arange(1000, dtype=torch.float32))]
+    blob = serialize(named)
+    path = write_shm("unit-race", 1, blob)
+    engine = LoadingEngine(lambda: [write_shm("unit-race", v, blob) for v in (2, 3)])
+    try:
+        receiver = ShmReceiver(None, 2**20)
+        await receiver.apply(ready(1, len(blob), checksum(blob), path), engine)
+        assert not Path(path).exists()  # the learner removed it while the engine loaded it
+        assert engine.loaded[0][0] == 1 and torch.equal(engine.loaded[0][1], named[0][1])
+        assert receiver.via == "shm" and not list(receiver_dir().glob("shm-v*"))  # the link went after the load
+    finally:
+        remove_shm("unit-race")
+        remove_receiver_dir()
+
+
+async def test_an_shm_version_gone_before_it_is_read_is_version_gone_not_an_error():
+    """Removed before the receiver could link it, and no longer served for zmq either: VersionGone (take the
+    newest), never an error that makes the generator register again."""
+    from weights import VersionGone
+    from weights import zmq as Z
+    from weights.files import remove_receiver_dir
+
+    blobs = Z.Blobs(2**20)
+    for v in (1, 2, 3):
+        blobs.put(v, b"blob")
+
+    class Client:
+        async def request(self, msg, timeout=None):
+            return blobs.chunk(msg, "g", blobs.newest)
+
+    receiver = ShmReceiver(Client(), 2**20, "g")
+    try:
+        with pytest.raises(VersionGone):
+            await receiver.apply(ready(1, 4, 0, "/dev/shm/pipeline-unit-gone/weights-v1.safetensors"), LoadingEngine())
+    finally:
+        remove_receiver_dir()
+
+
+def _rendezvous_threads() -> int:
+    return sum(t.name.startswith("rendezvous-") for t in threading.enumerate())
+
+
+def _nccl_sender(timeout_s: float = 60.0):
+    from weights import nccl as C
+
+    hub = SimpleNamespace(run_id="run", announce=lambda *a, **k: None)
+    return C.NcclSender(SimpleNamespace(hub=SimpleNamespace(host="127.0.0.1"),
+                                        weights=SimpleNamespace(collective_timeout_s=timeout_s)), hub, "run")
+
+
+def test_registrations_that_leave_without_joining_leave_no_thread_and_no_store_behind():
+    """Register/leave churn (nccl): each registration opens a store and a rendezvous thread that waited the whole
+    collective timeout, after the generator left too (100 cycles: 100 threads, +1,313 file descriptors). Now
+    what a registration holds is freed when it ends."""
+    import gc
+    import time
+
+    sender = _nccl_sender()
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(40):
+        gen = f"churn-{i % 2}"
+        sender.open(gen, 2)
+        assert _rendezvous_threads() <= 10  # generous: the previous ones are stopping
+        sender.leave(gen)
+    deadline = time.monotonic() + 10
+    while _rendezvous_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gc.collect()
+    assert _rendezvous_threads() == 0 and not sender.peers
+    assert len(os.listdir("/proc/self/fd")) <= fds + 4  # no store left open
+    assert sender.failed == set()  # left, not failed: it may use nccl next time
+
+
+def test_a_generator_that_comes_joins_its_group_and_is_sent_versions():
+    """The rendezvous waits for the workers (they add themselves to JOIN_KEY), then makes the group."""
+    from generator.worker_ext import WeightLoader
+
+    sender = _nccl_sender(10.0)
+    setup = sender.open("g", 2)
+    worker = WeightLoader()
+    joined = threading.Thread(target=worker.init_collective, args=("127.0.0.1", setup["port"], 2, "gloo", 10.0))
+    joined.start()
+    joined.join(20)
+    import time
+
+    deadline = time.monotonic() + 10
+    while not sender.is_ready("g") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sender.is_ready("g")
+    got = torch.zeros(4)
+    receive = threading.Thread(target=lambda: worker._collective.broadcast(got, 0).wait())
+    receive.start()
+    sender.broadcast(sender.ready(), torch.arange(4, dtype=torch.float32))
+    receive.join(10)
+    assert torch.equal(got, torch.arange(4, dtype=torch.float32)) and sender.failed == set()
+    sender.leave("g")

