@@ -20,7 +20,9 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 3  # 3: typed replies, sampling and announcements (WeightsReady.file), RunComplete, one route
+# 3: typed replies, sampling and announcements (WeightsReady.file), RunComplete, one route; 4: the nccl join
+# handshake (each worker announces itself on the group's store before the group is built), Heartbeat.generated
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ import pytest
 
 from pipeline import protocol as P
 
+V = P.SCHEMA_VERSION
+
 
 def _group(n=2, lease_id=1):
     samples = [P.Sample(P.pack_ints([5, 6, 1]), P.pack_floats([-0.1, -0.2, -0.3]), 0.5, [0.5], "stop", 3, 4, 1.0)
@@ -39,10 +41,10 @@ def test_older_peer_without_appended_fields_still_decodes():
     (msgpack.packb([1, 2]), "expected a message map"),
     (msgpack.packb({"v": 1, "k": "nope"}), "unknown message kind 'nope'"),
     (msgpack.packb({"v": 99, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 99"),
-    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 3"),
-    (msgpack.packb({"v": 3, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
-    (msgpack.packb({"v": 3, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
-    (msgpack.packb({"v": 3, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),
+    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 4"),
+    (msgpack.packb({"v": V, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
+    (msgpack.packb({"v": V, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
+    (msgpack.packb({"v": V, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),
      "Lease.groups[0].prompt_id: expected int, got str"),
 ])
 def test_bad_messages_name_the_problem(data, message):
