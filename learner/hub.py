@@ -172,9 +172,8 @@ class Hub:
         refusal, forged = self.registry.refusal(msg, user)
         if refusal:
             return self._refuse(refusal) if forged else P.Error(refusal, stop=True)
-        if msg.loaded_run == self.run_id and not -1 <= msg.loaded_version <= self.published:
-            return P.Error(f"registration refused: loaded_version {msg.loaded_version} of this run was never published "
-                           f"(the newest is {self.published})", stop=True)
+        if msg.loaded_run == self.run_id and (why := self._unpublished(msg.loaded_version, -1)):
+            return P.Error(f"registration refused: loaded_version {why}", stop=True)
         old = self.registry.generators.get(msg.generator_id)
         if old is not None:  # a reconnect under the same id, with its session
             self.weights.leave(old.generator_id, again=True)
@@ -204,10 +203,16 @@ class Hub:
         """The newest version announced: no engine can hold a newer one."""
         return max(self.version, self.weights.newest)
 
+    def _unpublished(self, version: int, lowest: int) -> str:
+        """Why a version a generator reports cannot be one it holds ("" when it can): below `lowest`, or never
+        published. A peer's number is checked before it is kept (status computes lags from it)."""
+        if lowest <= version <= self.published:
+            return ""
+        return f"{version} of this run was never published (the newest is {self.published})"
+
     def _on_heartbeat(self, msg: P.Heartbeat, gen: GeneratorInfo) -> P.Message:
-        if not -1 <= msg.version <= self.published:  # -1: it holds no weights of this run yet
-            return self._refuse(f"Heartbeat from {gen.generator_id}: version {msg.version} was never published "
-                                f"(the newest is {self.published})")
+        if why := self._unpublished(msg.version, -1):  # -1: it holds no weights of this run yet
+            return self._refuse(f"Heartbeat from {gen.generator_id}: version {why}")
         gen.version, gen.tokens_per_s = msg.version, msg.tokens_per_s
         if msg.generated != gen.generated:  # its engine generated tokens (or finished a group) since the last one
             gen.generated = msg.generated
@@ -219,9 +224,8 @@ class Hub:
         return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen))
 
     def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
-        if not 0 <= msg.version <= self.published:
-            return self._refuse(f"WeightsApplied from {gen.generator_id}: version {msg.version} was never published "
-                                f"(the newest is {self.published})")
+        if why := self._unpublished(msg.version, 0):
+            return self._refuse(f"WeightsApplied from {gen.generator_id}: version {why}")
         gen.version = msg.version
         self.weights.applied(msg.generator_id, msg.version)
         if msg.version != gen.applied:  # a repeat is acknowledged, not journaled again

@@ -98,7 +98,7 @@ def token_budget(engine, configured: int) -> int:
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     budget = max(AUTO_FIRST_TOKENS // 8, int(AUTO_SHARE * free / per_token)) if per_token > 0 else AUTO_FIRST_TOKENS
     budget = torch.tensor([budget], device=engine.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank, every step: the same collectives
+    if _world() > 1:  # every rank, every step: the same collectives
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     return int(budget.item())
 
@@ -139,7 +139,7 @@ def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[R
         for i, r in enumerate(mb or []):
             p, j = len(r.prompt), index[id(r)]
             flat[offsets[j]:offsets[j + 1]] = logp[i, p - 1:p + len(r.completion) - 1]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _world() > 1:
         dist.all_reduce(flat)
     flat = flat.cpu().numpy()
     for j, r in enumerate(rows):
@@ -171,7 +171,7 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
     part's loss; DeepSpeed averages the gradients over the ranks, so each rank's backward is scaled by their number:
     the gradient, its norm and its clip are the same with any rank count."""
     t = cfg.trainer
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _world()
     total_tokens = max(1, int(sum(r.mask.sum() for r in part)))  # the trained tokens (mask 1)
     batches = list(_micro_batches(part, budget, pad_id, rows, groups, engine.device))
     total_loss = torch.zeros((), device=engine.device)  # read once, at the end: no host sync per micro-batch
@@ -212,10 +212,15 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
     return total_loss, grad_norm, finite
 
 
+def _world() -> int:
+    """The learner's ranks (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _all_ranks_mean(losses: list[torch.Tensor]) -> float:
     """The mean over the parts of each part's loss, summed over the ranks (each holds its share)."""
     total = torch.stack(losses)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _world() > 1:
         dist.all_reduce(total)
     return float(total.mean())
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.validate import ConfigError, build, check_config, check_range, check_value
+from pipeline.validate import ConfigError, build, check_config, check_range, check_value, unknown_field
 
 
 def runtime(default: Any) -> Any:
@@ -374,21 +374,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
     """Return (section object, field name) of a knob `pipeline set` may change, else raise ConfigError; a misspelt
     name gets the "did you mean" a config file's does (pipeline/validate.py, `build`)."""
-    import difflib
-
-    def unknown(dotted: str, name: str, names: list[str]) -> ConfigError:
-        close = difflib.get_close_matches(name, names, n=1)
-        return ConfigError(f"{dotted}: unknown field" + (f" (did you mean {close[0]}?)" if close else
-                                                         f" (known: {', '.join(names)})"))
-
     parts = key.split(".")
     sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
     if parts[0] not in sections:
-        raise unknown(parts[0], parts[0], sections)
+        raise unknown_field(parts[0], parts[0], sections)
     section = getattr(cfg, parts[0])
     fields = {f.name: f for f in dataclasses.fields(section)}
     if len(parts) != 2 or parts[1] not in fields:
-        raise unknown(key, parts[-1] if len(parts) > 1 else "", list(fields))
+        raise unknown_field(key, parts[-1] if len(parts) > 1 else "", list(fields))
     if not fields[parts[1]].metadata.get("runtime"):
         allowed = ", ".join(runtime_keys())
         raise ConfigError(f"{key}: cannot change while a run goes on (run-time knobs: {allowed})")

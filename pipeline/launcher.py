@@ -109,18 +109,20 @@ def _wait(done, timeout: float, hurry=lambda: False) -> bool:
     return True
 
 
-def _members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`, from /proc; a zombie (exited, not reaped yet) is not live."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                state, _ppid, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
-            except (OSError, ValueError):
-                continue
-            if int(group) == pgid and state != "Z":
-                out.append(int(entry.name))
+def processes() -> dict[int, tuple[str, int, int]]:
+    """{pid: (state, parent's pid, process group)} of every process, from /proc/PID/stat (state "Z": a zombie, exited
+    and not reaped yet). The command name may hold spaces and parentheses: the fields follow its last ")"."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            state, ppid, pgid = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            out[int(stat.parent.name)] = (state, int(ppid), int(pgid))
     return out
+
+
+def _members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`; a zombie (exited, not reaped yet) is not live."""
+    return [pid for pid, (state, _, group) in processes().items() if group == pgid and state != "Z"]
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -302,6 +302,7 @@ class Error(Message):
     message: str = text(65536)
     fatal: bool = False  # the peer must re-register (e.g. unknown generator id after a learner restart)
     stop: bool = False  # the peer must leave and exit: the run failed, or it is refused (the message says why)
+    gone: bool = False  # WeightsFetch: the version is no longer served; the generator takes the newest announced
 
 
 # ---- rollouts and weight announcements ----------------------------------------------------------

@@ -115,6 +115,13 @@ def check_value(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def unknown_field(dotted: str, name: str, names: list[str]) -> ConfigError:
+    """The error for a field `name` that is not among `names`, with the closest one ("did you mean")."""
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
+    return ConfigError(f"{dotted}: unknown field{hint}")
+
+
 def build(cls: type, data: Any, prefix: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
@@ -124,9 +131,7 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in hints:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
-            raise ConfigError(f"{dotted}: unknown field{hint}")
+            raise unknown_field(dotted, str(key), names)
         kwargs[key] = check_value(dotted, hints[key], value)
     obj = cls(**kwargs)
     for f in dataclasses.fields(cls):

@@ -77,6 +77,14 @@ def procs():
         p.stop()
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited process its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout: float, what: str, procs_to_check: list[Proc] = ()):
     """Poll `predicate` until it returns a truthy value; fail with the logs of `procs_to_check`."""
     deadline = time.monotonic() + timeout

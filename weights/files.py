@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from pipeline import protocol as P
+from pipeline.launcher import processes
 from weights import delta
 
 SHM_ROOT = Path("/dev/shm")
@@ -167,7 +168,7 @@ def record_segments(names: list[str]) -> list[str]:
 def remove_left_segments(segments: list[str]) -> None:
     """Unlink the engine's shared-memory segments that outlived it: its processes do not unlink them on every way
     out. Not one that another live process maps."""
-    others = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()} - {os.getpid()}
+    others = set(processes()) - {os.getpid()}
     for name in set(segments) - set(mapped_segments(segments, others)):
         with contextlib.suppress(OSError):
             (SHM_ROOT / name).unlink()
@@ -191,11 +192,8 @@ def mapped_segments(names, pids: set[int]) -> list[str]:
 
 
 def process_tree(root: int) -> set[int]:
-    """Process `root` and its descendants (a generator's: vLLM's engine core and workers), from /proc."""
-    parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    """Process `root` and its descendants (a generator's: vLLM's engine core and workers)."""
+    parent = {pid: ppid for pid, (_, ppid, _) in processes().items()}
     tree, todo = set(), [root]
     while todo:
         pid = todo.pop()

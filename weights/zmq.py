@@ -19,7 +19,7 @@ from weights.files import ChecksumMismatch, private_dir, receiver_dir, verify_fi
 
 KEEP = 2  # the newest versions always served
 PULLED_MAX = 2  # older versions kept while a generator pulls them: each is a blob of the model's size in host memory
-GONE = "is no longer served"  # in the error a pull of a dropped version gets: the receiver moves to the newest
+GONE = "is no longer served"  # said in the error (Error.gone) a pull of a dropped version gets
 
 
 class Blobs:
@@ -64,7 +64,7 @@ class Blobs:
             return P.Error(f"weights version {msg.version}{' (delta)' if msg.delta else ''} {GONE} (latest: {latest})"
                            + (f"; it was dropped while this generator pulled it: the generator cannot keep up (it "
                               f"pulls slower than the learner publishes, and {PULLED_MAX} older versions are kept "
-                              "for slower pulls already)" if cut else ""))
+                              "for slower pulls already)" if cut else ""), gone=True)
         if self.pulling.get(generator_id) != msg.version:
             self.pulling[generator_id] = msg.version
             self._trim()  # the version it pulled before, if any, is no longer kept for it
@@ -151,7 +151,7 @@ class ZmqReceiver:
                 async with sem:
                     reply = await self.client.request(P.WeightsFetch(ready.version, off, self.chunk, self.generator_id,
                                                                      delta))
-                if isinstance(reply, P.Error) and GONE in reply.message:
+                if isinstance(reply, P.Error) and reply.gone:  # the receiver moves to the newest announced
                     raise VersionGone(reply.message)
                 if not isinstance(reply, P.WeightsChunk):
                     raise P.ProtocolError(f"weights v{ready.version} at {off}: {getattr(reply, 'message', reply)}")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.metrics import read_jsonl
+from tests.conftest import running
 from tests.integration.helpers import start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
@@ -140,21 +141,11 @@ def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(proc
     assert learner in [p for p, _ in services] and len(services) >= 3  # learner, generator, its engine core
     run.signal(signal.SIGINT)
     assert run.wait(120) == 130, run.tail()
-    alive = [(p, cmd) for p, cmd in services if _running(p)]
+    alive = [(p, cmd) for p, cmd in services if running(p)]
     assert not alive, alive
     left = sorted(str(p) for p in set(Path("/dev/shm").iterdir()) - shm_before
                   if p.name.startswith(("pipeline-", "psm_", "sem.")) and p.exists())
     assert not left, left
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited process its new parent has not reaped yet)."""
-    from pathlib import Path
-
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def json_pid(run_dir) -> int:

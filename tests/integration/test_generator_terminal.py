@@ -22,7 +22,7 @@ import pytest
 from pipeline import protocol as P
 from pipeline.client import request_once
 from pipeline.metrics import read_jsonl
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, running, wait_for
 from tests.integration.helpers import descendants, start_learner
 
 pytestmark = pytest.mark.integration
@@ -88,14 +88,6 @@ class Terminal:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_ctrl_c_in_a_terminal_drains_the_generator_and_leaves_nothing_of_its_engine(procs, tmp_path, model_cache,
                                                                                      free_port):
     run_dir = tmp_path / "tty"
@@ -134,7 +126,7 @@ def test_ctrl_c_in_a_terminal_drains_the_generator_and_leaves_nothing_of_its_eng
         mine = [e for e in read_jsonl(run_dir / "events.jsonl") if f"-{gen.pid}-" in e.get("generator", "")]
         assert [e["event"] for e in mine][-2:] == ["drain", "leave"], mine
         assert mine[-1]["reason"] == "left"  # a goodbye, not its engine's death
-        wait_for(lambda: not any(_running(p) for p, _ in engine), 30, "the engine's processes to end")
+        wait_for(lambda: not any(running(p) for p, _ in engine), 30, "the engine's processes to end")
         assert not [n for n in segments if Path(f"/dev/shm/{n}").exists()], segments
         assert not record.parent.exists()
         assert learner.proc.poll() is None, learner.tail()  # the learner goes on, waiting for generators

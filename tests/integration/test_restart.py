@@ -16,20 +16,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.metrics import read_jsonl
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, running, wait_for
 from tests.integration.helpers import descendants
 
 pytestmark = pytest.mark.integration
 
 PROMPTS, BATCH, EPOCHS = 32, 4, 2
 STEPS = PROMPTS * EPOCHS // BATCH  # the run ends when both epochs are trained
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -65,11 +58,11 @@ def test_a_killed_named_run_leaves_nothing_is_refused_again_and_resumes_exactly_
 
     os.kill(first.pid, signal.SIGKILL)  # or the OOM killer: it cannot stop its children itself
     try:
-        wait_for(lambda: not [p for p, _ in services if _running(p)], 120, "every process of the run to end", [])
+        wait_for(lambda: not [p for p, _ in services if running(p)], 120, "every process of the run to end", [])
         assert not (run_dir / "final").exists(), "the learner trained on to the end after `pipeline run` was killed"
     finally:
         for pid, _ in services:  # a failed check must not leave them running: by PID
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30  # seconds: processes that ended remove their files as they go, or the guards do
     while [p for p in shm if p.exists()] and time.monotonic() < deadline:

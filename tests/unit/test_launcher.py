@@ -8,12 +8,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from pipeline.launcher import Child, _wait_registered
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, running, wait_for
 
 
 def _register(run_dir, child, delay):
@@ -98,13 +97,6 @@ sys.exit(launcher.launch(load_config(None, ["run.tensorboard=false"]), Path(sys.
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
-
-
 def test_ctrl_c_during_the_shutdown_still_stops_every_child(tmp_path):
     """Ctrl-C stops the run; more Ctrl-Cs while the children are being stopped cut the grace period short, never the
     shutdown: when `pipeline run` exits, no child of it runs (the learner, stopped last before, was left running)."""
@@ -125,10 +117,10 @@ def test_ctrl_c_during_the_shutdown_still_stops_every_child(tmp_path):
             run.send_signal(signal.SIGINT)
             time.sleep(0.3)
         assert run.wait(60) == 130, out.read_text()
-        assert len(pids) == 2 and not [p for p in pids if _running(p)], out.read_text()
+        assert len(pids) == 2 and not [p for p in pids if running(p)], out.read_text()
     finally:
         if run.poll() is None:
             run.kill()
         for p in pids:
-            if _running(p):
+            if running(p):
                 os.kill(p, signal.SIGKILL)

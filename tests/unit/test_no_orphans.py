@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from pipeline.launcher import Child, _members
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, running, wait_for
 
 
 def _kill(pids: list[int], group: int) -> None:
@@ -88,16 +88,9 @@ def test_learner_ranks_end_when_their_parent_is_killed():
         rank = int(parent.stdout.readline())
         parent.kill()
         parent.wait(30)
-        wait_for(lambda: not _running(rank), 30, f"rank {rank} to end", [])
+        wait_for(lambda: not running(rank), 30, f"rank {rank} to end", [])
     finally:
         if parent.poll() is None:
             parent.kill()
-        if rank and _running(rank):
+        if rank and running(rank):
             os.kill(rank, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -333,7 +333,7 @@ def test_a_version_being_pulled_is_served_until_its_pull_ends_and_older_pulls_ar
     assert fetch("slow", 1, 4).data == b"lob-"  # the rest of v1, two learner steps later
     assert sorted(blobs.by_version) == [1, 3, 4]
     gone = fetch("late", 2)  # nobody pulled v2: it went as before
-    assert isinstance(gone, P.Error) and Z.GONE in gone.message and "keep up" not in gone.message
+    assert isinstance(gone, P.Error) and gone.gone and Z.GONE in gone.message and "keep up" not in gone.message
     blobs.done("slow")  # it applied v1
     assert sorted(blobs.by_version) == [3, 4]
 
@@ -344,7 +344,7 @@ def test_a_version_being_pulled_is_served_until_its_pull_ends_and_older_pulls_ar
     blobs.put(9, b"blob")
     assert sorted(blobs.by_version) == [6, 7, 8, 9]  # the newest two, and the newest PULLED_MAX pulled
     cut = fetch("a", 5)
-    assert isinstance(cut, P.Error) and "cannot keep up" in cut.message
+    assert isinstance(cut, P.Error) and cut.gone and "cannot keep up" in cut.message
     assert isinstance(fetch("b", 6), P.WeightsChunk)
     blobs.put(10, b"blob")  # b moves on to a newer version: the one it pulled before is not kept for it
     assert isinstance(fetch("b", 10), P.WeightsChunk) and sorted(blobs.by_version) == [7, 9, 10]
@@ -367,7 +367,7 @@ async def test_a_pull_of_a_version_no_longer_served_raises_version_gone_and_writ
             asked.append(msg.offset)
             await asyncio.sleep(0.01 * (msg.offset // 4096))
             if msg.offset == 4096:  # the hub dropped it meanwhile
-                return P.Error(f"weights version 1 {Z.GONE} (latest: 3)")
+                return P.Error(f"weights version 1 {Z.GONE} (latest: 3)", gone=True)
             return blobs.chunk(msg, "g", blobs.newest)
 
     receiver = ZmqReceiver(Client(), 4096, "g", window=2)
