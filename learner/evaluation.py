@@ -1,8 +1,10 @@
 """Evaluation during training (eval.every > 0): the held-out prompts, sampled by the generators at a version.
 
 When the step that makes version v ends with v a multiple of eval.every, a round starts: each held-out prompt
-is leased once (eval.samples samples at eval.temperature, min_version v) before any training lease, outside the
-staleness admission, so neither the learner nor training leases wait for it. What comes back is checked like a
+is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission. Lease
+requests take turns between the round and training, training first (learner/leases.py), so the round runs in the
+engines beside the training leases: neither the learner nor training waits for it (version 0's round included,
+which before this held the first step until every held-out prompt was generated). What comes back is checked like a
 training rollout, then scored here, not trained:
 
     eval/reward_mean   the mean reward over every sample (avg@k)
@@ -59,6 +61,7 @@ class Evaluation:
         self.rounds: list[Round] = []
         self.leases: dict[int, EvalLease] = {}
         self.finished: list[dict] = []  # rounds done, not yet reported with a step
+        self.turn = False  # the next lease request tries a round's prompts first (learner/leases.py: turns)
 
     def start(self, version: int) -> None:
         if self.cfg.every and version % self.cfg.every == 0 and len(self.prompts):

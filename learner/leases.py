@@ -1,7 +1,8 @@
 """The lease desk, on the hub's state under its lock: which prompts a generator may take now, and for how long.
 
-A lease request gets an evaluation lease first (learner/evaluation.py: outside admission), else up to `room`
-prompts of the training ledger (learner/staleness.py: admission and the lease's minimum version), each
+While an evaluation round has prompts left (learner/evaluation.py: outside admission), lease requests get a
+training lease and an evaluation lease in turns, training first, so a round never holds training; otherwise up to
+`room` prompts of the training ledger (learner/staleness.py: admission and the lease's minimum version), each
 tokenised here (learner/prompts.py: a prompt no engine can take is rejected without asking one). No principal
 (a key, or an id without keys) may take the room that every other registered one needs for a lease of its own
 (`share`), so one peer cannot hold the whole window. A lease goes back to the queue when it is not returned
@@ -26,15 +27,28 @@ log = logging.getLogger(__name__)
 
 
 def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
-    t = hub.cfg.trainer
+    """A training lease and an evaluation lease take turns while an evaluation round has prompts left, training
+    first: a round (version 0's included) runs beside the training leases, neither holds the other. Whatever one
+    cannot grant (no room in the window, no round), the other may."""
     if hub.complete:
         return P.RunComplete(hub.version)
     n = min(msg.max_groups, hub.cfg.generator.lease_size)
     if gen.stalled:  # its last leases were taken back for want of progress: it shows it runs with one group
         n = min(n, 1)
-    lease = hub.evaluation.lease(next(hub.lease_ids), gen.generator_id, n)
-    if lease is not None:
+    evaluation = hub.evaluation
+    if evaluation.turn and (lease := evaluation.lease(next(hub.lease_ids), gen.generator_id, n)) is not None:
+        evaluation.turn = False
         return lease
+    reply = _training(hub, gen, n)
+    if isinstance(reply, P.Lease):
+        evaluation.turn = True
+        return reply
+    return evaluation.lease(next(hub.lease_ids), gen.generator_id, n) or reply
+
+
+def _training(hub, gen: GeneratorInfo, n: int) -> P.Message:
+    """Up to n prompts of the training ledger within admission and `gen`'s share, or why not (Wait, RunComplete)."""
+    t = hub.cfg.trainer
     if hub.version >= t.total_steps:
         return P.Wait("the last evaluation", retry_s=0.5) if hub.evaluation.busy() else P.RunComplete(hub.version)
     in_flight = hub.ledger.in_flight()

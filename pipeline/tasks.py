@@ -1,17 +1,19 @@
 """Datasets and reward functions.
 
-Prompts come from a JSONL/JSON/Parquet file, a Hugging Face dataset, or the builtin `echo` task, in either of
-TRL's formats: standard (the prompt column holds text) or conversational (a list of {"role", "content"}
-messages; the tokenizer's chat template is applied). Rewards are plain callables named `module:function`, called
-as TRL's GRPOTrainer calls them: `f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
-**columns) -> list[float]`, where every dataset column other than the prompt arrives as a keyword list aligned
-with `completions`. Conversational: `prompts` are the message lists and each completion is
+Prompts come from a JSONL/JSON/Parquet file, a Hugging Face dataset, or a builtin task (BUILTIN: the toy `echo`
+and `reverse` for the tiny model; `arith`, graded arithmetic in GSM8K's answer format for a pretrained chat model,
+with a held-out split), in either of TRL's formats: standard (the prompt column holds text) or conversational (a
+list of {"role", "content"} messages; the tokenizer's chat template is applied). Rewards are plain callables named
+`module:function`, called as TRL's GRPOTrainer calls them: `f(prompts=..., completions=..., completion_ids=...,
+trainer_state=..., **columns) -> list[float]`, where every dataset column other than the prompt arrives as a keyword
+list aligned with `completions`. Conversational: `prompts` are the message lists and each completion is
 `[{"role": "assistant", "content": text}]`. A reward function copied from TRL's documentation runs unchanged, and
 the rewards defined here take either format (`completion_text`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import random
@@ -47,12 +49,16 @@ def load_rows(cfg: DataConfig) -> list[dict]:
 
 
 def load_eval_rows(cfg) -> list[dict]:
-    """The held-out prompts of eval.every: eval.data, or the builtin echo task with data.seed + 1."""
+    """The held-out prompts of eval.every: eval.data, else the builtin task's held-out split (HELD_OUT: problems
+    training never draws), else the builtin task with data.seed + 1 (echo, reverse)."""
     if not cfg.eval.every:
         return []
     if cfg.eval.data is not None:
         return load_rows(cfg.eval.data)
-    return BUILTIN[cfg.data.path](cfg.data.size, cfg.data.seed + 1)  # a builtin task (checked with the config)
+    path, size, seed = cfg.data.path, cfg.data.size, cfg.data.seed  # a builtin task (checked with the config)
+    if path in HELD_OUT:
+        return HELD_OUT[path](size, seed)
+    return BUILTIN[path](size, seed + 1)
 
 
 def _load_file(path: Path) -> list[dict]:
@@ -128,7 +134,84 @@ def reverse_reward(prompts, completions, completion_ids=None, target=None, **_) 
     return out
 
 
-BUILTIN = {"builtin:echo": echo_rows, "builtin:reverse": reverse_rows}
+# One worked example in the answer column's form (a problem no level draws: 70 + 5): SmolLM2-135M-Instruct then
+# answers more often in a few lines, where at temperature 1.0 it tends to explain at length and lose the sum
+ARITH_SYSTEM = "Answer with the calculation, then the final answer. For example:\nWhat is 70 + 5?\n70 + 5 = 75\n#### 75"
+ARITH_MIX = (1, 2, 1, 3, 1, 4)  # levels of consecutive rows, repeated: the difficulty mix, interleaved
+ARITH_HELD_OUT = 0.2  # fraction of the problems, by their arithmetic, that only the held-out set draws from
+_NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Jack", "Emma", "Noah", "Zoe")
+_ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "cards", "shells", "stamps", "coins")
+
+
+def arith_rows(size: int, seed: int, held_out: bool = False) -> list[dict]:
+    """Arithmetic in GSM8K's answer format, at four levels of difficulty (ARITH_MIX): 1, a one-digit sum or
+    difference; 2, two-digit; 3, a one-step word problem; 4, a two-step word problem. Rows are conversational
+    (`prompt`: ARITH_SYSTEM and the question), with `answer` (the worked steps, then '#### N', as GSM8K) and
+    `level`. Training rows and held-out rows (`held_out`) come from disjoint problems: each side draws only the
+    problems `is_held_out` gives it, so no seed of one can produce a problem of the other."""
+    rng = random.Random(f"arith:{seed}:{'held-out' if held_out else 'train'}")
+    rows = []
+    while len(rows) < size:
+        level = ARITH_MIX[len(rows) % len(ARITH_MIX)]
+        question, steps, key = _arith_problem(level, rng)
+        if is_held_out(key) != held_out:
+            continue
+        messages = [{"role": "system", "content": ARITH_SYSTEM}, {"role": "user", "content": question}]
+        result = steps[-1].rsplit("= ", 1)[1]
+        rows.append({"prompt": messages, "answer": "\n".join(steps) + f"\n#### {result}", "level": level})
+    return rows
+
+
+def arith_held_out_rows(size: int, seed: int) -> list[dict]:
+    """The held-out problems of builtin:arith (eval.every without eval.data)."""
+    return arith_rows(size, seed, held_out=True)
+
+
+def is_held_out(key: str) -> bool:
+    """Whether an arithmetic problem (its key, e.g. '34-12+25') is held out: a stable hash of the arithmetic
+    alone (not Python's hash(), salted per process), so a problem's side is the same in every run and for every
+    seed, and a word problem is on the side of the bare sum with the same numbers."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 1000 < ARITH_HELD_OUT * 1000
+
+
+def _arith_problem(level: int, rng: random.Random) -> tuple[str, list[str], str]:
+    """(question, worked steps 'a + b = c', key) of one problem of `level`; results are never negative."""
+    if level in (1, 2):
+        low, high = (1, 9) if level == 1 else (10, 99)
+        a, op, b = _step(rng, rng.randint(low, high), low, high)
+        return f"What is {a} {op} {b}?", [_worked(a, op, b)], f"{a}{op}{b}"
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, op, b = _step(rng, rng.randint(10, 60), 2, 30)
+    first = f"{name} has {a} {item} and {_verb(rng, op, b)}"
+    if level == 3:
+        return f"{first}. How many {item} does {name} have now?", [_worked(a, op, b)], f"{a}{op}{b}"
+    r, op2, c = _step(rng, _value(a, op, b), 2, 30)
+    question = f"{first}, then {_verb(rng, op2, c)}. How many {item} does {name} have now?"
+    return question, [_worked(a, op, b), _worked(r, op2, c)], f"{a}{op}{b}{op2}{c}"
+
+
+def _verb(rng: random.Random, op: str, b: int) -> str:
+    return rng.choice((f"gets {b} more", f"finds {b} more", f"buys {b} more") if op == "+" else
+                      (f"gives {b} away", f"loses {b}"))
+
+
+def _step(rng: random.Random, a: int, low: int, high: int) -> tuple[int, str, int]:
+    """a, '+' or '-' (even odds), and b from [low, high]; a difference's b is at most a (never negative)."""
+    op = rng.choice("+-") if a >= low else "+"
+    return a, op, rng.randint(low, high if op == "+" else min(high, a))
+
+
+def _value(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b
+
+
+def _worked(a: int, op: str, b: int) -> str:
+    return f"{a} {op} {b} = {_value(a, op, b)}"
+
+
+BUILTIN = {"builtin:echo": echo_rows, "builtin:reverse": reverse_rows, "builtin:arith": arith_rows}
+HELD_OUT = {"builtin:arith": arith_held_out_rows}  # builtins with a held-out split; the others use data.seed + 1
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -144,12 +227,15 @@ def _normalise(s: str) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The last \\boxed{...}, else the text after '####', else the last number."""
+    """The last \\boxed{...}, else what follows the last '####' (its first number, as GSM8K's own evaluation reads
+    it: a model writes '#### 56 apples' or explains on after it), else the last number."""
     boxed = _BOXED.findall(text)
     if boxed:
         return _normalise(boxed[-1])
     if "####" in text:
-        return _normalise(text.split("####")[-1])
+        after = text.split("####")[-1]
+        first = _NUMBER.search(after)
+        return _normalise(first.group() if first else after)
     nums = _NUMBER.findall(text)
     return _normalise(nums[-1]) if nums else None
 

@@ -26,11 +26,16 @@ def cache_root() -> Path:
 
 
 def resolve_model_path(path: str) -> str:
-    """Map `builtin:tiny` to a built directory; anything else (hub name, directory) is returned as is."""
+    """Map `builtin:tiny` (and `builtin:smollm2`, pipeline/smollm2.py) to a built directory; anything else (hub
+    name, directory) is returned as is."""
     if path == "builtin:tiny":
         return str(build_tiny_model(cache_root() / "tiny-qwen2-v2"))
+    if path == "builtin:smollm2":
+        from pipeline.smollm2 import NAME, build_smollm2
+
+        return str(build_smollm2(cache_root() / NAME))
     if path.startswith("builtin:"):
-        raise ValueError(f"model.path: unknown builtin model {path!r} (known: builtin:tiny)")
+        raise ValueError(f"model.path: unknown builtin model {path!r} (known: builtin:tiny, builtin:smollm2)")
     return path
 
 

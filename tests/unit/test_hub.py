@@ -323,10 +323,11 @@ def test_dynamic_sampling_filters_groups_without_signal_as_they_arrive(make_hub)
         peer.close()
 
 
-def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
-    """eval.every: at version 0 and every 2 versions, the held-out prompts are leased before training prompts,
-    outside admission, with eval.samples samples each; what comes back is scored (eval.jsonl and `evaluations`),
-    never buffered; a lease lost with its generator goes back to its round; heartbeats keep eval leases alive."""
+def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained(tmp_path):
+    """eval.every: at version 0 and every 2 versions, the held-out prompts are leased in turns with training prompts
+    (training first), outside admission, with eval.samples samples each; what comes back is scored (eval.jsonl and
+    `evaluations`), never buffered; a lease lost with its generator goes back to its round; heartbeats keep eval
+    leases alive."""
     from pipeline.tasks import echo_rows
     from tests.unit.peers import new_hub
 
@@ -335,14 +336,17 @@ def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
     try:
         peer = Peer(hub)
         peer.register()
+        training = peer.lease(2)
+        assert not training.eval and training.sampling.temperature == 1.0  # training first
         first = peer.lease(2)
         assert first.eval and first.group_size == 3 and first.sampling.temperature == 0.7 and len(first.groups) == 2
         assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 0, [first.lease_id])).dead_leases == []
         peer.close()
         with hub.lock:
-            hub._drop_generator(peer.id, "left")  # its eval lease goes back to the round
+            hub._drop_generator(peer.id, "left")  # its leases go back: the eval one to its round
         peer = Peer(hub, "gen-u")
         peer.register()
+        assert not peer.lease(2).eval
         lease = peer.lease(8)
         assert lease.eval and len(lease.groups) == 3
         other = Peer(hub, "gen-v")  # another generator cannot take a prompt out of this generator's eval lease
@@ -359,8 +363,6 @@ def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
             for s, r in zip(group.samples, rewards[i], strict=True):
                 s.reward, s.rewards = r, [r]
             peer.send(group)
-        training = peer.lease(2)
-        assert not training.eval and training.sampling.temperature == 1.0  # the round is fully leased
         wait_until(lambda: hub.evaluation.finished)
         (done,) = hub.evaluations()
         assert done["version"] == 0 and done["eval/prompts"] == 3
@@ -371,7 +373,32 @@ def test_an_evaluation_round_is_leased_first_scored_and_not_trained(tmp_path):
         hub.finish_step(1)
         assert not peer.lease(2).eval  # version 1: no round
         hub.finish_step(2)
-        assert peer.lease(2).eval  # version 2: the next round
+        assert any(getattr(peer.lease(2), "eval", False) for _ in range(2))  # version 2: the next round, in turn
+        peer.close()
+    finally:
+        hub.stop()
+
+
+def test_the_version_0_evaluation_never_holds_the_first_step(tmp_path):
+    """A round of many held-out prompts at version 0 and an engine with room for all of them: the generator's first
+    lease is training's, and the first batch is taken while the round is still out (before this, the whole round
+    was leased first and the first step waited for it)."""
+    from pipeline.tasks import echo_rows
+    from tests.unit.peers import new_hub
+
+    hub = new_hub(tmp_path, eval_rows=echo_rows(40, 1), eval={"every": 5, "samples": 2, "max_prompts": 40},
+                  generator={"lease_size": 64})
+    try:
+        peer = Peer(hub)
+        peer.register()
+        training = peer.lease(64)
+        assert not training.eval and len(training.groups) == 4  # the window: (k + 1) x batch_size
+        evaluation = peer.lease(64)
+        assert evaluation.eval and len(evaluation.groups) == 40
+        for item in training.groups:
+            peer.send(peer.group(training, item))
+        batch, _, _ = hub.take_batch(0)
+        assert len(batch) == 2 and hub.evaluation.busy()  # the first step's batch, the round not in
         peer.close()
     finally:
         hub.stop()

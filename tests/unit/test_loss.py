@@ -62,6 +62,20 @@ def test_decoupled_defaults_to_the_weights_before_the_update():
     assert logp.grad.item() == pytest.approx(-2.5)
 
 
+def test_none_ignores_the_behaviour_policy():
+    """none: the stale sample is trained as if the current weights had sampled it: whatever mu says, the value and
+    gradient are PPO's against the proximal policy (with one update per batch: the plain policy gradient -A dlogp)."""
+    logp = torch.log(_t(0.5, 0.5)).requires_grad_()
+    for mu in (torch.log(_t(0.25, 0.25)), torch.log(_t(0.9, 0.01))):
+        loss, stats = token_loss(logp, mu, _t(1.0, -1.0), "none", clip_eps=0.2)
+        assert loss.tolist() == pytest.approx([-1.0, 1.0]) and stats["is_weight"].tolist() == [1.0, 1.0]
+        (grad,) = torch.autograd.grad(loss.sum(), logp)
+        assert grad.tolist() == pytest.approx([-1.0, 1.0])
+    prox = torch.log(_t(0.25, 0.25))  # a later update of several: r = 2, clipped against the proximal policy
+    loss, _ = token_loss(logp, torch.log(_t(0.9, 0.9)), _t(1.0, -1.0), "none", clip_eps=0.2, prox=prox)
+    assert loss.tolist() == pytest.approx([-1.2, 2.0])
+
+
 def test_unknown_variant():
     with pytest.raises(ValueError, match="trainer.loss"):
         token_loss(_t(0.0), _t(0.0), _t(1.0), "reinforce")

@@ -109,3 +109,105 @@ def test_every_reward_of_the_project_takes_both_of_trls_formats(fn, columns, com
     messages = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "q"}]
     conversational, _ = score(fns, messages, completions, ids, columns)
     assert conversational == standard and len(set(standard)) > 1
+
+
+def _arithmetic(row: dict) -> str:
+    """A builtin:arith row's problem as arithmetic alone (its worked steps): the same for a bare sum and a word
+    problem with the same numbers, so two rows share it exactly when they pose the same problem."""
+    return row["answer"].split("####")[0].strip()
+
+
+def test_arith_rows_are_seeded():
+    from pipeline.tasks import arith_held_out_rows, arith_rows
+
+    assert arith_rows(60, 3) == arith_rows(60, 3) and arith_held_out_rows(60, 3) == arith_held_out_rows(60, 3)
+    assert arith_rows(60, 3) != arith_rows(60, 4) and arith_held_out_rows(60, 3) != arith_held_out_rows(60, 4)
+    assert arith_rows(30, 3) == arith_rows(60, 3)[:30]  # a larger data.size adds rows, keeps the first ones
+
+
+@pytest.mark.parametrize("size", [40, 600])
+def test_arith_held_out_problems_never_appear_in_training(size):
+    """Disjoint by the arithmetic, not only the wording, for every pair of seeds (data.seed of training and of
+    evaluation may differ): no seed of one side can draw a problem of the other."""
+    from pipeline.tasks import arith_held_out_rows, arith_rows
+
+    train = {_arithmetic(r) for seed in (0, 1, 7) for r in arith_rows(size, seed)}
+    held = {_arithmetic(r) for seed in (0, 1, 7) for r in arith_held_out_rows(size, seed)}
+    assert train and held and not train & held
+    questions = {r["prompt"][-1]["content"] for r in arith_rows(size, 0)}
+    assert not questions & {r["prompt"][-1]["content"] for r in arith_held_out_rows(size, 0)}
+
+
+def test_arith_eval_rows_come_from_the_held_out_split():
+    """eval.every without eval.data on builtin:arith: the config is valid and evaluation gets the held-out split;
+    echo keeps its own rule (the same task with data.seed + 1)."""
+    from pipeline.config import config_from_dict
+    from pipeline.tasks import arith_held_out_rows, load_eval_rows
+
+    cfg = config_from_dict({"data": {"path": "builtin:arith", "size": 64, "seed": 5}, "eval": {"every": 2},
+                            "rewards": [{"fn": "pipeline.tasks:math_answer"}]})
+    held = load_eval_rows(cfg)
+    assert held == arith_held_out_rows(64, 5)
+    assert not {_arithmetic(r) for r in held} & {_arithmetic(r) for r in load_rows(cfg.data)}
+    echo = config_from_dict({"eval": {"every": 2}, "data": {"size": 8, "seed": 5}})
+    assert load_eval_rows(echo) == echo_rows(8, 6)
+
+
+def test_arith_level_mix():
+    """Every level, in ARITH_MIX's proportions, interleaved: the first eval.max_prompts rows hold the whole mix."""
+    from collections import Counter
+
+    from pipeline.tasks import ARITH_MIX, arith_held_out_rows, arith_rows
+
+    for rows in (arith_rows(len(ARITH_MIX) * 20, 0), arith_held_out_rows(len(ARITH_MIX) * 20, 0)):
+        assert Counter(r["level"] for r in rows) == {level: 20 * n for level, n in Counter(ARITH_MIX).items()}
+        assert {r["level"] for r in rows[:len(ARITH_MIX)]} == {1, 2, 3, 4}
+
+
+def test_arith_rows_are_conversational_with_gsm8k_answers():
+    """The prompt is TRL's conversational format (system, user); the answer is GSM8K's worked steps and '#### N',
+    each step correct, N never negative; operands are one-digit at level 1 and two-digit at level 2; the answer
+    column scores 1.0 with math_answer, a wrong number 0.0."""
+    import re
+
+    from pipeline.tasks import ARITH_SYSTEM, arith_rows, is_conversational
+
+    rows = arith_rows(300, 2)
+    for row in rows:
+        system, user = row["prompt"]
+        assert is_conversational(row["prompt"]) and system == {"role": "system", "content": ARITH_SYSTEM}
+        assert user["role"] == "user" and user["content"].endswith("?")
+        *steps, final = row["answer"].split("\n")
+        assert re.fullmatch(r"#### \d+", final) and len(steps) == (2 if row["level"] == 4 else 1)
+        for step in steps:
+            a, op, b, _, c = step.split()
+            assert (int(a) + int(b) if op == "+" else int(a) - int(b)) == int(c) >= 0
+        assert int(c) == int(final.split()[1])
+        if row["level"] in (1, 2):
+            digits = 1 if row["level"] == 1 else 2
+            assert len(a) == len(b) == digits and f"{a} {op} {b}" in user["content"]
+        completion = [{"role": "assistant", "content": f"{step}\nSo the answer is {c}."}]
+        wrong = [{"role": "assistant", "content": f"The answer is {int(c) + 1}."}]
+        assert math_answer([row["prompt"]] * 2, [completion, wrong], answer=[row["answer"]] * 2) == [1.0, 0.0]
+    assert {op for r in rows for op in r["answer"].split() if op in "+-"} == {"+", "-"}
+
+
+@pytest.mark.parametrize("text, answer, reward", [
+    ("7 + 5 = 12", "#### 12", 1.0),  # the last number
+    ("7 + 5 = 13", "#### 12", 0.0),  # a wrong one
+    ("I cannot tell.", "#### 12", 0.0),  # none
+    ("", "#### 12", 0.0),
+    ("5 + 7 = 12\n#### 12", "#### 12", 1.0),  # GSM8K's form
+    ("12 - 5 = 7\n#### 7.", "5 + 2 = 7\n#### 7", 1.0),  # the answer column's worked steps are not read
+    ("#### 12\nbecause 5 + 7 = 12 and 3 more is 15", "#### 12", 1.0),  # '####' wins over a later number
+    ("The answer is 1,234.", "#### 1234", 1.0),  # thousands separators
+    ("3 - 8 = -5", "#### -5", 1.0),  # a negative answer
+    ("3 - 8 = 5", "#### -5", 0.0),  # its sign matters
+    ("8 - 3 = 5", "#### 5", 1.0),  # a minus between numbers is no sign
+    ("so it is \\boxed{-5}", "#### -5", 1.0),
+])
+def test_math_answer_reads_the_final_number_in_both_formats(text, answer, reward):
+    standard = math_answer(["What is 7 + 5?"], [text], answer=[answer])
+    messages = [{"role": "system", "content": "Solve."}, {"role": "user", "content": "What is 7 + 5?"}]
+    conversational = math_answer([messages], [[{"role": "assistant", "content": text}]], answer=[answer])
+    assert standard == conversational == [reward]
