@@ -38,7 +38,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:echo"
-    """A .jsonl/.json/.parquet file, a Hugging Face dataset name, or `builtin:echo` (generated toy task)."""
+    """A .jsonl/.json/.parquet file, a Hugging Face dataset name, or a builtin task: `builtin:echo` and
+    `builtin:reverse` (toy digit tasks for the tiny model), `builtin:arith` (arithmetic in GSM8K's format, for a chat
+    model such as builtin:smollm2; pipeline/tasks.py)."""
     name: str | None = None
     """Hugging Face dataset configuration name (e.g. `main` for openai/gsm8k)."""
     split: str = "train"
@@ -278,8 +280,9 @@ class EvalConfig:
     at that version, in turns with training leases (learner/leases.py), so training never waits for it; results
     go to RUN_DIR/eval.jsonl and to the metrics as eval/*."""
     data: DataConfig | None = None
-    """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None: the
-    builtin echo task with data.seed + 1 when training on builtin:echo, else required."""
+    """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None, with a
+    builtin task: builtin:arith's held-out problems (never in training), echo's and reverse's prompts with
+    data.seed + 1; else required."""
     samples: int = 4
     """Samples per prompt: k of pass@k and avg@k."""
     temperature: float = 1.0
