@@ -358,19 +358,21 @@ def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained
         other.ask(P.Leave(other.id))  # (registered, it would keep its part of the window)
         other.close()
         rewards = {0: [1.0, 0.0, 0.0], 1: [0.0, 0.0, 0.0], 2: [1.0, 1.0, 1.0]}
+        hub.finish_step(1)  # version 1 is out while the round's last group is sampled: it ends under it (inflight)
         for i, item in enumerate(lease.groups):
             group = peer.group(lease, item, group_size=3)
             for s, r in zip(group.samples, rewards[i], strict=True):
                 s.reward, s.rewards = r, [r]
+                s.last_version = 1 if i == 2 else 0
             peer.send(group)
         wait_until(lambda: hub.evaluation.finished)
         (done,) = hub.evaluations()
         assert done["version"] == 0 and done["eval/prompts"] == 3
+        assert done["eval/behaviour_version"] == 0 and done["eval/newest_version"] == 1  # the versions it spans
         assert done["eval/reward_mean"] == pytest.approx(4 / 9) and done["eval/pass@3"] == pytest.approx(2 / 3)
         assert done["eval/pass@1"] == pytest.approx(4 / 9)
         assert not hub.ledger.buffer and len(hub.ledger.leases) == 1  # nothing of it buffered for training
         assert json.loads((tmp_path / "eval.jsonl").read_text())["eval/pass@3"] == pytest.approx(2 / 3)
-        hub.finish_step(1)
         assert not peer.lease(2).eval  # version 1: no round
         hub.finish_step(2)
         assert any(getattr(peer.lease(2), "eval", False) for _ in range(2))  # version 2: the next round, in turn
