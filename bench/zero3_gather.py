@@ -53,7 +53,7 @@ def rank_main(args) -> None:
             else (lambda flat, idx, offs: None)
         copy.begin(device)
         packer = Packer(plan, device, emit)
-        for _, tensor in gathered_weights(engine, 3, limit):
+        for _, tensor in gathered_weights(engine, 3, group_bytes=limit):
             if rank == 0:
                 packer.add(tensor)
         copy.seal()

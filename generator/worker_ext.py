@@ -13,7 +13,8 @@ the group's store, outside the engine's loop, so the transfer runs while the eng
 `apply_collective` then copies it into the weights between two engine steps, replaying the copies vLLM's
 load_weights made the first time (generator.copyplan). Unstaged (`load_weights_collective`, no room for the
 buffers): each bucket is received and loaded inside the swap. Every loading call returns [milliseconds it
-held the engine, a note for the log].
+held the engine, a note for the log]. An adapter version (model.lora) is merged into the base's weights on its
+way in (generator/merge.py), whatever carried it.
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ class WeightLoader:
         return [(time.perf_counter() - start) * 1000, ""]
 
     def _load_named(self, named: list) -> None:
+        """Every loading path ends here: an adapter version (model.lora) is merged into base weights first
+        (generator/merge.py), then loaded like a full version's tensors."""
         import logging
 
         from vllm.platforms import current_platform
 
+        from generator.merge import Merger, is_adapter
+
         # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        if is_adapter(named):
+            if getattr(self, "_merger", None) is None:
+                model_config = self.vllm_config.model_config
+                self._merger = Merger(model_config.model, model_config.dtype, getattr(self, "device", "cpu"))
+            named = self._merger(named)
 
         runner = self.model_runner
         if current_platform.is_cpu():

@@ -19,16 +19,20 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int, keep: int = 2) -> Path:
+def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int, keep: int = 2,
+         kind: str = "full") -> Path:
+    """`kind`: what the run trains (learner/adapters.py), `lora` or `full`; a LoRA checkpoint holds the adapter and its
+    optimizer state, not the frozen base (which the run loads from model.path)."""
     import torch.distributed as dist
 
     root = run_dir / "checkpoints"
     tag = f"v{version}"
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False, exclude_frozen_parameters=kind == "lora")
     if dist.is_initialized():
         dist.barrier()  # every rank's shards are on disk before `latest` names them
     if rank == 0:
         (root / tag / "hub.json").write_text(json.dumps(hub_state))
+        (root / tag / "weights.json").write_text(json.dumps({"kind": kind}))
         tmp = root / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, root / "latest")
@@ -50,15 +54,26 @@ def _tags(root: Path) -> list[str]:
     return [p.name for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()]
 
 
-def load(engine, run_dir: Path) -> tuple[int, dict]:
-    """Restore the engine from the newest checkpoint; returns (version, hub state)."""
+KINDS = {"full": "every weight (a full-weight run)", "lora": "a LoRA adapter (a model.lora run)"}
+
+
+def load(engine, run_dir: Path, kind: str = "full") -> tuple[int, dict]:
+    """Restore the engine from the newest checkpoint; returns (version, hub state). A checkpoint of the other kind
+    (full weights where the config says model.lora, or the other way) is refused with the reason."""
     root = Path(run_dir) / "checkpoints"
     try:
         tag = (root / "latest").read_text().strip()
         hub_state = json.loads((root / tag / "hub.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        info = root / tag / "weights.json"
+        saved = json.loads(info.read_text())["kind"] if info.exists() else "full"  # written since LoRA came
+    except (OSError, json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"--resume {run_dir}: no readable checkpoint ({e})") from None
-    path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+    if saved != kind:
+        raise CheckpointError(f"--resume {run_dir}: checkpoint {tag} holds {KINDS.get(saved, saved)}, but this config "
+                              f"trains {KINDS[kind]}: resume with the run's own config ({run_dir}/config.yaml, the "
+                              "default without -c), or start another run")
+    path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+                                     load_module_strict=kind != "lora")  # a LoRA checkpoint holds no base
     if path is None:
         raise CheckpointError(f"--resume {run_dir}: DeepSpeed could not load checkpoint {root / tag}")
     return int(tag[1:]), hub_state

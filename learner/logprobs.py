@@ -151,7 +151,9 @@ def _blocks(logits: torch.Tensor, positions: int):
 
 def _keeps_logits(model) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do)."""
-    return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))  # a DeepSpeed engine wraps the model
+    model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes it through
+    return _forward_takes_logits_to_keep(type(model))
 
 
 @functools.cache

@@ -41,8 +41,14 @@ def build_engine(cfg: Config, model_path: str):
     torch.manual_seed(t.seed)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if cfg.model.lora is not None:  # PEFT adapters on the frozen base (learner/adapters.py)
+        from learner.adapters import wrap
+
+        model = wrap(model, cfg.model.lora, dtype)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if cfg.model.lora is not None:
+            model.enable_input_require_grads()  # else no gradient reaches the adapters through frozen embeddings
     if t.compile:
         compile_layers(model)
     model.config.use_cache = False
@@ -71,11 +77,24 @@ def build_engine(cfg: Config, model_path: str):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.finite_guard = guard
     engine.reference = None
-    if t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
+    if t.kl_coef > 0 and cfg.model.lora is not None:  # the base itself, adapters off: no second copy
+        engine.reference = AdaptersOff(engine.module)
+    elif t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device).eval()
         ref.config.use_cache = False
         engine.reference = ref.requires_grad_(False)
     return engine
+
+
+class AdaptersOff:
+    """A PEFT model called with its adapters disabled: the frozen base, the reference of trainer.kl_coef."""
+
+    def __init__(self, model):
+        self.module = model  # (learner.logprobs asks the wrapped model what its forward takes)
+
+    def __call__(self, **kwargs):
+        with self.module.disable_adapter(), torch.no_grad():
+            return self.module(**kwargs)
 
 
 def compile_layers(model) -> int:
@@ -223,13 +242,15 @@ class FiniteGuard:
 GATHER_BYTES = 256 * 2**20  # ZeRO-3: parameters gathered together, up to this many bytes (or one larger one)
 
 
-def gathered_weights(engine, zero_stage: int, group_bytes: int = GATHER_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full parameter on the learner's device) in order. Under ZeRO-3 consecutive parameters are
+def gathered_weights(engine, zero_stage: int, named: list | None = None,
+                     group_bytes: int = GATHER_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full parameter on the learner's device) in order, of `named` (default: every parameter of the
+    engine's module). Under ZeRO-3 consecutive parameters are
     gathered together (one coalesced all-gather) up to `group_bytes`, for the time the consumer holds them,
     then released: the extra device memory stays under max(group_bytes, the largest parameter), which for
     1.5B and larger shapes is the embedding alone. The tensors are the live parameters: copy what must
     outlive the next optimizer step."""
-    named = engine.module.named_parameters()
+    named = engine.module.named_parameters() if named is None else named
     if zero_stage != 3:
         yield from ((name, p.data.detach()) for name, p in named)
         return

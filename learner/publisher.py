@@ -1,4 +1,5 @@
-"""Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, send, copy to CPU, announce.
+"""Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, send, copy to CPU, announce. What
+a version holds is its kind's (learner/adapters.py): every parameter, or with model.lora the adapter alone.
 
 On the learner's critical path: the gather, packing each parameter into flat buckets of about 256 MB on
 the learner's device (weights.plan.Packer), and handing each full bucket to the senders that take buckets
@@ -18,8 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from learner.model import gathered_weights
-from weights.plan import Packer, manifest, unpack
+from learner.adapters import version_kind
+from weights.plan import Packer, manifest, nbytes, unpack
 
 INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least this much, and up to half the
 # device memory free at the version's start (past it they are copied at once, and the learner waits)
@@ -28,6 +29,8 @@ INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least t
 class WeightPublisher:
     def __init__(self, cfg, engine, hub, rank: int):
         self.cfg, self.engine, self.rank = cfg, engine, rank
+        self.kind = version_kind(cfg, engine.module)  # every parameter, or a LoRA adapter alone
+        self.version_bytes = 0  # of the last version: what it carries (an adapter run: the adapter's bytes)
         self.senders = list(dict.fromkeys(hub.weights.senders.values())) if rank == 0 else []
         self.device = next((s.device for s in self.senders if s.device is not None), None) or _device(engine)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
@@ -45,7 +48,8 @@ class WeightPublisher:
         """Returns milliseconds on the learner's critical path: gathering, packing, the buckets' sends."""
         start = time.perf_counter()
         step_end = step_end or time.time()
-        plan = manifest(self.engine.module.named_parameters())
+        plan = manifest(self.kind.named())
+        self.version_bytes = sum(nbytes(dtype, shape) for _, dtype, shape in plan)
         live = [s for s in self.senders if s.begin(version, plan, step_end)]  # they start receiving meanwhile
         try:
             if not self._gather(version, plan, live):
@@ -76,7 +80,7 @@ class WeightPublisher:
 
             self._copy.begin(self.device)
             packer = Packer(plan, self.device, emit)
-            for _, t in gathered_weights(self.engine, self.cfg.trainer.zero_stage):
+            for _, t in self.kind.gathered(self.engine, self.cfg.trainer.zero_stage):
                 if self.rank == 0:
                     packer.add(t)
             if self.rank != 0:
@@ -88,7 +92,8 @@ class WeightPublisher:
 
     def metrics(self) -> dict:
         """Of the last version (a background send: of the last one done)."""
-        out = {"sync/broadcast_ms": self.broadcast_ms, "sync/copy_wait_ms": self.copy_wait_ms}
+        out = {"sync/broadcast_ms": self.broadcast_ms, "sync/copy_wait_ms": self.copy_wait_ms,
+               "sync/version_bytes": self.version_bytes}
         for sender in self.senders:
             out.update(sender.metrics())
         return out

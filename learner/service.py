@@ -28,7 +28,7 @@ import torch
 
 from learner import checkpoint
 from learner.hub import DatasetExhausted, Hub
-from learner.model import build_engine, init_distributed, save_hf
+from learner.model import build_engine, init_distributed
 from learner.publisher import WeightPublisher
 from learner.staleness import behaviour_version
 from learner.step import train_step
@@ -61,7 +61,8 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     if resume:
         reapply_changes(cfg, run_dir)
     engine = build_engine(cfg, model_path)
-    version, hub_state = checkpoint.load(engine, run_dir) if resume else (0, None)
+    kind = "lora" if cfg.model.lora is not None else "full"
+    version, hub_state = checkpoint.load(engine, run_dir, kind) if resume else (0, None)
     if resume and rank == 0:
         discarded = truncate_metrics(run_dir, version)
         log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
@@ -87,7 +88,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
         if metrics is not None:
             metrics.close()
         publisher.flush()
-        save_hf(engine, cfg, tokenizer, run_dir / "final", rank)
+        publisher.kind.save_final(engine, cfg, tokenizer, run_dir / "final", rank)  # full, or the adapter
         if rank == 0:
             if cfg.eval.every:  # the last version's evaluation (eval.jsonl), a while at most
                 hub.evaluations(wait_s=cfg.hub.lease_timeout_s)
@@ -120,6 +121,11 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
     """Train from `version` to trainer.total_steps (or until the dataset is exhausted); returns the last version."""
     last_tokens, last_time, start = (hub.counters["tokens"] if hub else 0), time.perf_counter(), time.perf_counter()
     step, skipped = version, 0
+
+    def save(version: int) -> None:
+        checkpoint.save(engine, run_dir, version, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints,
+                        publisher.kind.kind)
+
     while step < cfg.trainer.total_steps:
         t0 = time.perf_counter()
         groups, drop_stats, knobs, end = _take(hub, step) if rank == 0 else (None, {}, {}, "")
@@ -160,8 +166,8 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
             metrics.write(record)
         every = cfg.trainer.checkpoint_every
         if every and step % every == 0 and step < cfg.trainer.total_steps:
-            checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
-    checkpoint.save(engine, run_dir, step, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints)
+            save(step)
+    save(step)
     return step
 
 

@@ -25,6 +25,31 @@ def runtime(default: Any) -> Any:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters, trained with PEFT on a frozen base (learner/adapters.py). PEFT's names, so a TRL `peft_config`
+    maps one to one: `LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear")` is
+    `model.lora: {r: 16, alpha: 32, dropout: 0.05, target_modules: all-linear}`. A weights version is then the
+    adapter's tensors alone (docs/weights.md, "Adapter versions"); `final/` is a PEFT adapter directory."""
+
+    r: int = 16
+    """Rank of each adapter (PEFT: r)."""
+    alpha: float = 32.0
+    """Scale numerator (PEFT: lora_alpha): the update is alpha / r * B A (alpha / sqrt(r) with use_rslora)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (PEFT: lora_dropout). Above 0 the learner's log-probs of a
+    sample are noisier than the engine's, which has none."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names (or suffixes) to adapt, or `all-linear` (every linear layer but the output head), as PEFT takes
+    them. Names that match no module are refused at start."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained whole beside the adapters (PEFT: modules_to_save); a version carries them whole."""
+    use_rslora: bool = False
+    """Rank-stabilised scale alpha / sqrt(r) (PEFT: use_rslora)."""
+    merged_final: bool = False
+    """Also write RUN_DIR/final-merged/: the base with the adapter merged in, an ordinary Hugging Face model."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "builtin:tiny"
     """Hugging Face hub name, local directory, `builtin:tiny` (a tiny Qwen2 built locally, no download), or
@@ -33,6 +58,8 @@ class ModelConfig:
     """Weights dtype of learner and generators (bf16 on GPUs; float32 is faster for tiny models on CPU)."""
     tokenizer: str | None = None
     """Tokenizer path or hub name; defaults to `path`."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (a mapping of the fields above; `{}` takes their defaults)."""
 
 
 @dataclass

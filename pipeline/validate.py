@@ -68,6 +68,7 @@ RANGES = {
     "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
     "hub.progress_timeout_s": POSITIVE, "hub.max_generators_per_key": POSITIVE, "hub.journal_kib_per_minute": POSITIVE,
     "generator.hub_lost_s": POSITIVE,
+    "model.lora.r": Range(1, 1024), "model.lora.alpha": POSITIVE, "model.lora.dropout": Range(0, 1, hi_closed=False),
 }
 
 
@@ -86,7 +87,12 @@ def check_value(name: str, tp: Any, value: Any) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return check_value(name, args[0], value)
+        for arg in args[:-1]:  # the first member that takes the value; the last one's error if none does
+            try:
+                return check_value(name, arg, value)
+            except ConfigError:
+                pass
+        return check_value(name, args[-1], value)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

@@ -21,7 +21,7 @@ BUCKET_BYTES = 256 * 2**20
 ALIGN = 16  # every tensor starts at a multiple of this many bytes inside its bucket
 
 
-def _nbytes(dtype: str, shape: list) -> int:
+def nbytes(dtype: str, shape: list) -> int:
     return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
@@ -32,7 +32,7 @@ def buckets(manifest: list) -> list[tuple[list[int], list[int], int]]:
     for i, (_, dtype, shape) in enumerate(manifest):
         idx.append(i)
         offs.append(size)
-        size += -(-_nbytes(dtype, shape) // ALIGN) * ALIGN
+        size += -(-nbytes(dtype, shape) // ALIGN) * ALIGN
         if size >= BUCKET_BYTES:
             plan.append((idx, offs, size))
             idx, offs, size = [], [], 0
@@ -46,7 +46,7 @@ def unpack(flat: torch.Tensor, manifest: list, idx: list[int], offs: list[int]) 
     out = []
     for i, off in zip(idx, offs, strict=True):
         name, dtype, shape = manifest[i]
-        n = _nbytes(dtype, shape)
+        n = nbytes(dtype, shape)
         out.append((name, flat[off:off + n].view(getattr(torch, dtype)).view(shape)))
     return out
 

@@ -52,11 +52,24 @@ def test_file_then_overrides(tmp_path):
     ({"trainer": 5}, [], "trainer: expected a mapping"),
     ({"trainer": {"compile": True, "zero_stage": 3}}, [], "trainer.compile: not with trainer.zero_stage 3"),
     ({}, ["trainer"], "expected KEY=VALUE"),
+    ({}, ["model.lora={r: 0}"], "model.lora.r: must be in [1, 1024]"),
+    ({}, ["model.lora={rank: 8}"], "model.lora.rank: unknown field (known: r, alpha"),
+    ({}, ["model.lora={lora_alpha: 8}"], "model.lora.lora_alpha: unknown field (did you mean alpha?)"),
+    ({}, ["model.lora={dropout: 1.0}"], "model.lora.dropout: must be in [0, 1)"),
+    ({}, ["model.lora={target_modules: 5}"], "model.lora.target_modules: expected str, got 5"),
 ])
 def test_bad_fields_are_named(data, overrides, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict(data, overrides)
     assert message in str(e.value)
+
+
+def test_lora_takes_peft_target_modules_as_a_name_or_a_list():
+    assert config_from_dict({}).model.lora is None
+    assert config_from_dict({}, ["model.lora={}"]).model.lora.target_modules == "all-linear"
+    data = {"model": {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}}
+    lora = config_from_dict(data).model.lora
+    assert (lora.r, lora.alpha, lora.target_modules) == (8, 16.0, ["q_proj", "v_proj"])
 
 
 def test_missing_and_invalid_files(tmp_path):

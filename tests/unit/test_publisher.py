@@ -32,7 +32,8 @@ def test_each_version_blob_holds_that_version():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3, bias=False))
     engine = SimpleNamespace(module=module, device=torch.device("cpu"))
-    cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0), weights=SimpleNamespace(transport="zmq", delta=False))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0), weights=SimpleNamespace(transport="zmq", delta=False),
+                          model=SimpleNamespace(lora=None))
     hub = Hub(cfg)
     pub = WeightPublisher(cfg, engine, hub, rank=0)
     want = {}
@@ -77,7 +78,7 @@ def test_a_version_whose_publishing_fails_still_ends_at_its_senders():
     """A failure between begin and the last bucket must not leave a sender's lock taken: the next version, or a
     joiner's first, would wait on it for good."""
     module = torch.nn.Linear(8, 4)
-    cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0), model=SimpleNamespace(lora=None))
     sender = FailingSender()
     hub = SimpleNamespace(weights=SimpleNamespace(senders={"x": sender}))
     pub = WeightPublisher(cfg, SimpleNamespace(module=module, device=torch.device("cpu")), hub, rank=0)

@@ -1,0 +1,89 @@
+"""An adapter version merged into the engine's weights, inside each vLLM worker (generator.worker_ext).
+
+An adapter version (learner/adapters.py) names lora_A and lora_B after the base weight they change, lora_B already
+scaled: `model.layers.0.mlp.up_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r] for
+`model.layers.0.mlp.up_proj.weight`. `Merger` turns them into that weight, W0 + B A, computed in fp32 from the base
+in the engine's dtype (as the learner holds it) and rounded once, and hands the result to the same loader as a
+full version's tensors: vLLM's own, which packs q/k/v and gate/up and shards for tensor parallelism. Tensors of
+other names (modules_to_save) pass through whole. Only the adapter travels; the engine runs no LoRA kernels.
+
+The base weights of the adapted modules are read once from the model's checkpoint (the safetensors files of
+the directory the engine loaded) and kept on the worker's device: the engine's own weights are no longer the
+base once a version is merged. That copy is the mode's memory cost, about the model's size with all-linear.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def is_adapter(named: list) -> bool:
+    return any(name.endswith(LORA_A) for name, _ in named)
+
+
+class Merger:
+    def __init__(self, model: str, dtype: torch.dtype, device):
+        self.dir, self.dtype, self.device = _local_dir(model), dtype, device
+        self.base: dict[str, torch.Tensor] = {}
+
+    def __call__(self, named: list) -> list[tuple[str, torch.Tensor]]:
+        a = {n.removesuffix(LORA_A): t for n, t in named if n.endswith(LORA_A)}
+        b = {n.removesuffix(LORA_B): t for n, t in named if n.endswith(LORA_B)}
+        if a.keys() != b.keys():
+            raise ValueError(f"adapter version: lora_A and lora_B name different modules "
+                             f"({sorted(a.keys() ^ b.keys())[:3]})")
+        out = [(n, t) for n, t in named if not n.endswith((LORA_A, LORA_B))]
+        self._load_base([f"{owner}.weight" for owner in a if f"{owner}.weight" not in self.base])
+        for owner, lora_a in a.items():
+            w0 = self.base[f"{owner}.weight"]
+            delta = b[owner].to(w0.device, torch.float32) @ lora_a.to(w0.device, torch.float32)
+            if delta.shape != w0.shape:
+                raise ValueError(f"adapter version: {owner} gives B A of shape {list(delta.shape)}, the base weight "
+                                 f"is {list(w0.shape)}")
+            out.append((f"{owner}.weight", (w0.float() + delta).to(self.dtype)))
+        return out
+
+    def _load_base(self, names: list[str]) -> None:
+        """The base weights `names` from the checkpoint, in the engine's dtype, on the worker's device."""
+        if not names:
+            return
+        from safetensors import safe_open
+
+        where = _index(self.dir)
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise ValueError(f"adapter version: {self.dir} holds no weight {missing[0]} (of {len(missing)} missing): "
+                             "generator and learner must load the same model.path")
+        for file in sorted({where[n] for n in names}):
+            with safe_open(str(self.dir / file), framework="pt", device="cpu") as f:
+                for n in names:
+                    if where[n] == file:
+                        self.base[n] = f.get_tensor(n).to(self.device, self.dtype)
+
+
+def _index(root: Path) -> dict[str, str]:
+    """{tensor name: safetensors file} of a checkpoint directory, sharded or not."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(root.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            out.update(dict.fromkeys(f.keys(), path.name))
+    return out
+
+
+def _local_dir(model: str) -> Path:
+    """The directory of the checkpoint the engine loaded: a directory, or a hub name in the local cache."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"]))

@@ -1,0 +1,96 @@
+"""LoRA (model.lora) without engines: what the learner trains and publishes, how a generator merges it, and what is
+refused at start. learner/adapters.py, generator/merge.py, learner/checkpoint.py."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from generator.merge import Merger, is_adapter
+from learner import checkpoint
+from learner.adapters import AdapterVersion, FullVersion, version_kind, wrap
+from pipeline.config import LoraConfig
+from pipeline.tinymodel import resolve_model_path
+from pipeline.validate import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import os
+
+    os.environ["PIPELINE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    return resolve_model_path("builtin:tiny")
+
+
+def lora_model(tiny, **fields):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    return wrap(model, LoraConfig(**{"r": 4, "alpha": 8.0, **fields}), torch.float32)
+
+
+def test_only_the_adapters_train_and_a_version_is_the_adapter_alone_named_after_the_base(tiny):
+    model = lora_model(tiny)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    version = AdapterVersion(model)
+    names = [n for n, _ in version.named()]
+    base = set(dict(AutoModelForCausalLM.from_pretrained(tiny).named_parameters()))
+    assert len(names) == len(trained)
+    for n in names:  # each names the base checkpoint's weight it changes
+        owner, part = n.rsplit(".", 2)[0], n.rsplit(".", 2)[1]
+        assert part in ("lora_A", "lora_B") and f"{owner}.weight" in base, n
+    # all-linear: every linear layer of the decoder (7 per layer), never the output head
+    assert len(names) == 2 * 7 * model.config.num_hidden_layers and not any("lm_head" in n for n in names)
+    full_bytes = sum(p.numel() * 4 for p in base_params(tiny))
+    assert sum(p.numel() * 4 for _, p in version.named()) < full_bytes / 5
+    assert isinstance(version_kind(SimpleNamespace(model=SimpleNamespace(lora=None)), model), FullVersion)
+
+
+def base_params(tiny):
+    return list(AutoModelForCausalLM.from_pretrained(tiny).parameters())
+
+
+def test_a_merged_version_is_the_peft_models_merged_weights(tiny):
+    """The generator's merge (generator/merge.py) of what the learner publishes equals PEFT's own merge: B was
+    scaled by alpha / r on the learner's side, the base read from the checkpoint."""
+    torch.manual_seed(0)
+    model = lora_model(tiny, modules_to_save=["lm_head"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)  # lora_B starts at 0: give both a value
+    engine = SimpleNamespace(module=model)
+    published = [(n, t.clone()) for n, t in AdapterVersion(model).gathered(engine, zero_stage=0)]
+    assert is_adapter(published)
+    merged = dict(Merger(tiny, torch.float32, "cpu")(published))
+    want = dict(model.merge_and_unload().named_parameters())
+    assert merged.keys() == {n for n in want if n.endswith("proj.weight")} | {"lm_head.weight"}  # trained whole
+    for n, t in merged.items():
+        torch.testing.assert_close(t, want[n], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(merged["model.layers.0.mlp.up_proj.weight"], dict(
+        AutoModelForCausalLM.from_pretrained(tiny).named_parameters())["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_what_cannot_be_trained_or_merged_is_refused_naming_the_field(tiny):
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: .*not found"):
+        lora_model(tiny, target_modules=["no_such_proj"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: .*embed_tokens.*input embedding"):
+        lora_model(tiny, target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.modules_to_save: 'no_such_head' matches no module"):
+        lora_model(tiny, target_modules=["q_proj"], modules_to_save=["no_such_head"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: empty"):
+        lora_model(tiny, target_modules=[])
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused_with_the_reason(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "v3").mkdir(parents=True)
+    (root / "latest").write_text("v3")
+    (root / "v3" / "hub.json").write_text("{}")
+    # a checkpoint from before LoRA (no weights.json) is a full-weight one
+    with pytest.raises(checkpoint.CheckpointError, match=r"v3 holds every weight .* but this config trains a LoRA"):
+        checkpoint.load(None, tmp_path, "lora")
+    (root / "v3" / "weights.json").write_text(json.dumps({"kind": "lora"}))
+    with pytest.raises(checkpoint.CheckpointError, match=r"v3 holds a LoRA adapter .* this config trains every weight"):
+        checkpoint.load(None, tmp_path, "full")
