@@ -6,7 +6,7 @@ from learner import checkpoint
 
 
 class _Engine:
-    def save_checkpoint(self, root: str, tag: str, save_latest: bool) -> None:
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool, exclude_frozen_parameters: bool = False) -> None:
         (Path(root) / tag).mkdir(parents=True, exist_ok=True)
         (Path(root) / tag / "state.pt").write_text(tag)
 
