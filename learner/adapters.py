@@ -1,9 +1,7 @@
-"""What a weights version is made of, two kinds behind one interface: every parameter (`FullVersion`), or, with
-`model.lora`, the LoRA adapter alone (`AdapterVersion`), trained with PEFT on a frozen base (`wrap`).
-
-A kind gives the publisher (learner/publisher.py) the (name, parameter) pairs it announces (`named`) and the
-tensors it gathers and sends (`gathered`), and writes `final/` (`save_final`). An adapter version names each
-tensor after the base checkpoint's own weight, so a receiver needs nothing but the base to merge it:
+"""LoRA on the learner (model.lora): the model wrapped with PEFT (`wrap`), its adapters disabled for the KL
+reference (`AdaptersOff`), and the names its trained tensors take in a version (`version_name`; the version itself
+is learner/versions.py's `AdapterVersion`). A version names each tensor after the base checkpoint's own weight, so a
+receiver needs nothing but the base to merge it:
 
     model.layers.0.self_attn.q_proj.lora_A.weight   [r, in]    for  model.layers.0.self_attn.q_proj.weight
     model.layers.0.self_attn.q_proj.lora_B.weight   [out, r]   already scaled by alpha / r: W = W0 + B A
@@ -16,11 +14,8 @@ to the run's dtype and gives it no gradient and no optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from learner.model import gathered_weights, save_hf
 from pipeline.validate import ConfigError
 
 PEFT_PREFIX = "base_model.model."
@@ -48,13 +43,13 @@ def wrap(model, lora, dtype: torch.dtype):
             raise ConfigError(f"model.lora.target_modules: {_plain(name)} is the model's input embedding or output "
                               "head, which an adapter version cannot be merged into (tied to the embedding in many "
                               "models); leave it out, or train it whole with modules_to_save")
-    saved = [n for n, _ in peft_model.named_modules() if n.endswith(f".modules_to_save.{ADAPTER}")]
+    saved = [_plain(n).removesuffix(".modules_to_save") for n, _ in peft_model.named_modules()
+             if n.endswith(".modules_to_save")]
     for want in lora.modules_to_save:
-        if not any(_plain(n).removesuffix(f".modules_to_save.{ADAPTER}").split(".")[-1] == want.split(".")[-1]
-                   for n in saved):
+        if not any(owner == want or owner.endswith(f".{want}") for owner in saved):
             raise ConfigError(f"model.lora.modules_to_save: {want!r} matches no module of the model")
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    if tied and any(_plain(n).split(".")[-3] in ("lm_head", "embed_tokens") for n in saved):
+    whole = [m.original_module for m in peft_model.modules() if hasattr(m, "original_module")]  # modules_to_save
+    if getattr(model.config, "tie_word_embeddings", False) and any(m is head or m is embed for m in whole):
         raise ConfigError("model.lora.modules_to_save: the output head and the input embedding are one tensor in "
                           "this model (tie_word_embeddings); training one whole would untie them")
     for p in peft_model.parameters():  # the frozen base in the run's dtype (the trained ones: MixedAdamW, DeepSpeed)
@@ -67,65 +62,19 @@ def _plain(peft_name: str) -> str:
     return peft_name.removeprefix(PEFT_PREFIX)
 
 
-class FullVersion:
-    """Every parameter, under its own (the checkpoint's) name."""
+class AdaptersOff:
+    """A PEFT model called with its adapters disabled: the frozen base, the reference of trainer.kl_coef (no second
+    copy of the model)."""
 
-    kind = "full"
+    def __init__(self, model):
+        self.module = model  # (learner.logprobs asks the wrapped model what its forward takes)
 
-    def __init__(self, module):
-        self.module = module
-
-    def named(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.module.named_parameters())
-
-    def gathered(self, engine, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-        return gathered_weights(engine, zero_stage)
-
-    def save_final(self, engine, cfg, tokenizer, out_dir, rank: int) -> None:
-        save_hf(engine, cfg, tokenizer, out_dir, rank)
+    def __call__(self, **kwargs):
+        with self.module.disable_adapter(), torch.no_grad():
+            return self.module(**kwargs)
 
 
-class AdapterVersion:
-    """The trained tensors of a PEFT model: each target's lora_A and lora_B (B scaled), and modules_to_save whole,
-    named as the module docstring says."""
-
-    kind = "lora"
-
-    def __init__(self, module):
-        self.module = module
-        self.entries = []  # (version name, parameter, scale of lora_B or None)
-        for name, p in module.named_parameters():
-            if p.requires_grad:
-                self.entries.append((*_version_name(module, name), p))
-
-    def named(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p) for name, _, p in self.entries]
-
-    def gathered(self, engine, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-        pairs = [(name, p) for name, _, p in self.entries]
-        for (name, t), (_, scale, _) in zip(gathered_weights(engine, zero_stage, pairs), self.entries, strict=True):
-            yield name, (t if scale is None else t * scale)
-
-    def save_final(self, engine, cfg, tokenizer, out_dir, rank: int) -> None:
-        """final/: a PEFT adapter directory (`PeftModel.from_pretrained(base, dir)`); with model.lora.merged_final
-        also final-merged/, the base with the adapter merged in. Every rank takes part in the gathers."""
-        state, trained = {}, [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        for name, t in gathered_weights(engine, cfg.trainer.zero_stage, trained):
-            if rank == 0:
-                state[name] = t.to("cpu", copy=True)
-        if rank != 0:
-            return
-        self.module.save_pretrained(out_dir, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-        if cfg.model.lora.merged_final:
-            merged = out_dir.parent / f"{out_dir.name}-merged"
-            self.module.merge_and_unload().save_pretrained(merged)  # the run is over: merged in place
-            if tokenizer is not None:
-                tokenizer.save_pretrained(merged)
-
-
-def _version_name(module, peft_name: str) -> tuple[str, float | None]:
+def version_name(module, peft_name: str) -> tuple[str, float | None]:
     """(name in a version, the scale to apply) of a trained PEFT parameter."""
     name = _plain(peft_name)
     for part in ("lora_A", "lora_B"):
@@ -140,8 +89,3 @@ def _version_name(module, peft_name: str) -> tuple[str, float | None]:
         return f"{owner}.{rest}", None
     raise ValueError(f"model.lora: trained parameter {peft_name} is neither an adapter's nor of modules_to_save "
                      "(DoRA and trained biases cannot be merged into the engine's weights)")
-
-
-def version_kind(cfg, module):
-    """The kind of version this run publishes: the adapter with model.lora, else every parameter."""
-    return AdapterVersion(module) if cfg.model.lora is not None else FullVersion(module)

@@ -78,23 +78,14 @@ def build_engine(cfg: Config, model_path: str):
     engine.finite_guard = guard
     engine.reference = None
     if t.kl_coef > 0 and cfg.model.lora is not None:  # the base itself, adapters off: no second copy
+        from learner.adapters import AdaptersOff
+
         engine.reference = AdaptersOff(engine.module)
     elif t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device).eval()
         ref.config.use_cache = False
         engine.reference = ref.requires_grad_(False)
     return engine
-
-
-class AdaptersOff:
-    """A PEFT model called with its adapters disabled: the frozen base, the reference of trainer.kl_coef."""
-
-    def __init__(self, model):
-        self.module = model  # (learner.logprobs asks the wrapped model what its forward takes)
-
-    def __call__(self, **kwargs):
-        with self.module.disable_adapter(), torch.no_grad():
-            return self.module(**kwargs)
 
 
 def compile_layers(model) -> int:

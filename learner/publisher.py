@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from learner.adapters import version_kind
+from learner.versions import version_kind
 from weights.plan import Packer, manifest, nbytes, unpack
 
 INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least this much, and up to half the

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from learner import checkpoint
-from learner.adapters import AdapterVersion
 from learner.model import build_engine, init_distributed
 from learner.step import train_step
+from learner.versions import AdapterVersion
 from pipeline.config import config_from_dict
 from pipeline.tinymodel import PAD_ID, resolve_model_path
 from tests.integration.test_learner_step import _distinct_groups

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from generator.merge import Merger, is_adapter
 from learner import checkpoint
-from learner.adapters import AdapterVersion, FullVersion, version_kind, wrap
+from learner.adapters import wrap
+from learner.versions import AdapterVersion, FullVersion, version_kind
 from pipeline.config import LoraConfig
 from pipeline.tinymodel import resolve_model_path
 from pipeline.validate import ConfigError
