@@ -64,12 +64,16 @@ class Engine:
             max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
             tensor_parallel_size=g.tensor_parallel_size,
             worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
+            **_served_lora_args(cfg),
         )
         # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
         # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
         with _sigint_blocked():  # its processes never act on a terminal's Ctrl-C (below)
             self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self.mode = g.update_mode
+        # generator.lora_mode adapter: each adapter version a vLLM LoRA adapter, id version + 1 (generator/served.py)
+        self.served = cfg.model.lora is not None and g.lora_mode == "adapter"
+        self._lora = None  # the LoRARequest of the newest version: every new request uses it
         self.eos_id = eos_id
         self.version = 0
         self.run_id = ""  # the run whose weights are loaded ("": the model as loaded from disk)
@@ -114,7 +118,7 @@ class Engine:
         start = time.perf_counter()
         final = None
         try:
-            async for out in self.llm.generate(prompt, params, request_id=rid):
+            async for out in self.llm.generate(prompt, params, request_id=rid, lora_request=self._lora):
                 final = out
         finally:
             del self._active[rid]
@@ -224,12 +228,16 @@ class Engine:
                     await self.llm.pause_generation(mode="wait", clear_cache=False)
                 paused = time.perf_counter()
                 try:
+                    if self.served:  # the version becomes adapter version + 1; running requests keep theirs
+                        await self.llm.collective_rpc("next_adapter", args=(version + 1,))
                     results = await self.llm.collective_rpc(method, args=args)
                     loaded = time.perf_counter()
                     if drain or not self._active:  # frees the old blocks; with requests running vLLM refuses (and
                         await self.llm.reset_prefix_cache()  # warns), and the new salt keeps them from being reused
                     self.version = version
-                    if not drain:  # drain: every request finished before the swap
+                    if self.served:
+                        await self._serve(version)
+                    elif not drain:  # drain: every request finished before the swap
                         for a in self._active.values():
                             a.last = version
                 finally:
@@ -243,6 +251,20 @@ class Engine:
             for note in sorted({n for _, n in results if n}):
                 log.info("%s", note)
             return (time.perf_counter() - start) * 1000 if drain else worker_ms
+
+    async def _serve(self, version: int) -> None:
+        """Adapter mode, after `version` was registered: new requests take its adapter; adapters that neither it nor
+        a running request uses are removed."""
+        from vllm.lora.request import LoRARequest
+
+        # registered from tensors: vLLM reads no file for a resident id (an absolute path: a relative one that does not
+        # exist would be tried as a hub name)
+        self._lora = LoRARequest(f"v{version}", version + 1, f"/nonexistent/pipeline-adapter-v{version}")
+        older = sum(1 for a in self._active.values() if a.first != version)
+        if older:
+            log.info("adapter v%d: %d running requests keep the adapters they started with", version, older)
+        keep = sorted({a.first + 1 for a in self._active.values()} | {version + 1})
+        await self.llm.collective_rpc("keep_adapters", args=(keep,))
 
     async def weights_checksum(self) -> float:
         return (await self.llm.collective_rpc("weights_checksum"))[0]
@@ -268,6 +290,18 @@ class Engine:
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter teardown (AsyncLLM.__del__ fails there)
             gc.collect()
+
+
+def _served_lora_args(cfg: Config) -> dict:
+    """vLLM's LoRA settings for generator.lora_mode adapter: the smallest rank it serves at or above model.lora.r;
+    adapters in a batch up to trainer.max_staleness + 2 (a version per lag, the newest and one arriving); room in
+    memory for more, since a long request keeps an old one."""
+    lora = cfg.model.lora
+    if lora is None or cfg.generator.lora_mode != "adapter":
+        return {}
+    rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora.r)
+    slots = cfg.trainer.max_staleness + 2
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": slots, "max_cpu_loras": 4 * slots + 8}
 
 
 class _Receivers:

@@ -45,7 +45,8 @@ class WeightLoader:
 
     def _load_named(self, named: list) -> None:
         """Every loading path ends here: an adapter version (model.lora) is merged into base weights first
-        (generator/merge.py), then loaded like a full version's tensors."""
+        (generator/merge.py), then loaded like a full version's tensors; or, after `use_adapters`, registered as a
+        vLLM LoRA adapter (generator/served.py), after `next_adapter`."""
         import logging
 
         from vllm.platforms import current_platform
@@ -54,6 +55,9 @@ class WeightLoader:
 
         # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        if is_adapter(named) and getattr(self, "_served", None) is not None:  # generator.lora_mode: adapter
+            self._served.add(named)
+            return
         if is_adapter(named):
             if getattr(self, "_merger", None) is None:
                 model_config = self.vllm_config.model_config
@@ -65,6 +69,17 @@ class WeightLoader:
             runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
         else:
             runner.model.load_weights(weights=named)  # copies into the (sharded) GPU parameters
+
+    def next_adapter(self, lora_id: int) -> None:
+        """generator.lora_mode adapter: the version about to be loaded is served as vLLM LoRA adapter `lora_id`."""
+        from generator.served import ServedAdapters
+
+        if getattr(self, "_served", None) is None:
+            self._served = ServedAdapters(self)
+        self._served.next_id = lora_id
+
+    def keep_adapters(self, ids: list[int]) -> list[int]:
+        return self._served.keep(ids)
 
     def init_collective(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> int:
         """Join this generator's process group with the learner (rank 0); worker i is rank 1 + i."""

@@ -184,6 +184,12 @@ class GeneratorConfig:
     update_mode: Literal["inflight", "drain"] = "inflight"
     """inflight: swap weights between two engine steps, running requests continue on the new weights; drain:
     pause, let running requests finish, swap, resume."""
+    lora_mode: Literal["merged", "adapter"] = "merged"
+    """With model.lora, how an adapter version reaches the engine (it travels as the adapter alone either way).
+    merged: written into the engine's weights, W0 + B A (generator/merge.py): no LoRA kernels at generation, and
+    in-flight updates as for full weights. adapter: each version a vLLM LoRA adapter of its own (generator/served.py,
+    max_loras = trainer.max_staleness + 2): a running request keeps its adapter to its end, so every sample has
+    one behaviour version; vLLM's LoRA kernels cost time per token. modules_to_save cannot be served this way."""
     lease_size: int = runtime(4)
     """Prompt groups per lease at most: the hub's value caps every lease (a generator asks for what its engine has
     room for); a generator also keeps this many groups waiting beside those its engine runs."""

@@ -172,6 +172,15 @@ def check_config(cfg) -> None:
             raise ConfigError(f"trainer.{name}: expected [low, high] with 0 <= low < 1 < high, got {bounds!r}")
     if cfg.eval.every and cfg.eval.data is None and not cfg.data.path.startswith("builtin:"):
         raise ConfigError("eval.data: needed with eval.every > 0 (the held-out prompts: a split or a file)")
+    lora = cfg.model.lora
+    if cfg.generator.lora_mode == "adapter" and lora is None:
+        raise ConfigError("generator.lora_mode: adapter serves a LoRA adapter, and model.lora is not set")
+    if cfg.generator.lora_mode == "adapter" and lora.modules_to_save:
+        raise ConfigError(f"model.lora.modules_to_save: {lora.modules_to_save} cannot be served as a vLLM LoRA adapter "
+                          "(generator.lora_mode adapter); use generator.lora_mode merged, or leave them out")
+    if cfg.generator.lora_mode == "adapter" and lora.r > 512:
+        raise ConfigError(f"model.lora.r: {lora.r} is above the largest rank vLLM serves (512) in generator.lora_mode "
+                          "adapter; use generator.lora_mode merged")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     if ":" not in cfg.generator.rollout:

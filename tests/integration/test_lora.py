@@ -72,16 +72,17 @@ def test_pipeline_run_trains_a_lora_adapter_and_ships_only_the_adapter(procs, tm
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
-def test_an_adapter_version_over_the_collective_transport(procs, tmp_path, model_cache):
-    """weights.transport nccl (gloo on CPU; the staged receive in the vLLM worker): the broadcasts carry the
-    adapter's bytes alone, and the merged engine still gives the learner's log-probs at every version."""
+def test_adapter_mode_over_the_collective_transport_gives_the_learners_log_probs(procs, tmp_path, model_cache):
+    """generator.lora_mode adapter (generator/served.py: each version a vLLM LoRA adapter registered from the received
+    tensors) over weights.transport nccl (gloo on CPU, the staged receive): the broadcasts carry the adapter's bytes
+    alone, and at k = 0 (every sample at lag 0) vLLM's LoRA kernels give the learner's log-probs at every version."""
     from safetensors.torch import load_file
 
     run_dir, steps = tmp_path / "run", 5
-    run = procs(["run", "--run-dir", str(run_dir), "--set", "model.lora={r: 8, alpha: 16, modules_to_save: [lm_head]}",
-                 "--set", "trainer.lr=1e-2", "--set", f"trainer.total_steps={steps}",
-                 "--set", "trainer.max_staleness=0", "--set", "weights.transport=nccl",
-                 "--set", "trainer.checkpoint_every=0"], tmp_path / "run.log")
+    run = procs(["run", "--run-dir", str(run_dir), "--set", "model.lora={r: 8, alpha: 16}",
+                 "--set", "generator.lora_mode=adapter", "--set", "trainer.lr=1e-2",
+                 "--set", f"trainer.total_steps={steps}", "--set", "trainer.max_staleness=0",
+                 "--set", "weights.transport=nccl", "--set", "trainer.checkpoint_every=0"], tmp_path / "run.log")
     assert run.wait(900) == 0, run.tail()
     records = read_jsonl(run_dir / "metrics.jsonl")
     adapter = load_file(run_dir / "final" / "adapter_model.safetensors")
@@ -90,4 +91,24 @@ def test_an_adapter_version_over_the_collective_transport(procs, tmp_path, model
     vias = {e["via"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "weights_applied"}
     assert vias == {"nccl"}
     kl0 = [r["mismatch/kl_lag0"] for r in records]
-    assert len(kl0) == steps and max(kl0) < 1e-5, kl0
+    print(f"mismatch KL at lag 0 per version: {kl0}")
+    assert len(kl0) == steps and max(kl0) < 1e-4, kl0  # LoRA kernels against PEFT, fp32; a wrong adapter: 1e-3 up
+
+
+def test_adapter_mode_keeps_each_requests_adapter_to_its_end(procs, tmp_path, model_cache):
+    """generator.lora_mode adapter with versions arriving while requests run (k = 1, inflight, long completions): a
+    running request keeps its adapter, so no sample mixes versions: each has exactly one behaviour version (merged
+    weights, like full ones, give a running request's later tokens the new version)."""
+    run_dir, steps = tmp_path / "run", 5
+    run = procs(["run", "--run-dir", str(run_dir), "--set", "model.lora={r: 8, alpha: 16}",
+                 "--set", "generator.lora_mode=adapter", "--set", "trainer.lr=1e-2",
+                 "--set", f"trainer.total_steps={steps}", "--set", "trainer.max_staleness=1",
+                 "--set", "sampling.max_tokens=48", "--set", "sampling.ignore_eos=true",
+                 "--set", "generator.max_model_len=128", "--set", "trainer.checkpoint_every=0"], tmp_path / "run.log")
+    assert run.wait(900) == 0, run.tail()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, steps + 1))
+    log = (run_dir / "logs" / "generator-0.log").read_text()
+    assert "running requests keep the adapters they started with" in log  # versions did arrive mid-request
+    assert max(r["staleness/max_lag"] for r in records) == 1
+    assert all(r["inflight/mixed_samples"] == 0 for r in records)  # first == last version for every sample

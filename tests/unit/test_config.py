@@ -57,6 +57,10 @@ def test_file_then_overrides(tmp_path):
     ({}, ["model.lora={lora_alpha: 8}"], "model.lora.lora_alpha: unknown field (did you mean alpha?)"),
     ({}, ["model.lora={dropout: 1.0}"], "model.lora.dropout: must be in [0, 1)"),
     ({}, ["model.lora={target_modules: 5}"], "model.lora.target_modules: expected str, got 5"),
+    ({}, ["generator.lora_mode=adapter"], "generator.lora_mode: adapter serves a LoRA adapter, and model.lora is not"),
+    ({}, ["generator.lora_mode=adapter", "model.lora={modules_to_save: [lm_head]}"],
+     "model.lora.modules_to_save: ['lm_head'] cannot be served as a vLLM LoRA adapter"),
+    ({}, ["generator.lora_mode=adapter", "model.lora={r: 600}"], "model.lora.r: 600 is above the largest rank vLLM"),
 ])
 def test_bad_fields_are_named(data, overrides, message):
     with pytest.raises(ConfigError) as e:
