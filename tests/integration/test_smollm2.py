@@ -105,3 +105,35 @@ def test_smollm2_trains_in_trls_conversational_format_and_engine_and_learner_agr
     assert final.config.tie_word_embeddings and tied
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert (got - before).abs().max() > 1e-3  # it trained: final/ is not the starting model
+
+
+def test_a_lora_adapter_of_smollm2_reaches_the_engine_through_its_llama_names(procs, tmp_path, smollm2):
+    """model.lora on all linear layers of SmolLM2 (Llama: q/k/v and gate/up, which vLLM packs): each version is the
+    adapter alone, merged in the engine (merged mode) under the checkpoint's own names; the engine's log-probs are
+    the learner's at every version, and final/ is a PEFT adapter of this base."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(16)))
+    steps = 2
+    cfg = {"model": {"path": str(smollm2), "dtype": "float32", "lora": {"r": 8, "alpha": 16}},
+           "data": {"path": str(data)}, "rewards": [{"fn": "pipeline.tasks:math_answer"}],
+           "sampling": {"max_tokens": 48},
+           "trainer": {"total_steps": steps, "batch_size": 2, "group_size": 4, "max_staleness": 0, "lr": 1e-3},
+           "generator": {"max_num_seqs": 8}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    run = procs(["run", "-c", str(tmp_path / "cfg.yaml"), "--run-dir", str(run_dir)], tmp_path / "run.log")
+    assert run.wait(900) == 0, run.tail()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    adapter = load_file(run_dir / "final" / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 7 * 30  # A and B of the seven projections of each of the 30 layers
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    assert [r["sync/version_bytes"] for r in records] == [adapter_bytes] * steps
+    kl = [r["mismatch/kl_lag0"] for r in records]
+    print("mismatch KL at lag 0 per step (LoRA):", kl)
+    assert len(kl) == steps and max(kl) < KL_BOUND
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2), run_dir / "final")
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n) and tuned is not None  # it trained
