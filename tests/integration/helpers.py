@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from pathlib import Path
 
 from pipeline import protocol as P
@@ -60,3 +62,66 @@ class Sink:
 
     async def send(self, data, copy=False):
         self.sent.append(P.decode(data, limits=P.FROM_HUB)[0])
+
+
+class Gate:
+    """A TCP relay to the hub's control port that lets nothing through until `open()`: a generator given `port`
+    starts its engine at once, then knocks (its registration's connection, which ZeroMQ retries every 0.1 s) until
+    the test opens the gate. Engines so start side by side, `knocked` says when each one is up, and each joins the run
+    when the test wants it to. A context manager: the relay stops at its end."""
+
+    def __init__(self, hub_port: int):
+        self.hub_port, self.opened, self.knocked = hub_port, threading.Event(), threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        self.server.close()
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            if not self.opened.is_set():  # turned away: ZeroMQ connects again
+                self.knocked.set()
+                client.close()
+                continue
+            try:
+                hub = socket.create_connection(("127.0.0.1", self.hub_port))
+            except OSError:  # the hub is gone: so is this connection
+                client.close()
+                continue
+            for src, dst in ((client, hub), (hub, client)):
+                threading.Thread(target=_relay, args=(src, dst), daemon=True).start()
+
+
+def _relay(src: socket.socket, dst: socket.socket) -> None:
+    """Copy until either side closes, then close both ways."""
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        src.close()

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import wait_for
-from tests.integration.helpers import start_generator, start_learner, wait_steps
+from tests.integration.helpers import Gate, start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 
@@ -18,18 +18,25 @@ def _applied(run_dir) -> list[dict]:
 
 def test_collective_transport_with_a_late_joiner(procs, tmp_path, model_cache, free_port):
     run_dir = tmp_path / "nccl"
-    steps = 100  # long enough for a second engine to start mid-run (it joined near step 40 on 2 cores)
+    steps = 12  # the late generator joins near step 3 (its engine warm, its gate opened then), so mid-run
     common = [f"trainer.total_steps={steps}", "weights.transport=nccl", "trainer.max_staleness=1",
               "weights.collective_timeout_s=60"]
     learner = start_learner(procs, run_dir, free_port, common)
-    first = start_generator(procs, run_dir, free_port, common, "first")
-    wait_steps(run_dir, 3, 600, [learner, first])
-    late = start_generator(procs, run_dir, free_port, common, "late")
-    wait_for(lambda: len({e["generator"] for e in _applied(run_dir) if e["via"] == "nccl"}) == 2, 400,
-             "the late generator to receive a broadcast", [learner, first, late])
-    assert learner.wait(400) == 0, learner.tail()
-    for g in (first, late):
-        assert g.wait(60) == 0, g.tail()
+    with Gate(free_port) as first_gate, Gate(free_port) as late_gate:
+        # both engines start side by side; each generator reaches the hub only once its gate opens, so the late one
+        # joins mid-run without the run waiting for its engine to start
+        first = start_generator(procs, run_dir, first_gate.port, common, "first")
+        late = start_generator(procs, run_dir, late_gate.port, common, "late")
+        wait_for(lambda: first_gate.knocked.is_set() and late_gate.knocked.is_set(), 600, "both engines to start",
+                 [learner, first, late])
+        first_gate.open()
+        wait_steps(run_dir, 3, 600, [learner, first])
+        late_gate.open()
+        wait_for(lambda: len({e["generator"] for e in _applied(run_dir) if e["via"] == "nccl"}) == 2, 400,
+                 "the late generator to receive a broadcast", [learner, first, late])
+        assert learner.wait(400) == 0, learner.tail()
+        for g in (first, late):
+            assert g.wait(60) == 0, g.tail()
     registers = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
     assert [e["transport"] for e in registers] == ["nccl", "nccl"]
     late_id = registers[1]["generator"]

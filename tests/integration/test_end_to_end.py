@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from pipeline.metrics import read_jsonl
-from tests.conftest import running
-from tests.integration.helpers import start_generator, start_learner, wait_steps
+from pipeline.netutil import free_port
+from tests.conftest import running, wait_for
+from tests.integration.helpers import Gate, start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 
@@ -64,65 +65,84 @@ def test_pipeline_run_learns_the_echo_task(procs, tmp_path, model_cache):
     assert "done: 40 steps" in run.tail()
 
 
-@pytest.mark.parametrize("k, mode, n_gen", [(0, "drain", 1), (3, "inflight", 2)])
-def test_staleness_bound_and_versions_as_separate_services(procs, tmp_path, model_cache, free_port, k, mode, n_gen):
-    """`pipeline learner` + `pipeline generator` x n: step - behaviour version <= k for every trained sample."""
-    run_dir = tmp_path / f"k{k}"
-    steps = 8
-    # one epoch of 8 batches and 5 prompts: the dataset runs out before trainer.total_steps, which ends the run
-    common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", "trainer.total_steps=100",
-              "trainer.epochs=1", f"data.size={steps * 16 + 5}",
-              # long completions: generation is the bottleneck, so updates arrive while requests run
-              "sampling.max_tokens=48", "sampling.ignore_eos=true", "generator.max_model_len=128"]
-    learner = start_learner(procs, run_dir, free_port, common)
-    gens = [start_generator(procs, run_dir, free_port, common, name=f"gen{i}") for i in range(n_gen)]
-    wait_steps(run_dir, steps, 600, [learner, *gens])
-    assert learner.wait(120) == 0, learner.tail()
-    assert "dataset exhausted: trainer.epochs=1 over 133 prompts gave 128 trained groups" in learner.tail(200)
-    for g in gens:  # generators leave by themselves once the run is complete
-        assert g.wait(60) == 0, g.tail()
-    assert (run_dir / "final" / "config.json").exists() and (run_dir / "checkpoints" / f"v{steps}").is_dir()
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    lags = [r["staleness/max_lag"] for r in records]
-    waits = [round(r["time/wait_s"], 2) for r in records]
-    print(f"k={k} mode={mode}: max lag per step {lags}, learner wait per step (s) {waits}")
-    assert all(lag <= k for lag in lags), lags
-    assert [r["version"] for r in records] == list(range(1, steps + 1))
-    acks = _acks(run_dir)
-    assert len(acks) == n_gen
-    for versions in acks.values():
-        assert versions[0] == 0 and versions[-1] == steps and versions == sorted(versions)
-    mixed = sum(r["inflight/mixed_samples"] for r in records)
-    if k == 0:
-        assert lags == [0] * steps  # synchronous: every sample comes from the newest weights
-        assert all(versions == list(range(0, steps + 1)) for versions in acks.values())
-        assert mixed == 0  # drain: no sample mixes versions
-    else:
-        # whether a request spans an update here depends on timing; tests/integration/test_engine.py
-        # checks first < last for a request that does, with the real engine
-        print(f"samples generated across an update (first < last version): {mixed}")
-        assert max(lags) >= 1  # generation ran ahead of training
-        by_gen = {}
-        for r in records:
-            for gid, n in r["groups_by_generator"].items():
-                by_gen[gid] = by_gen.get(gid, 0) + n
-        assert len(by_gen) == 2 and min(by_gen.values()) > 0, by_gen  # both generators shared the work
-    trained = [(t[0], t[1]) for r in records for t in r["trained"]]
-    assert len(trained) == len(set(trained)) == steps * 16  # no prompt trained twice
+def test_staleness_bound_and_versions_as_separate_services(procs, tmp_path, model_cache):
+    """`pipeline learner` + `pipeline generator` x n: step - behaviour version <= k for every trained sample. Two
+    runs side by side, so that their engines start together: k = 0 with a draining generator, k = 3 with two inflight
+    ones."""
+    runs = [StalenessRun(procs, tmp_path, 0, "drain", 1), StalenessRun(procs, tmp_path, 3, "inflight", 2)]
+    try:
+        for run in runs:
+            run.join()
+        for run in runs:
+            run.check()
+    finally:
+        for run in runs:
+            run.close()
 
 
-def test_generator_drains_on_sigterm(procs, tmp_path, model_cache, free_port):
-    """SIGTERM: the generator finishes its groups, says goodbye and exits 0; the learner goes on."""
-    run_dir = tmp_path / "drain"
-    common = ["trainer.total_steps=200", "trainer.max_staleness=1"]
-    learner = start_learner(procs, run_dir, free_port, common)
-    gen = start_generator(procs, run_dir, free_port, common)
-    wait_steps(run_dir, 3, 600, [learner, gen])
-    gen.signal(signal.SIGTERM)
-    assert gen.wait(60) == 0, gen.tail()
-    events = [e["event"] for e in read_jsonl(run_dir / "events.jsonl")]
-    assert "leave" in events
-    assert learner.proc.poll() is None  # the learner keeps running, waiting for generators
+class StalenessRun:
+    """A learner and `n_gen` generators, each behind a gate that opens once all of them are up: they join together
+    (else the first could lease the whole dataset before the second is up)."""
+
+    steps, batch = 8, 8
+
+    def __init__(self, procs, tmp_path, k: int, mode: str, n_gen: int):
+        self.k, self.mode, self.run_dir, port = k, mode, tmp_path / f"k{k}", free_port()
+        # one epoch of 8 batches and 5 prompts: the dataset runs out before trainer.total_steps, which ends the run
+        common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", "trainer.total_steps=100",
+                  "trainer.epochs=1", f"trainer.batch_size={self.batch}", f"data.size={self.steps * self.batch + 5}",
+                  # long completions: generation is the bottleneck, so updates arrive while requests run
+                  "sampling.max_tokens=48", "sampling.ignore_eos=true", "generator.max_model_len=128"]
+        self.learner = start_learner(procs, self.run_dir, port, common)
+        self.gates = [Gate(port) for _ in range(n_gen)]
+        self.gens = [start_generator(procs, self.run_dir, g.port, common, name=f"gen{i}")
+                     for i, g in enumerate(self.gates)]
+
+    def join(self) -> None:
+        wait_for(lambda: all(g.knocked.is_set() for g in self.gates), 600, f"k={self.k}: the engines to start",
+                 [self.learner, *self.gens])
+        for g in self.gates:
+            g.open()
+
+    def close(self) -> None:
+        for g in self.gates:
+            g.close()
+
+    def check(self) -> None:
+        k, mode, run_dir, learner, gens, steps = self.k, self.mode, self.run_dir, self.learner, self.gens, self.steps
+        wait_steps(run_dir, steps, 600, [learner, *gens])
+        assert learner.wait(120) == 0, learner.tail()
+        assert "dataset exhausted: trainer.epochs=1 over 69 prompts gave 64 trained groups" in learner.tail(200)
+        for g in gens:  # generators leave by themselves once the run is complete
+            assert g.wait(60) == 0, g.tail()
+        assert (run_dir / "final" / "config.json").exists() and (run_dir / "checkpoints" / f"v{steps}").is_dir()
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        lags = [r["staleness/max_lag"] for r in records]
+        waits = [round(r["time/wait_s"], 2) for r in records]
+        print(f"k={k} mode={mode}: max lag per step {lags}, learner wait per step (s) {waits}")
+        assert all(lag <= k for lag in lags), lags
+        assert [r["version"] for r in records] == list(range(1, steps + 1))
+        acks = _acks(run_dir)
+        assert len(acks) == len(gens)
+        for versions in acks.values():
+            assert versions[0] == 0 and versions[-1] == steps and versions == sorted(versions)
+        mixed = sum(r["inflight/mixed_samples"] for r in records)
+        if k == 0:
+            assert lags == [0] * steps  # synchronous: every sample comes from the newest weights
+            assert all(versions == list(range(0, steps + 1)) for versions in acks.values())
+            assert mixed == 0  # drain: no sample mixes versions
+        else:
+            # whether a request spans an update here depends on timing; tests/integration/test_engine.py
+            # checks first < last for a request that does, with the real engine
+            print(f"samples generated across an update (first < last version): {mixed}")
+            assert max(lags) >= 1  # generation ran ahead of training
+            by_gen = {}
+            for r in records:
+                for gid, n in r["groups_by_generator"].items():
+                    by_gen[gid] = by_gen.get(gid, 0) + n
+            assert len(by_gen) == 2 and min(by_gen.values()) > 0, by_gen  # both generators shared the work
+        trained = [(t[0], t[1]) for r in records for t in r["trained"]]
+        assert len(trained) == len(set(trained)) == steps * self.batch  # no prompt trained twice
 
 
 def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(procs, tmp_path, model_cache):
@@ -152,23 +172,3 @@ def json_pid(run_dir) -> int:
     import json
 
     return json.loads((run_dir / "hub.json").read_text())["pid"]
-
-
-def test_a_learner_stopped_by_sigterm_removes_its_shared_memory_files(procs, tmp_path, model_cache, free_port):
-    """Alone, without `pipeline run` to sweep after it: SIGTERM ends the learner like Ctrl-C, its files go."""
-    import json
-    from pathlib import Path
-
-    from tests.conftest import wait_for
-    from tests.integration.helpers import start_learner
-
-    run_dir = tmp_path / "term"
-    learner = start_learner(procs, run_dir, free_port, ["weights.transport=shm"])
-    shm = wait_for(lambda: (run_dir / "hub.json").exists() and Path(
-        f"/dev/shm/pipeline-{json.loads((run_dir / 'hub.json').read_text())['run_id']}"), 300, "the hub", [learner])
-    wait_for(lambda: list(shm.glob("weights-v0.safetensors")), 120, "version 0 in /dev/shm", [learner])
-    assert oct(next(shm.glob("weights-v0.safetensors")).stat().st_mode & 0o777) == "0o600"
-    learner.signal(signal.SIGTERM)
-    assert learner.wait(60) == 130, learner.tail()
-    assert not shm.exists()
-    assert "learner stopped by a signal" in learner.tail()

@@ -26,15 +26,19 @@ SCENARIOS = {  # name: (trainer fields, steps, rank 0's live trainer.lr or None)
 }
 
 
-def _run(out, ranks: int) -> dict[str, list[dict]]:
+def _start(out, ranks: int) -> subprocess.Popen:
     """Every scenario with `ranks` ranks (the 1-rank run without live changes), in one torchrun."""
     specs = {name: {"config": {"trainer": {**BASE, **trainer}}, "steps": steps,
                     **({"live_lr": live} if live is not None and ranks > 1 else {})}
              for name, (trainer, steps, live) in SCENARIOS.items()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
            str(free_port()), "tests/integration/rank_steps.py", str(out / f"ranks{ranks}"), json.dumps(specs)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    with (out / f"ranks{ranks}.log").open("w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _results(out, ranks: int, proc: subprocess.Popen) -> dict[str, list[dict]]:
+    assert proc.wait(timeout=900) == 0, (out / f"ranks{ranks}.log").read_text(errors="replace")[-9000:]
     return {name: [torch.load(out / f"ranks{ranks}" / name / f"rank{r}.pt") for r in range(ranks)]
             for name in SCENARIOS}
 
@@ -42,7 +46,14 @@ def _run(out, ranks: int) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def runs(model_cache, tmp_path_factory) -> tuple[dict, dict]:
     out = tmp_path_factory.mktemp("ranks")
-    return _run(out, 1), _run(out, 2)
+    started = {ranks: _start(out, ranks) for ranks in (1, 2)}  # side by side: a start is mostly imports, on one core
+    try:
+        return tuple(_results(out, ranks, proc) for ranks, proc in started.items())
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:  # a failure or a time-out: stopped by PID, as subprocess.run's time-out does
+                proc.kill()
+                proc.wait()
 
 
 def _close(a: dict, b: dict, atol: float = 2e-4) -> bool:  # Adam turns float32 rounding into up to 5e-5 here

@@ -488,7 +488,22 @@ async def test_a_request_whose_send_never_completes_fails_as_a_lost_hub(monkeypa
         client.close()
 
 
-async def test_a_generator_whose_messages_cannot_be_sent_gives_up_with_the_reason(tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def quick_requests(monkeypatch):
+    """Every hub request times out within 2 s (a generator waits 10 s at least): the tests that wait for requests to
+    time out wait that long, not 10 s each."""
+    from pipeline.client import HubClient
+
+    request = HubClient.request
+
+    async def within_2_s(self, msg, timeout=None):
+        return await request(self, msg, min(timeout or self.timeout, 2.0))
+
+    monkeypatch.setattr(HubClient, "request", within_2_s)
+
+
+async def test_a_generator_whose_messages_cannot_be_sent_gives_up_with_the_reason(tmp_path, monkeypatch, caplog,
+                                                                                   quick_requests):
     """Its event loop alive but every send stuck (the hang seen twice): the heartbeat's request fails, and with no
     answer from the hub for generator.hub_lost_s it exits 1 saying so, instead of falling silent for good."""
     import zmq.asyncio
@@ -502,11 +517,12 @@ async def test_a_generator_whose_messages_cannot_be_sent_gives_up_with_the_reaso
             await asyncio.Event().wait()
 
         monkeypatch.setattr(zmq.asyncio.Socket, "send", never)
-        assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 10 s)
+        assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 2 s: quick_requests)
     assert any("no answer from the hub" in r.message and "generator.hub_lost_s" in r.message for r in caplog.records)
 
 
-async def test_a_generator_reconnecting_when_the_learner_ends_gives_up_with_the_reason(tmp_path, caplog):
+async def test_a_generator_reconnecting_when_the_learner_ends_gives_up_with_the_reason(tmp_path, caplog,
+                                                                                        quick_requests):
     """The hub dropped it, and the learner finished and exited while it reconnected: it does not retry for ever."""
     cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 50},
                             "generator": {"hub_lost_s": 1.0}, "hub": {"heartbeat_s": 0.2}})
@@ -515,7 +531,7 @@ async def test_a_generator_reconnecting_when_the_learner_ends_gives_up_with_the_
         with hub.lock:
             hub._drop_generator(gen.id, "heartbeat timeout")
         hub.stop()  # the learner is done and gone
-        assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 10 s)
+        assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 2 s: quick_requests)
     assert any("no answer from the hub" in r.message for r in caplog.records)
 
 
