@@ -13,6 +13,8 @@ training rollout, then scored here, not trained:
     eval/behaviour_version   the oldest weights version that sampled the round (v, or later if v was gone)
     eval/newest_version      the newest: with generator.update_mode inflight, a request that runs while a version
                              arrives ends under it, so a round labelled v may hold tokens of v + 1, v + 2, ...
+    eval/mixed_samples       samples whose tokens came from more than one version (0 in generator.lora_mode adapter,
+                             where a request keeps its adapter)
 
 A lease lost with its generator, or not returned in time, goes back to its round; a prompt whose group failed
 is left out of it (eval/failed). A round ends when every prompt is in; it is written to RUN_DIR/eval.jsonl and
@@ -42,6 +44,7 @@ class Round:
     rewards: dict[int, list[float]] = field(default_factory=dict)
     versions: list[int] = field(default_factory=list)  # per group: the oldest version of its tokens
     newest: int = -1  # the newest version of any token of the round
+    mixed: int = 0  # samples whose first and last tokens came from different versions
     failed: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -112,6 +115,7 @@ class Evaluation:
         lease.round.rewards[msg.prompt_id] = [s.reward for s in msg.samples]
         lease.round.versions.append(min(s.first_version for s in msg.samples))
         lease.round.newest = max(lease.round.newest, *(s.last_version for s in msg.samples))
+        lease.round.mixed += sum(s.first_version != s.last_version for s in msg.samples)
         self._maybe_done(lease.round)
 
     def failed(self, lease_id: int, prompt_id: int, generator_id: str) -> bool:
@@ -156,7 +160,7 @@ class Evaluation:
             f"eval/pass@{k}": float(passed.any(axis=1).mean()) if len(rewards) else float("nan"),
             "eval/pass@1": float(passed.mean()) if len(rewards) else float("nan"),
             "eval/behaviour_version": min(rnd.versions, default=rnd.version),
-            "eval/newest_version": max(rnd.newest, rnd.version),
+            "eval/newest_version": max(rnd.newest, rnd.version), "eval/mixed_samples": rnd.mixed,
             "eval/seconds": time.monotonic() - rnd.started,
         }
         with (self.run_dir / "eval.jsonl").open("a") as f:

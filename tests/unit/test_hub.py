@@ -369,6 +369,7 @@ def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained
         (done,) = hub.evaluations()
         assert done["version"] == 0 and done["eval/prompts"] == 3
         assert done["eval/behaviour_version"] == 0 and done["eval/newest_version"] == 1  # the versions it spans
+        assert done["eval/mixed_samples"] == 3  # the last group's samples began under v0 and ended under v1
         assert done["eval/reward_mean"] == pytest.approx(4 / 9) and done["eval/pass@3"] == pytest.approx(2 / 3)
         assert done["eval/pass@1"] == pytest.approx(4 / 9)
         assert not hub.ledger.buffer and len(hub.ledger.leases) == 1  # nothing of it buffered for training
