@@ -13,7 +13,9 @@ on the new weights (first < last) and keep their KV cache. vLLM cannot reset the
 requests run, so every request carries a `cache_salt` that changes with each load: a new request never
 reuses prompt KV that other weights computed (requests of one load still share their prefixes; a group's
 samples are one request and share its prompt). `drain` mode pauses with mode="wait" (running requests
-finish first), loads, resets the prefix cache and resumes.
+finish first), loads, resets the prefix cache and resumes. With generator.lora_mode adapter (a LoRA run) each version is
+a vLLM LoRA adapter of its own (generator/served.py): a request takes the newest at its start and keeps it to its end,
+so first = last whatever the update mode.
 With the nccl transport the receive is staged when there is room (`weights.staging`): a thread in each
 worker receives a version as soon as it is announced, outside the engine's loop, and the engine keeps
 generating until the swap copies it in.
