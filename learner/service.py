@@ -32,6 +32,7 @@ from learner.model import build_engine, init_distributed
 from learner.publisher import WeightPublisher
 from learner.staleness import behaviour_version
 from learner.step import train_step
+from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
@@ -61,7 +62,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     if resume:
         reapply_changes(cfg, run_dir)
     engine = build_engine(cfg, model_path)
-    kind = "lora" if cfg.model.lora is not None else "full"
+    kind = version_kind(cfg, engine.module).kind  # a checkpoint of the other kind is refused
     version, hub_state = checkpoint.load(engine, run_dir, kind) if resume else (0, None)
     if resume and rank == 0:
         discarded = truncate_metrics(run_dir, version)

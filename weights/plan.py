@@ -19,10 +19,20 @@ import torch
 
 BUCKET_BYTES = 256 * 2**20
 ALIGN = 16  # every tensor starts at a multiple of this many bytes inside its bucket
+# An adapter version (model.lora; learner/versions.py) names lora_A and lora_B after the base weight they change:
+# `X.lora_A.weight` and `X.lora_B.weight` for `X.weight`. PEFT's own names put its wrapper's prefix before them
+# (what vLLM's LoRA loader parses: generator/served.py).
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."
 
 
 def nbytes(dtype: str, shape: list) -> int:
     return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def is_adapter(entries) -> bool:
+    """Whether a version, as (name, tensor) pairs or as its manifest ([name, dtype, shape]), is an adapter version."""
+    return any(name.endswith(LORA_A) for name, *_ in entries)
 
 
 def buckets(manifest: list) -> list[tuple[list[int], list[int], int]]:

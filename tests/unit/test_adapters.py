@@ -8,13 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from generator.merge import Merger, is_adapter
+from generator.merge import Merger
 from learner import checkpoint
 from learner.adapters import wrap
 from learner.versions import AdapterVersion, FullVersion, version_kind
 from pipeline.config import LoraConfig
 from pipeline.tinymodel import resolve_model_path
 from pipeline.validate import ConfigError
+from weights.plan import is_adapter
 
 
 @pytest.fixture(scope="module")
