@@ -96,6 +96,17 @@ class Engine:
         # of the last swap: the pause (drain), the load call, in the workers; staged: the receive before it
         self.last_swap_ms: dict[str, float] = {}
 
+    async def start(self, cfg: Config) -> None:
+        """Before the first request: with model.quantization the engine serves the learner's quantized base,
+        dequantized (pipeline/quantization.py), not the checkpoint's weights."""
+        if cfg.model.quantization is None:
+            return
+        start = time.perf_counter()
+        (n, *_) = await self.llm.collective_rpc("load_learner_base", args=(cfg.model.quantization,))
+        log.info("model.quantization %s: the engine serves the learner's base (%d weights quantized and dequantized "
+                 "as the learner's bitsandbytes layers hold them, %.1f s)", cfg.model.quantization, n,
+                 time.perf_counter() - start)
+
     async def generate(self, prompt_ids: list[int], n: int, sampling, seed: int | None = None,
                        stop: list[int] = ()) -> list[Completion]:
         """n completions of `prompt_ids`; `stop`: token ids that end a completion besides EOS (kept in it)."""

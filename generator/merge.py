@@ -11,6 +11,10 @@ kernels.
 The base weights of the adapted modules are read once from the model's checkpoint (the safetensors files of
 the directory the engine loaded) and kept on the worker's device: the engine's own weights are no longer the
 base once a version is merged. That copy is the mode's memory cost, about the model's size with all-linear.
+
+With model.quantization (QLoRA) the base is the learner's, W' (pipeline/quantization.py): `learner_base_weights`
+gives every weight the learner quantized as W', which the worker loads into the engine at start, in both
+generator.lora_mode's; the Merger merges onto W'. Nothing is ever merged into quantized weights.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from pathlib import Path
 
 import torch
 
+from pipeline.quantization import learner_base, quantized_names
 from weights.plan import LORA_A, LORA_B
 
 
 class Merger:
-    def __init__(self, model: str, dtype: torch.dtype, device):
+    def __init__(self, model: str, dtype: torch.dtype, device, quantization: str | None = None):
         self.dir, self.dtype, self.device = _local_dir(model), dtype, device
+        self.quantization = quantization
+        self.quantized = set(quantized_names(str(self.dir), quantization)) if quantization else set()
         self.base: dict[str, torch.Tensor] = {}
 
     def __call__(self, named: list) -> list[tuple[str, torch.Tensor]]:
@@ -49,18 +56,34 @@ class Merger:
         """The base weights `names` from the checkpoint, in the engine's dtype, on the worker's device."""
         if not names:
             return
-        from safetensors import safe_open
+        self.base.update(_read(self.dir, names, self.dtype, self.device, self.quantized, self.quantization))
 
-        where = _index(self.dir)
-        missing = [n for n in names if n not in where]
-        if missing:
-            raise ValueError(f"adapter version: {self.dir} holds no weight {missing[0]} (of {len(missing)} missing): "
-                             "generator and learner must load the same model.path")
-        for file in sorted({where[n] for n in names}):
-            with safe_open(str(self.dir / file), framework="pt", device="cpu") as f:
-                for n in names:
-                    if where[n] == file:
-                        self.base[n] = f.get_tensor(n).to(self.device, self.dtype)
+
+def learner_base_weights(model: str, dtype: torch.dtype, device, quantization: str) -> list[tuple[str, torch.Tensor]]:
+    """Every weight the learner of a quantized run quantized, as W' (its base as it computes with it)."""
+    root = _local_dir(model)
+    names = quantized_names(str(root), quantization)
+    return list(_read(root, names, dtype, device, set(names), quantization).items())
+
+
+def _read(root: Path, names: list[str], dtype: torch.dtype, device, quantized: set[str],
+          quantization: str | None) -> dict[str, torch.Tensor]:
+    """The weights `names` of the checkpoint in `root`, in `dtype` on `device`; those in `quantized` as W'."""
+    from safetensors import safe_open
+
+    where = _index(root)
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise ValueError(f"adapter version: {root} holds no weight {missing[0]} (of {len(missing)} missing): "
+                         "generator and learner must load the same model.path")
+    out = {}
+    for file in sorted({where[n] for n in names}):
+        with safe_open(str(root / file), framework="pt", device="cpu") as f:
+            for n in names:
+                if where[n] == file:
+                    w = f.get_tensor(n).to(device, dtype)
+                    out[n] = learner_base(w, quantization) if n in quantized else w
+    return out
 
 
 def _index(root: Path) -> dict[str, str]:

@@ -483,6 +483,7 @@ async def main(cfg: Config, address: str, gpus: str = "") -> int:
     engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, tok.eos_token_id)
     segments = record_segments(own_segments(before))  # removed by remove_stale, should this process and engine die
     try:
+        await engine.start(cfg)
         gen = Generator(cfg, engine, tok, address, gpus)
         return await gen.run()
     finally:

@@ -47,29 +47,44 @@ class WeightLoader:
         """Every loading path ends here: an adapter version (model.lora) is merged into base weights first
         (generator/merge.py), then loaded like a full version's tensors; or, after `use_adapters`, registered as a
         vLLM LoRA adapter (generator/served.py) once `next_adapter` was called."""
-        import logging
-
-        from vllm.platforms import current_platform
-
         from generator.merge import Merger
         from weights.plan import is_adapter
 
-        # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         if is_adapter(named) and getattr(self, "_served", None) is not None:  # generator.lora_mode: adapter
             self._served.add(named)
             return
         if is_adapter(named):
             if getattr(self, "_merger", None) is None:
                 model_config = self.vllm_config.model_config
-                self._merger = Merger(model_config.model, model_config.dtype, getattr(self, "device", "cpu"))
+                self._merger = Merger(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
+                                      getattr(self, "_quantization", None))
             named = self._merger(named)
+        self._into_engine(named)
 
+    def _into_engine(self, named: list) -> None:
+        import logging
+
+        from vllm.platforms import current_platform
+
+        # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         runner = self.model_runner
         if current_platform.is_cpu():
             runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
         else:
             runner.model.load_weights(weights=named)  # copies into the (sharded) GPU parameters
+
+    def load_learner_base(self, quantization: str) -> int:
+        """model.quantization: the engine serves the learner's base, each weight it quantized dequantized (W',
+        generator/merge.py); adapter versions go onto it from now on. Returns the number of weights replaced."""
+        from generator.merge import learner_base_weights
+
+        model_config = self.vllm_config.model_config
+        self._quantization = quantization
+        named = learner_base_weights(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
+                                     quantization)
+        self._into_engine(named)
+        return len(named)
 
     def next_adapter(self, lora_id: int) -> None:
         """generator.lora_mode adapter: the version about to be loaded is served as vLLM LoRA adapter `lora_id`."""

@@ -53,7 +53,7 @@ def wrap(model, lora, dtype: torch.dtype):
         raise ConfigError("model.lora.modules_to_save: the output head and the input embedding are one tensor in "
                           "this model (tie_word_embeddings); training one whole would untie them")
     for p in peft_model.parameters():  # the frozen base in the run's dtype (the trained ones: MixedAdamW, DeepSpeed)
-        if not p.requires_grad:
+        if not p.requires_grad and p.is_floating_point():  # (bitsandbytes' quantized weights are integers)
             p.data = p.data.to(dtype)
     return peft_model
 

@@ -21,13 +21,14 @@ class CheckpointError(RuntimeError):
 
 def save(engine, run_dir: Path, version: int, hub_state: dict | None, rank: int, keep: int = 2,
          kind: str = "full") -> Path:
-    """`kind`: what the run trains (learner/versions.py), `lora` or `full`; a LoRA checkpoint holds the adapter and its
-    optimizer state, not the frozen base (which the run loads from model.path)."""
+    """`kind`: what the run trains (learner/versions.py), `full`, `lora` or `lora-4bit`/`lora-8bit` (on a quantized
+    base); a LoRA checkpoint holds the adapter and its optimizer state, not the frozen base (which the run loads from
+    model.path)."""
     import torch.distributed as dist
 
     root = run_dir / "checkpoints"
     tag = f"v{version}"
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False, exclude_frozen_parameters=kind == "lora")
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False, exclude_frozen_parameters=kind != "full")
     if dist.is_initialized():
         dist.barrier()  # every rank's shards are on disk before `latest` names them
     if rank == 0:
@@ -54,7 +55,9 @@ def _tags(root: Path) -> list[str]:
     return [p.name for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()]
 
 
-KINDS = {"full": "every weight (a full-weight run)", "lora": "a LoRA adapter (a model.lora run)"}
+KINDS = {"full": "every weight (a full-weight run)", "lora": "a LoRA adapter (a model.lora run)",
+         "lora-4bit": "a LoRA adapter of a 4-bit base (model.quantization 4bit)",
+         "lora-8bit": "a LoRA adapter of an 8-bit base (model.quantization 8bit)"}
 
 
 def load(engine, run_dir: Path, kind: str = "full") -> tuple[int, dict]:
@@ -73,7 +76,7 @@ def load(engine, run_dir: Path, kind: str = "full") -> tuple[int, dict]:
                               f"trains {KINDS[kind]}: resume with the run's own config ({run_dir}/config.yaml, the "
                               "default without -c), or start another run")
     path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-                                     load_module_strict=kind != "lora")  # a LoRA checkpoint holds no base
+                                     load_module_strict=kind == "full")  # a LoRA checkpoint holds no base
     if path is None:
         raise CheckpointError(f"--resume {run_dir}: DeepSpeed could not load checkpoint {root / tag}")
     return int(tag[1:]), hub_state

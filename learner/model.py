@@ -40,7 +40,10 @@ def build_engine(cfg: Config, model_path: str):
     t = cfg.trainer
     torch.manual_seed(t.seed)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if cfg.model.quantization is not None:  # QLoRA: the frozen base quantized (pipeline/quantization.py)
+        model = load_quantized(cfg, model_path, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if cfg.model.lora is not None:  # PEFT adapters on the frozen base (learner/adapters.py)
         from learner.adapters import wrap
 
@@ -86,6 +89,33 @@ def build_engine(cfg: Config, model_path: str):
         ref.config.use_cache = False
         engine.reference = ref.requires_grad_(False)
     return engine
+
+
+def load_quantized(cfg: Config, model_path: str, dtype: torch.dtype):
+    """The model with its linear layers quantized by bitsandbytes, on this rank's device (where bitsandbytes
+    quantizes them, as the generators on that kind of device do). Its quantized weights must be those the generators
+    compute the base of (pipeline.quantization.quantized_names)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quantization import bnb_config, quantized_modules, quantized_names
+
+    q = cfg.model.quantization
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=bnb_config(q, dtype),
+                                                 device_map={"": device})
+    mine, theirs = quantized_modules(model), quantized_names(model_path, q)
+    if sorted(mine) != sorted(theirs):
+        raise RuntimeError(f"model.quantization: the learner quantized {len(mine)} weights, the generators would "
+                           f"serve {len(theirs)} as quantized ({sorted(set(mine) ^ set(theirs))[:3]})")
+    log.info("model.quantization %s: %d linear weights quantized by bitsandbytes", q, len(mine))
+    for name in mine:  # a checkpoint holds no part of the frozen base, its quantization statistics neither
+        model.get_submodule(name.removesuffix(".weight")).register_state_dict_post_hook(_left_out)
+    return model
+
+
+def _left_out(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
 
 
 def compile_layers(model) -> int:

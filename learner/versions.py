@@ -40,9 +40,8 @@ class AdapterVersion:
     """The trained tensors of a PEFT model: each target's lora_A and lora_B (B scaled), and modules_to_save whole,
     named as the module docstring says."""
 
-    kind = "lora"
-
-    def __init__(self, module):
+    def __init__(self, module, quantization: str | None = None):
+        self.kind = "lora" if quantization is None else f"lora-{quantization}"  # a checkpoint's, learner/checkpoint.py
         self.module = module
         self.entries = []  # (version name, parameter, scale of lora_B or None)
         for name, p in module.named_parameters():
@@ -71,11 +70,25 @@ class AdapterVersion:
             tokenizer.save_pretrained(out_dir)
         if cfg.model.lora.merged_final:
             merged = out_dir.parent / f"{out_dir.name}-merged"
-            self.module.merge_and_unload().save_pretrained(merged)  # the run is over: merged in place
+            self.merged(cfg, out_dir).save_pretrained(merged)
             if tokenizer is not None:
                 tokenizer.save_pretrained(merged)
+
+    def merged(self, cfg, adapter_dir):
+        """The base with the adapter merged in; with model.quantization, the learner's base W' (unquantized) with
+        it, so that final-merged/ computes what was trained."""
+        if cfg.model.quantization is None:
+            return self.module.merge_and_unload()  # the run is over: merged in place
+        from peft import PeftModel
+
+        from pipeline.quantization import dequantized_model
+        from pipeline.tinymodel import resolve_model_path
+
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        base = dequantized_model(resolve_model_path(cfg.model.path), cfg.model.quantization, dtype)
+        return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
 
 
 def version_kind(cfg, module):
     """The kind of version this run publishes: the adapter with model.lora, else every parameter."""
-    return AdapterVersion(module) if cfg.model.lora is not None else FullVersion(module)
+    return AdapterVersion(module, cfg.model.quantization) if cfg.model.lora is not None else FullVersion(module)

@@ -60,6 +60,10 @@ class ModelConfig:
     """Tokenizer path or hub name; defaults to `path`."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (a mapping of the fields above; `{}` takes their defaults)."""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA: the learner's frozen base quantized by bitsandbytes (4bit: NF4 with double quantization, computing in
+    `dtype`, as QLoRA and TRL's users set it; 8bit: LLM.int8). Needs model.lora. The generators serve that same
+    base, dequantized (pipeline/quantization.py)."""
 
 
 @dataclass

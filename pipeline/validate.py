@@ -181,6 +181,8 @@ def check_config(cfg) -> None:
     if cfg.generator.lora_mode == "adapter" and lora.r > 512:
         raise ConfigError(f"model.lora.r: {lora.r} is above the largest rank vLLM serves (512) in generator.lora_mode "
                           "adapter; use generator.lora_mode merged")
+    if cfg.model.quantization is not None:
+        check_quantization(cfg)
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     if ":" not in cfg.generator.rollout:
@@ -188,3 +190,23 @@ def check_config(cfg) -> None:
     for i, r in enumerate(cfg.rewards):
         if ":" not in r.fn:
             raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")
+
+
+def check_quantization(cfg) -> None:
+    q = cfg.model.quantization
+    if cfg.model.lora is None:
+        raise ConfigError(f"model.quantization: {q} freezes a quantized base, which trains only through adapters "
+                          "(QLoRA): set model.lora too (`model.lora: {}` takes its defaults)")
+    if cfg.trainer.zero_stage == 3:
+        raise ConfigError("trainer.zero_stage: 3 shards every parameter, and bitsandbytes' quantized weights cannot "
+                          "be sharded (model.quantization); use stage 0-2: the base is frozen and holds no optimizer "
+                          "state, so ZeRO-3 would save little")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = version("bitsandbytes")
+    except PackageNotFoundError:
+        have = None
+    if have is None or tuple(int(x) for x in have.split(".")[:2]) < (0, 48):
+        raise ConfigError(f"model.quantization: {q} needs bitsandbytes >= 0.48 (found {have or 'none'}): "
+                          "pip install 'bitsandbytes>=0.48'")

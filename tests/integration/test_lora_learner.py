@@ -1,7 +1,8 @@
 """The LoRA learner with the real DeepSpeed engine (CPU, gloo, in process): the base stays bit-identical while the
 adapter trains, under ZeRO 0 (MixedAdamW) and ZeRO 2; a checkpoint holds the adapter and its optimizer state and
 not the base, and a new engine resumed from it holds the same adapter; a full-weight run refuses it. The KL
-reference of a LoRA run is the base itself (adapters off)."""
+reference of a LoRA run is the base itself (adapters off). The same with the base quantized by bitsandbytes
+(model.quantization, QLoRA), whose checkpoint a LoRA run on the unquantized base refuses."""
 
 from __future__ import annotations
 
@@ -26,16 +27,18 @@ def _split(engine) -> tuple[dict, dict]:
     return base, adapter
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage,quantization", [(0, None), (2, None), (0, "4bit"), (2, "8bit")])
 def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_adapter(model_cache, tmp_path,
-                                                                                         stage):
+                                                                                         stage, quantization):
     init_distributed()
-    cfg = config_from_dict({"model": {"lora": {"r": 4, "alpha": 8}}, "trainer": {
+    cfg = config_from_dict({"model": {"lora": {"r": 4, "alpha": 8}, "quantization": quantization}, "trainer": {
         "zero_stage": stage, "batch_size": 4, "group_size": 2, "lr": 0.01, "kl_coef": 0.1}})
     path = resolve_model_path("builtin:tiny")
     engine = build_engine(cfg, path)
     base0, adapter0 = _split(engine)
     assert all(".lora_" in n for n in adapter0) and len(adapter0) == 2 * 7 * 2
+    integers = [n for n, p in base0.items() if not p.is_floating_point()]  # bitsandbytes' packed weights
+    assert len(integers) == (0 if quantization is None else 2 * 7)
     for step in range(2):
         stats = train_step(engine, _distinct_groups(4), cfg, step, PAD_ID)
         assert not stats["skipped"]
@@ -44,14 +47,15 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     assert any(not torch.equal(adapter0[n], adapter1[n]) for n in adapter0)
     assert stats["kl/reference"] > 0  # the adapters moved the policy away from the base, which is the reference
 
-    checkpoint.save(engine, tmp_path, 2, {}, rank=0, kind="lora")
+    kind = AdapterVersion(engine.module, quantization).kind
+    checkpoint.save(engine, tmp_path, 2, {}, rank=0, kind=kind)
     states = torch.load(next((tmp_path / "checkpoints" / "v2").glob("*model_states.pt")), weights_only=False)
     saved = states["module"]
     assert saved and all(".lora_" in n for n in saved)  # the adapter alone, not the base
 
     fresh = build_engine(cfg, path)
     assert any(not torch.equal(adapter1[n], p) for n, p in fresh.module.named_parameters() if n in adapter1)
-    version, _ = checkpoint.load(fresh, tmp_path, "lora")
+    version, _ = checkpoint.load(fresh, tmp_path, kind)
     assert version == 2
     base2, adapter2 = _split(fresh)
     assert all(torch.equal(adapter1[n], adapter2[n]) for n in adapter1)
@@ -66,3 +70,7 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     full = build_engine(config_from_dict({"trainer": {"zero_stage": stage}}), path)
     with pytest.raises(checkpoint.CheckpointError, match="holds a LoRA adapter"):
         checkpoint.load(full, tmp_path, "full")
+    if quantization is not None:  # trained on the quantized base: a LoRA run on the plain base is another run
+        with pytest.raises(checkpoint.CheckpointError, match=f"of an? {quantization[0]}-bit base .* but this "
+                                                             "config trains a LoRA adapter"):
+            checkpoint.load(fresh, tmp_path, "lora")

@@ -125,8 +125,9 @@ def test_a_lora_adapter_of_smollm2_reaches_the_engine_through_its_llama_names(pr
            "generator": {"max_num_seqs": 8}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    run = procs(["run", "-c", str(tmp_path / "cfg.yaml"), "--run-dir", str(run_dir)], tmp_path / "run.log")
-    assert run.wait(900) == 0, run.tail()
+    run = procs(["run", "-c", str(tmp_path / "cfg.yaml"), "--run-dir", str(run_dir)], tmp_path / "run.log",
+                env={"SMOLLM2_REWARDS": str(tmp_path / "rewards.jsonl")})  # a reward spread in every group: each
+    assert run.wait(900) == 0, run.tail()  # step trains and checks its mismatch (math_answer alone: 0 for all, once)
     records = read_jsonl(run_dir / "metrics.jsonl")
     adapter = load_file(run_dir / "final" / "adapter_model.safetensors")
     assert len(adapter) == 2 * 7 * 30  # A and B of the seven projections of each of the 30 layers

@@ -121,3 +121,31 @@ def test_the_llama_module_names_of_a_real_model_map_to_its_checkpoint(model_cach
         wrap(AutoModelForCausalLM.from_pretrained(path), LoraConfig(target_modules=["lm_head"]), torch.float32)
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         wrap(AutoModelForCausalLM.from_pretrained(path), LoraConfig(modules_to_save=["lm_head"]), torch.float32)
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_the_generators_quantized_base_is_the_learners(tiny, quantization):
+    """model.quantization: the weights a generator computes as the learner's base (pipeline/quantization.py, from
+    the checkpoint alone) are those bitsandbytes quantized in the learner's model, and 4-bit layers compute with
+    exactly that base (8-bit ones also round their input to 8 bits)."""
+    from pipeline.quantization import bnb_config, learner_base, quantized_modules, quantized_names
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32, device_map={"": "cpu"},
+                                                 quantization_config=bnb_config(quantization, torch.float32))
+    names = quantized_names(tiny, quantization)
+    assert sorted(names) == sorted(quantized_modules(model)) and len(names) == 2 * 7  # not the output head
+    plain = dict(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).named_parameters())
+    served = dict(Merger(tiny, torch.float32, "cpu", quantization)(
+        [(f"{n.removesuffix('.weight')}.lora_A.weight", torch.zeros(1, plain[n].shape[1])) for n in names] +
+        [(f"{n.removesuffix('.weight')}.lora_B.weight", torch.zeros(plain[n].shape[0], 1)) for n in names]))
+    for n in names:
+        layer = model.get_submodule(n.removesuffix(".weight"))
+        w = learner_base(plain[n].data, quantization)
+        assert torch.equal(served[n], w)  # a merged version goes onto this base
+        assert not torch.equal(w, plain[n])
+        x = torch.randn(3, layer.in_features)
+        want, got = torch.nn.functional.linear(x, w, layer.bias), layer(x)
+        if quantization == "4bit":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=0.05, atol=0.01)

@@ -61,6 +61,11 @@ def test_file_then_overrides(tmp_path):
     ({}, ["generator.lora_mode=adapter", "model.lora={modules_to_save: [lm_head]}"],
      "model.lora.modules_to_save: ['lm_head'] cannot be served as a vLLM LoRA adapter"),
     ({}, ["generator.lora_mode=adapter", "model.lora={r: 600}"], "model.lora.r: 600 is above the largest rank vLLM"),
+    ({}, ["model.quantization=4bit"], "model.quantization: 4bit freezes a quantized base, which trains only through "
+                                      "adapters (QLoRA): set model.lora too"),
+    ({}, ["model.quantization=nf4"], "model.quantization: 'nf4' is not one of '4bit', '8bit'"),
+    ({}, ["model.quantization=4bit", "model.lora={}", "trainer.zero_stage=3"],
+     "trainer.zero_stage: 3 shards every parameter, and bitsandbytes' quantized weights cannot be sharded"),
 ])
 def test_bad_fields_are_named(data, overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -133,3 +138,20 @@ def test_shipped_configs_load_and_gpu_ones_run_the_engine_with_cuda_graphs(path)
 
 def test_the_gpu_configs_are_found():
     assert {"gpu-single.yaml", "gpu-qwen-math.yaml"} <= {p.name for p in CONFIGS if _gpu_config(load_config(p))}
+
+
+def test_quantization_without_bitsandbytes_is_refused_with_the_install_command(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "bitsandbytes":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(ConfigError, match=r"model.quantization: 8bit needs bitsandbytes >= 0.48 \(found none\): "
+                                          "pip install"):
+        config_from_dict({}, ["model.quantization=8bit", "model.lora={}"])
+    assert config_from_dict({}, ["model.lora={}"]).model.quantization is None
