@@ -69,9 +69,11 @@ class WeightLoader:
         # vLLM's in-place reload warns for every module without weights (rotary embeddings), every update
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         runner = self.model_runner
-        if current_platform.is_cpu():
+        if current_platform.is_cpu():  # (its in-place reload finds LoRA-wrapped layers' weights itself)
             runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
         else:
+            if self.vllm_config.lora_config is not None:  # generator.lora_mode adapter with model.quantization
+                named = _under_base_layers(runner.model, named)
             runner.model.load_weights(weights=named)  # copies into the (sharded) GPU parameters
 
     def load_learner_base(self, quantization: str) -> int:
@@ -396,6 +398,22 @@ class Receiver:
         self._stop.set()
         self._thread.join(timeout=5)
         remove_dir(self._dir)
+
+
+def _under_base_layers(model, named: list) -> list:
+    """With LoRA enabled, vLLM wraps each linear layer it serves adapters on, and the layer's own weights lie under
+    `base_layer`, where its loader looks for them by name: `model.layers.0.self_attn.q_proj.weight` (packed into
+    qkv_proj) is loaded as `model.layers.0.self_attn.q_proj.base_layer.weight`."""
+    wrapped = {n for n, m in model.named_modules() if hasattr(m, "base_layer")}
+    packed = {leaf: whole for whole, leaves in (getattr(model, "packed_modules_mapping", None) or {}).items()
+              for leaf in leaves}
+    out = []
+    for name, t in named:
+        owner, _, param = name.rpartition(".")
+        head, _, leaf = owner.rpartition(".")
+        served = f"{head}.{packed.get(leaf, leaf)}" if head else packed.get(leaf, leaf)
+        out.append((f"{owner}.base_layer.{param}" if served in wrapped else name, t))
+    return out
 
 
 def _check(got: int, announced: int) -> None:
