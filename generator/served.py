@@ -38,7 +38,7 @@ class ServedAdapters:
         lora = LoRAModel.from_lora_tensors(
             self.next_id, {PEFT_PREFIX + n: t for n, t in named}, helper, device="cpu",
             dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            weights_mapper=_names_only(mapper),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))
         cache.remove_adapter(self.next_id)  # a learner that resumed sends a version again: its tensors now
         if len(cache) + 1 > cache.capacity:
@@ -54,3 +54,12 @@ class ServedAdapters:
             if lora_id not in ids:
                 cache.remove_adapter(lora_id)
         return sorted(cache.list_adapters())
+
+
+def _names_only(mapper):
+    """The model's checkpoint-to-vLLM name mapper without its packing (q_proj stays q_proj: LoRA names modules, it
+    does not load them), as vLLM's LoRA loader takes it: `get_rename_mapper` since vLLM 0.3x, `get_unstacked_mapper`
+    in 0.26 (the GPU build)."""
+    if mapper is None:
+        return None
+    return (getattr(mapper, "get_rename_mapper", None) or mapper.get_unstacked_mapper)()

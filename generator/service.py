@@ -63,6 +63,15 @@ class Reregister(Exception):
     """The hub does not know this generator (it restarted or dropped us): register again."""
 
 
+class LoadFailed(Reregister):
+    """A weights version could not be loaded (a broadcast that timed out, a transport's fault): register again and
+    take the version anew. MAX_LOAD_FAILURES in a row end the generator: a failure that comes back each time (an
+    engine that refuses the tensors) is not waited out."""
+
+
+MAX_LOAD_FAILURES = 5  # about 15 s with back-off
+
+
 class Refused(Exception):
     """The hub refuses this generator or the run failed (Error.stop): leave and exit."""
 
@@ -88,6 +97,7 @@ class Generator:
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
         self.refusals = 0  # registrations refused in a row
+        self.load_failures = 0  # weights versions that failed to load in a row
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.leave_now = asyncio.Event()  # a second signal: stop waiting for anything, Leave, exit
         self.welcomed = False  # the current session registered
@@ -126,6 +136,10 @@ class Generator:
                 if self.refusals >= MAX_REFUSALS:
                     log.error("generator %s: registration refused %d times in a row, the last: %s", self.id,
                               self.refusals, e)
+                    return 1
+                if isinstance(e, LoadFailed) and self.load_failures >= MAX_LOAD_FAILURES:
+                    log.error("generator %s: %d weights loads failed in a row, the last: %s; giving up (the worker's "
+                              "traceback is above in this log)", self.id, self.load_failures, e)
                     return 1
                 if self.welcomed:  # a session that registered: this is a new incident, not the last one going on
                     backoff = 0.5
@@ -336,8 +350,10 @@ class Generator:
             if self.receiver.in_order and self.draining.is_set():  # the hub aborted a draining generator's group
                 log.info("generator %s: weights v%d not received while draining (%s)", self.id, ready.version, e)
                 return
-            raise Reregister(f"weights v{ready.version} could not be loaded: {e}") from e
+            self.load_failures += 1
+            raise LoadFailed(f"weights v{ready.version} could not be loaded: {e}") from e
         self.engine.run_id = self.welcome.run_id
+        self.load_failures = 0
         total_ms = (time.perf_counter() - start) * 1000
         swap = self.engine.last_swap_ms
         log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; %spausing took "

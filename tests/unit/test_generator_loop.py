@@ -317,6 +317,35 @@ async def test_an_engine_that_dies_while_loading_weights_ends_the_generator_not_
     assert "vLLM engine died" in next(e for e in events if e["event"] == "leave")["reason"]
 
 
+class RefusingOnLoad(FakeEngine):
+    """Its engine refuses version 1's tensors every time (alive: as vLLM's worker raising in collective_rpc)."""
+
+    async def load(self, source, crc32, version):
+        if version >= 1:
+            raise AttributeError("'WeightsMapper' object has no attribute 'get_rename_mapper'")
+        return await super().load(source, crc32, version)
+
+
+async def test_a_version_that_fails_to_load_every_time_ends_the_generator_with_the_error(tmp_path, monkeypatch):
+    """A load that fails registers again and takes the version anew (a broadcast may time out once); one that fails
+    MAX_LOAD_FAILURES times in a row ends the generator naming the error, not a reconnect loop (seen on a GPU: 400
+    reconnects in four minutes, the run waiting)."""
+    from generator import service
+
+    monkeypatch.setattr(service, "MAX_LOAD_FAILURES", 3)
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 50},
+                            "weights": {"transport": "zmq"}, "hub": {"heartbeat_s": 0.2},
+                            "generator": {"hub_lost_s": 60}})
+    engine = RefusingOnLoad()
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: len(hub.ledger.buffer) >= 2)
+        publish(hub, 1)
+        assert await asyncio.wait_for(gen.task, 30) == 1
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("register") == 3  # the first, then once after each of 2 failures
+    assert engine.version == 0
+
+
 async def test_a_generator_holding_the_previous_version_fetches_only_the_delta(tmp_path):
     """weights.delta: version 2 differs from version 1 in a few elements; the generator that holds version 1 pulls
     a delta of a few KB instead of the 4 MB blob, and loads exactly version 2's bytes."""
