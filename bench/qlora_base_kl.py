@@ -4,11 +4,11 @@ and the checkpoint's own weights, on SmolLM2-135M-Instruct (builtin:smollm2), on
 The learner of a model.quantization run computes with W' (each quantized weight dequantized: pipeline/quantization.py).
 An engine that served the checkpoint's W instead (what merging an adapter into the original weights gives) samples
 from another policy. This measures that gap as the runs report it: completions of builtin:arith's prompts sampled at
-temperature 1 from the W' model, and the k3 estimate of KL(behaviour || learner) per completion token, with behaviour
-W and learner W' (mismatch/kl's estimator), in fp32. The engine of this project serves W' (the gap is then the
-kernels' alone: 1e-11 per token in fp32 on CPU, 2e-3 in bf16 on an H200; docs/figures.md).
+temperature 1 from the W model (the engine's, the behaviour), and the k3 estimate of KL(behaviour || learner) per
+completion token, with learner W' (mismatch/kl's estimator), in fp32. The engine of this project serves W' (the gap
+is then the kernels' alone: 1e-11 per token in fp32 on CPU, 2e-3 in bf16 on an H200; docs/figures.md).
 
-    python -m bench.qlora_base_kl --prompts 32 --tokens 64
+    python -m bench.qlora_base_kl --prompts 8 --tokens 48
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from bench.common import result_name, write_result
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=48)
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
         for row in rows:
             ids = torch.tensor([encode_prompt(tok, DataConfig(), row["prompt"])])
             with torch.no_grad():
-                seq = learner.generate(ids, max_new_tokens=args.tokens, do_sample=True, temperature=1.0, top_p=1.0,
+                seq = plain.generate(ids, max_new_tokens=args.tokens, do_sample=True, temperature=1.0, top_p=1.0,
                                        top_k=0, pad_token_id=tok.eos_token_id)
                 done = seq[:, ids.shape[1]:]
                 at = torch.arange(ids.shape[1] - 1, seq.shape[1] - 1)

@@ -149,3 +149,30 @@ def test_the_generators_quantized_base_is_the_learners(tiny, quantization):
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, rtol=0.05, atol=0.01)
+
+
+def test_with_lora_enabled_the_base_weights_are_named_under_the_wrapped_layers():
+    """The learner's base loaded into a LoRA-enabled engine (adapter mode with model.quantization, on a GPU): vLLM
+    wraps each layer it serves adapters on and keeps the layer's weights under base_layer, where its loader looks
+    for them: checkpoint names of layers it packs (q_proj into qkv_proj) and of its own are renamed, others kept."""
+    from generator.worker_ext import _under_base_layers
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base_layer = torch.nn.Linear(2, 2)
+
+    attn = torch.nn.Module()
+    attn.qkv_proj, attn.o_proj = Wrapped(), Wrapped()
+    layer = torch.nn.Module()
+    layer.self_attn = attn
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([layer])
+    model.lm_head = torch.nn.Linear(2, 2)
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    t = torch.zeros(1)
+    names = [n for n, _ in _under_base_layers(model, [(n, t) for n in (
+        "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight", "lm_head.weight")])]
+    assert names == ["model.layers.0.self_attn.k_proj.base_layer.weight",
+                     "model.layers.0.self_attn.o_proj.base_layer.weight", "lm_head.weight"]
