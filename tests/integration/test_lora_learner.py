@@ -1,5 +1,5 @@
 """The LoRA learner with the real DeepSpeed engine (CPU, gloo, in process): the base stays bit-identical while the
-adapter trains, under ZeRO 0 (MixedAdamW) and ZeRO 2; a checkpoint holds the adapter and its optimizer state and
+adapter trains, under ZeRO 0 (MixedAdamW), 2 and 3; a checkpoint holds the adapter and its optimizer state and
 not the base, and a new engine resumed from it holds the same adapter; a full-weight run refuses it. The KL
 reference of a LoRA run is the base itself (adapters off). The same with the base quantized by bitsandbytes
 (model.quantization, QLoRA), whose checkpoint a LoRA run on the unquantized base refuses."""
@@ -21,13 +21,17 @@ pytestmark = pytest.mark.integration
 
 
 def _split(engine) -> tuple[dict, dict]:
+    import deepspeed
+
     base, adapter = {}, {}
-    for name, p in engine.module.named_parameters():
-        (adapter if p.requires_grad else base)[name] = p.detach().clone()
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=hasattr(params[0][1], "ds_id")):  # ZeRO-3
+        for name, p in params:
+            (adapter if p.requires_grad else base)[name] = p.detach().clone()
     return base, adapter
 
 
-@pytest.mark.parametrize("stage,quantization", [(0, None), (2, None), (0, "4bit"), (2, "8bit")])
+@pytest.mark.parametrize("stage,quantization", [(0, None), (2, None), (3, None), (0, "4bit"), (2, "8bit")])
 def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_adapter(model_cache, tmp_path,
                                                                                          stage, quantization):
     init_distributed()
