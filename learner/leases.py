@@ -73,14 +73,19 @@ def share(hub, gen: GeneratorInfo, room: int) -> int:
     when that is smaller; and at least its own r. Work-conserving: a principal that holds its r does not hold
     back another, so a large engine beside a small one still fills the window."""
     t = hub.cfg.trainer
+    mine = gen.principal
+    owner, principals = {}, {mine}  # one pass over the generators: this runs for every lease request
+    for gid, g in hub.registry.generators.items():
+        owner[gid] = p = g.principal
+        if not g.draining:
+            principals.add(p)
     held: dict[str, int] = {}
     for lease in hub.ledger.leases.values():
-        p = hub.registry.principal_of(lease.generator_id)
+        p = owner.get(lease.generator_id, lease.generator_id)  # a dropped generator's lease: its own
         held[p] = held.get(p, 0) + len(lease.items)
-    principals = {g.principal for g in hub.registry.generators.values() if not g.draining} | {gen.principal}
     r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // len(principals)))
-    others = sum(max(0, r - held.get(p, 0)) for p in principals if p != gen.principal)
-    return max(min(room, r - held.get(gen.principal, 0)), room - others)
+    others = sum(max(0, r - held.get(p, 0)) for p in principals if p != mine)
+    return max(min(room, r - held.get(mine, 0)), room - others)
 
 
 def _items(hub, n: int, gen: GeneratorInfo) -> dict[Key, P.PromptItem]:

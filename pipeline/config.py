@@ -8,6 +8,7 @@ environment variables (`apply_environment`), so the rest of the code sees one so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -430,12 +431,18 @@ def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
 
 
 def runtime_keys() -> list[str]:
+    return list(_runtime_keys())
+
+
+@functools.cache
+def _runtime_keys() -> tuple[str, ...]:  # resolving the type hints took a quarter of the hub's time (runtime_values)
+    hints = typing.get_type_hints(Config)
     keys = []
     for top in dataclasses.fields(Config):
-        tp = typing.get_type_hints(Config)[top.name]
+        tp = hints[top.name]
         if dataclasses.is_dataclass(tp):
             keys += [f"{top.name}.{f.name}" for f in dataclasses.fields(tp) if f.metadata.get("runtime")]
-    return keys
+    return tuple(keys)
 
 
 def runtime_values(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,207 @@
+"""The hub's ceiling: how many generators one learner's hub serves, on this machine's CPU.
+
+The hub (learner/hub.py) runs in a process of its own, as in a learner, with a consumer that takes each batch as
+soon as it is buffered and finishes the step at once (a learner infinitely fast: the hub alone is the limit).
+N simulated generators, in another process on one asyncio loop, speak the real protocol over real ZeroMQ sockets:
+each registers, heartbeats every hub.heartbeat_s with what it holds, leases groups and pushes for each a prepared,
+valid group of 8 samples x 256 tokens (stamped with the lease's version; no engines). After a warm-up, over a
+window of --seconds, it reports the groups validated and buffered per second, the latency of lease and heartbeat
+requests (p50, p99, as the generators see them), and the hub process's CPU (cores busy) and peak memory.
+
+    python -m bench.hub_ceiling --generators 64,256,1024 --seconds 20 [--profile FILE]
+
+`--profile FILE` writes where the hub's time went (every thread; needs yappi): python -m pstats FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import result_name, write_result
+
+TOKENS, GROUP, BATCH, LEASE = 256, 8, 64, 8
+
+
+def hub_process(n: int, conn, profile: str = "") -> None:
+    from learner.hub import Hub
+    from pipeline.config import config_from_dict
+    from pipeline.tasks import echo_rows
+
+    def encode(text: str) -> list[int]:  # the embedded tiny model's ids of an echo prompt: digit d is 4 + d, '=' 3
+        return [3 if w == "=" else 4 + int(w) for w in text.split() if w == "=" or w.isdigit()]
+
+    cfg = config_from_dict({
+        "trainer": {"batch_size": BATCH, "group_size": GROUP, "total_steps": 10**6, "max_staleness": 2,
+                    "epochs": 10**4},
+        "sampling": {"max_tokens": TOKENS}, "generator": {"lease_size": LEASE, "max_model_len": 512},
+        "hub": {"max_generators": n, "heartbeat_s": 1.0, "heartbeat_timeout_s": 30.0}})
+    hub = Hub(cfg, echo_rows(4096, 0), Path(tempfile.mkdtemp(prefix="hub-ceiling-")), "bench", 0, None,
+              encode=encode, vocab_size=16)
+    hub.start()
+
+    def consume() -> None:  # an infinitely fast learner whose weights never change (no group is ever stale)
+        while True:
+            hub.take_batch(0)
+            hub.finish_step(0)
+
+    threading.Thread(target=consume, daemon=True).start()
+    if profile:  # where the hub's time goes, every thread (python -m pstats FILE)
+        import yappi
+
+        yappi.set_clock_type("cpu")
+        yappi.start()
+    conn.send(hub.address)
+    marks = []
+    while (what := conn.recv()) != "stop":  # "mark": the counters and CPU now
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        marks.append((time.perf_counter(), hub.counters["rollouts"], usage.ru_utime + usage.ru_stime))
+        conn.send(what)
+    (t0, r0, c0), (t1, r1, c1) = marks[-2:]
+    rejected = {k: v for k, v in hub.counters.items() if k not in ("rollouts", "tokens") and v}
+    if profile:
+        yappi.stop()
+        yappi.get_func_stats().save(profile, type="pstat")
+    conn.send({"groups_per_s": (r1 - r0) / (t1 - t0), "hub_cores_busy": (c1 - c0) / (t1 - t0),
+               "hub_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "generators_registered": len(hub.registry.generators), "other_counters": rejected})
+    conn.close()
+    os._exit(0)  # the hub's threads: nothing to keep
+
+
+async def generators(n: int, address: str, seconds: float, warmup: float, conn) -> dict:
+    import zmq
+    import zmq.asyncio
+
+    from pipeline import protocol as P
+
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4 * n + 64)  # a context option (setsockopt would be a default of its sockets)
+    tokens = P.pack_ints([4 + i % 10 for i in range(TOKENS)])
+    logprobs = P.pack_floats([-1.0] * TOKENS)
+    lat = {"lease": [], "heartbeat": []}
+    measuring = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def one(i: int) -> None:
+        gen_id = f"sim-{os.getpid()}-{i}"
+        dealer, push = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+        dealer.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        rid = 0
+
+        async def ask(msg):
+            nonlocal rid
+            rid += 1
+            await dealer.send(P.encode(msg, rid))
+            while True:
+                reply, got = P.decode(await dealer.recv(), limits=P.FROM_HUB)
+                if got == rid or isinstance(reply, P.Error):
+                    return reply
+
+        await asyncio.sleep(i * 0.002)  # registrations spread over a moment, as engines come up
+        welcome = await ask(P.Register(gen_id, pid=os.getpid()))
+        assert isinstance(welcome, P.Welcome), welcome
+        push.connect(welcome.rollouts_endpoint)
+        pushed = generated = 0
+        beat = time.monotonic()
+        while not stop.is_set():
+            if time.monotonic() - beat >= welcome.heartbeat_s:
+                beat, start = time.monotonic(), time.perf_counter()
+                await ask(P.Heartbeat(gen_id, welcome.version, pushed=pushed, generated=generated))
+                if measuring.is_set():
+                    lat["heartbeat"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            lease = await ask(P.LeaseRequest(gen_id, LEASE))
+            if measuring.is_set():
+                lat["lease"].append(time.perf_counter() - start)
+            if not isinstance(lease, P.Lease):  # Wait: the window is full
+                await asyncio.sleep(getattr(lease, "retry_s", 0.05))
+                continue
+            v = lease.min_version
+            for item in lease.groups:
+                samples = [P.Sample(tokens, logprobs, float(s % 2), [float(s % 2)], "length", v, v)
+                           for s in range(GROUP)]
+                await push.send(P.encode(P.RolloutGroup(
+                    lease_id=lease.lease_id, generator_id=gen_id, prompt_id=item.prompt_id, epoch=item.epoch,
+                    prompt_ids=item.prompt_ids, samples=samples, temperature=lease.sampling.temperature,
+                    session=welcome.session)))
+                pushed += 1
+                generated += GROUP * TOKENS
+            await asyncio.sleep(0)
+        dealer.close(0)
+        push.close(0)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    await asyncio.sleep(warmup + n * 0.002)
+    conn.send("mark")
+    conn.recv()
+    measuring.set()
+    await asyncio.sleep(seconds)
+    conn.send("mark")
+    conn.recv()
+    measuring.clear()
+    stop.set()
+    failed = [e for e in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(e, BaseException)]
+    ctx.term()
+    out = {"generators_failed": len(failed), "first_failure": repr(failed[0])[:300] if failed else ""}
+    for name, values in lat.items():
+        ms = np.array(values) * 1000
+        out[name] = {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                     "count": len(ms)} if len(ms) else {"count": 0}
+    return out
+
+
+def measure(n: int, seconds: float, warmup: float, profile: str = "") -> dict:
+    parent, child = mp.Pipe()
+    hub = mp.get_context("spawn").Process(target=hub_process, args=(n, child, profile))
+    hub.start()
+    try:
+        address = parent.recv()
+        latency = asyncio.run(generators(n, address, seconds, warmup, parent))
+        parent.send("stop")
+        figures = parent.recv()
+    finally:
+        hub.join(30)
+        if hub.is_alive():
+            hub.kill()  # by PID: the one process this started
+            hub.join()
+    return {"generators": n, **figures, "latency": latency}
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--generators", default="64,256,1024")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--profile", default="", help="write the hub's profile here (needs yappi)")
+    args = p.parse_args(argv)
+    import resource as r
+
+    soft, hard = r.getrlimit(r.RLIMIT_NOFILE)
+    try:  # two sockets a generator, and their connections at the hub (root may raise the hard limit)
+        r.setrlimit(r.RLIMIT_NOFILE, (max(hard, 65536), max(hard, 65536)))
+    except (ValueError, OSError):
+        r.setrlimit(r.RLIMIT_NOFILE, (hard, hard))
+    results = []
+    for n in (int(x) for x in args.generators.split(",")):
+        results.append(measure(n, args.seconds, args.warmup, args.profile))
+        print(results[-1], flush=True)
+    write_result(result_name("hub_ceiling", f"{GROUP}x{TOKENS}", gpus=False),
+                 "python -m bench.hub_ceiling " + " ".join(argv), "none (simulated generators)", results,
+                 cpus=os.cpu_count())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
