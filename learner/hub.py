@@ -218,7 +218,7 @@ class Hub:
             gen.generated = msg.generated
             self.registry.progressed(gen)
         if msg.draining and not gen.draining:  # no more broadcasts to it: its engine may already be stopping
-            gen.draining = True
+            self.registry.drains(gen)
             self.weights.leave(msg.generator_id)
             self.journal.event("drain", gen.principal, generator=msg.generator_id)
         return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen))

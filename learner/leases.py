@@ -55,7 +55,7 @@ def _training(hub, gen: GeneratorInfo, n: int) -> P.Message:
     room, why = staleness.room(hub.version, in_flight, t.total_steps, t.batch_size, t.max_staleness)
     room = min(share(hub, gen, room), n)
     if room <= 0:
-        return P.Wait(why or "the rest of the window is kept for other generators", retry_s=0.05)
+        return P.Wait(why or "the rest of the window is kept for other generators", retry_s=retry_s(hub))
     items = _items(hub, room, gen)
     if not items:
         return P.Wait("dataset exhausted", retry_s=0.5)
@@ -67,6 +67,17 @@ def _training(hub, gen: GeneratorInfo, n: int) -> P.Message:
     return P.Lease(lease.lease_id, min_version, list(items.values()), sampling=sampling)
 
 
+WAIT_S = 0.05  # how soon a generator told to wait for room asks again...
+ASKS_PER_S = 1000  # ...unless the generators together would then ask more often than this
+
+
+def retry_s(hub) -> float:
+    """When a generator told to wait for room in the window asks again: 50 ms, longer with many generators (1,024
+    of them asking every 50 ms sent the hub 20,000 requests a second, which took its whole core:
+    bench/hub_ceiling.py)."""
+    return max(WAIT_S, len(hub.registry.generators) / ASKS_PER_S)
+
+
 def share(hub, gen: GeneratorInfo, room: int) -> int:
     """What `gen`'s principal may take of `room` free groups: what leaves every other registered principal (not
     draining) room for r groups beyond what it holds, r = generator.lease_size or its equal part of the window
@@ -74,17 +85,15 @@ def share(hub, gen: GeneratorInfo, room: int) -> int:
     back another, so a large engine beside a small one still fills the window."""
     t = hub.cfg.trainer
     mine = gen.principal
-    owner, principals = {}, {mine}  # one pass over the generators: this runs for every lease request
-    for gid, g in hub.registry.generators.items():
-        owner[gid] = p = g.principal
-        if not g.draining:
-            principals.add(p)
+    owner, active = hub.registry.principals()  # (kept between requests: this runs for every one)
     held: dict[str, int] = {}
     for lease in hub.ledger.leases.values():
         p = owner.get(lease.generator_id, lease.generator_id)  # a dropped generator's lease: its own
         held[p] = held.get(p, 0) + len(lease.items)
-    r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // len(principals)))
-    others = sum(max(0, r - held.get(p, 0)) for p in principals if p != mine)
+    principals = len(active) + (mine not in active)  # the others' and this one's
+    r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // principals))
+    # each other principal's r less what it holds, summed over those holding something only: the rest hold none
+    others = (principals - 1) * r - sum(min(r, h) for p, h in held.items() if p != mine and p in active)
     return max(min(room, r - held.get(mine, 0)), room - others)
 
 

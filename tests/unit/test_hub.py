@@ -42,6 +42,25 @@ def _publish(hub, version):
     hub.announce(P.WeightsReady(version, file=P.FileVersion(0, 0)), None)
 
 
+def test_a_wait_for_room_is_longer_with_many_generators_so_they_do_not_flood_the_hub(make_hub):
+    """Told to wait for room in the window, a generator asks again after Wait.retry_s: 50 ms, and with many
+    generators long enough that together they ask at most about 1,000 times a second."""
+    from learner.leases import retry_s
+
+    hub = make_hub(max_staleness=0)
+    peers = [Peer(hub, f"gen-{i}") for i in range(3)]
+    assert all(isinstance(p.register(), P.Welcome) for p in peers)
+    replies = [p.lease(8) for p in peers for _ in range(2)]  # until the window (one batch of 2) is full
+    assert sum(len(r.groups) for r in replies if isinstance(r, P.Lease)) == 2
+    assert replies[-1] == P.Wait("staleness window full", 0.05)
+    for i in range(2000):  # as if 2,000 more had registered
+        hub.registry.generators[f"many-{i}"] = hub.registry.generators["gen-2"]
+    assert retry_s(hub) == pytest.approx(2.003)
+    assert peers[2].lease(8) == P.Wait("staleness window full", pytest.approx(2.003))
+    for p in peers:
+        p.close()
+
+
 def test_admission_with_k0_is_one_batch_at_a_time(make_hub):
     hub = make_hub(max_staleness=0)
     peer = Peer(hub)
