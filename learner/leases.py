@@ -87,9 +87,9 @@ def share(hub, gen: GeneratorInfo, room: int) -> int:
     mine = gen.principal
     owner, active = hub.registry.principals()  # (kept between requests: this runs for every one)
     held: dict[str, int] = {}
-    for lease in hub.ledger.leases.values():
-        p = owner.get(lease.generator_id, lease.generator_id)  # a dropped generator's lease: its own
-        held[p] = held.get(p, 0) + len(lease.items)
+    for gid, n in hub.ledger.held.items():
+        p = owner.get(gid, gid)  # a dropped generator's leases: its own
+        held[p] = held.get(p, 0) + n
     principals = len(active) + (mine not in active)  # the others' and this one's
     r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // principals))
     # each other principal's r less what it holds, summed over those holding something only: the rest hold none

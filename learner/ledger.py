@@ -47,6 +47,10 @@ class PromptLedger:
         self.pending: deque[Key] = deque()
         self.fresh = 0  # the last `fresh` keys of pending: the rest of epoch next_epoch - 1's shuffle, untouched
         self.leases: dict[int, LeaseState] = {}
+        # groups on leases, in all and by generator: kept as leases change (admission and each lease request's
+        # share read them; summing the leases each time took the hub's core with hundreds of generators)
+        self.leased = 0
+        self.held: dict[str, int] = {}
         self.buffer: list[tuple[P.RolloutGroup, float]] = []  # (group, arrival time)
         self.in_step: list[P.RolloutGroup] = []
         # done for its epoch (trained, filtered or rejected): one flag per prompt of each epoch that still has a
@@ -105,6 +109,15 @@ class PromptLedger:
 
     def grant(self, lease: LeaseState) -> None:
         self.leases[lease.lease_id] = lease
+        self._holds(lease.generator_id, len(lease.items))
+
+    def _holds(self, generator_id: str, change: int) -> None:
+        self.leased += change
+        left = self.held.get(generator_id, 0) + change
+        if left:
+            self.held[generator_id] = left
+        else:
+            self.held.pop(generator_id, None)
 
     def leases_of(self, generator_id: str) -> list[LeaseState]:
         return [lease for lease in self.leases.values() if lease.generator_id == generator_id]
@@ -113,12 +126,15 @@ class PromptLedger:
         """A leased prompt's group arrived or failed: off its lease, and the lease off the books once empty."""
         lease = self.leases[lease_id]
         del lease.items[key]
+        self._holds(lease.generator_id, -1)
         if not lease.items:
             del self.leases[lease_id]
 
     def take_back(self, lease_id: int) -> list[Key]:
         """A whole lease goes back to the front of the queue (expired, or its generator is gone)."""
-        keys = list(self.leases.pop(lease_id).items)
+        lease = self.leases.pop(lease_id)
+        keys = list(lease.items)
+        self._holds(lease.generator_id, -len(keys))
         self.requeue(keys)
         return keys
 
@@ -178,7 +194,7 @@ class PromptLedger:
 
     def in_flight(self) -> int:
         """Groups leased, buffered or being trained: what admission bounds."""
-        return sum(len(lease.items) for lease in self.leases.values()) + len(self.buffer) + len(self.in_step)
+        return self.leased + len(self.buffer) + len(self.in_step)
 
     def batch(self, step: int, k: int, size: int) -> tuple[list[P.RolloutGroup] | None, int]:
         """(a batch of `size` groups fresh enough for `step`, oldest first, or None; groups dropped as stale,

@@ -43,7 +43,12 @@ def train(book: PromptLedger, state: LeaseState, version: int = 0) -> None:
 
 
 def places(book: PromptLedger) -> Counter:
-    """How often each prompt of epoch 0 appears across the ledger's places (each must be exactly once)."""
+    """How often each prompt of epoch 0 appears across the ledger's places (each must be exactly once). The groups on
+    leases the ledger counts as they change are those its leases hold, in all and by generator."""
+    by_gen = Counter()
+    for le in book.leases.values():
+        by_gen[le.generator_id] += len(le.items)
+    assert book.leased == sum(by_gen.values()) and book.held == {g: n for g, n in by_gen.items() if n}
     where = list(book.pending) + [k for le in book.leases.values() for k in le.items]
     where += [(g.epoch, g.prompt_id) for g, _ in book.buffer] + [(g.epoch, g.prompt_id) for g in book.in_step]
     where += [(0, pid) for pid in range(book.n_prompts) if book.done((0, pid))]
