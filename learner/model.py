@@ -27,6 +27,8 @@ def init_distributed() -> tuple[int, int]:
         from pipeline.netutil import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
+    if torch.cuda.is_available():  # torchrun shows every GPU of the node: a rank takes its LOCAL_RANK's
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(auto_mpi_discovery=False)
     import torch.distributed as dist
 

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -51,12 +52,15 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     """`token`: `pipeline run`'s, written in hub.json so that it takes this learner's address and no other."""
     signal.signal(signal.SIGTERM, _terminate)  # finally blocks run: the hub stops, shm files are removed
     signal.signal(signal.SIGINT, _terminate)
+    model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
+    # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
     rank, world = init_distributed()
+    log.info("learner rank %d of %d on host %s (local rank %s)", rank, world, socket.gethostname(),
+             os.environ.get("LOCAL_RANK", "0"))
     if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
         (run_dir / "hub.json").unlink(missing_ok=True)
     from transformers import AutoTokenizer
 
-    model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if resume:

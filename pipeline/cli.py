@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def launched() -> bool:
+    """Started by torchrun (torch.distributed.elastic): it set RANK, LOCAL_RANK and WORLD_SIZE, not our spawner."""
+    return bool(env_flag("TORCHELASTIC_RUN_ID"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pipeline.launcher import RunDirError, check_run_dir, run_dir_of
@@ -60,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             return _keys(args)
         resume = getattr(args, "resume", None)
-        if resume is not None and not env_flag("RANK"):
-            check_run_dir(resume.resolve(), resume=True)
+        # the run directory is checked once: by the process that spawns the ranks, or under a launcher (torchrun)
+        # by rank 0; ranks that `pipeline learner --gpus` spawned were checked by it
+        checks = not env_flag("RANK") or (launched() and env_flag("RANK") == "0")
+        if resume is not None:
+            if checks:
+                check_run_dir(resume.resolve(), resume=True)
             if args.config is None:  # `pipeline run --resume RUN_DIR`: the run's own config, --set on top
                 args.config = str(resume / "config.yaml")
         cfg = load_config(args.config, args.overrides)
@@ -69,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.security import check_exposure
 
             check_exposure(cfg)
+            if launched() and resume is None and args.run_dir is None and not cfg.run.name:
+                raise RunDirError("under torchrun every rank must name the same run directory: pass --run-dir DIR "
+                                  "(or set run.name), the same on every node")
             run_dir = run_dir_of(cfg, resume or args.run_dir)
-            if resume is None and not env_flag("RANK"):  # a rank's directory was checked by the process that spawned it
+            if resume is None and checks:
                 check_run_dir(run_dir, resume=False)
     except ConfigError as e:
         print(f"pipeline: config error: {e}", file=sys.stderr)

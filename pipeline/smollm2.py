@@ -57,6 +57,9 @@ def build_smollm2(dest: Path) -> Path:
             model.hf_quantizer = None
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        if not (tmp / "config.json").exists():  # transformers saves on rank 0 of a process group only
+            raise RuntimeError(f"{NAME} was not written to {tmp} (converted inside a process group, on a rank "
+                               "other than 0?)")
         _plain_config(tmp)
         (tmp / "BUILT_BY").write_text(json.dumps({"builder": "pipeline.smollm2", "source": GGUF}))
         os.rename(tmp, dest)

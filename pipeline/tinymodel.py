@@ -60,6 +60,9 @@ def build_tiny_model(dest: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(cfg).save_pretrained(tmp)
+    if not (tmp / "config.json").exists():  # transformers saves on rank 0 of a process group only
+        raise RuntimeError(f"the tiny model was not written to {tmp} (built inside a process group, on a rank other "
+                           "than 0?)")
     (tmp / "BUILT_BY").write_text(json.dumps({"builder": "pipeline.tinymodel", "seed": seed}))
     try:
         os.rename(tmp, dest)

@@ -1,0 +1,62 @@
+"""The learner under torchrun (torch.distributed.elastic), as a cluster starts it: two agents, each one node of a
+2-node c10d rendezvous with one gloo rank, run `python -m pipeline.cli learner` with the same run directory; the
+ranks take RANK / LOCAL_RANK / WORLD_SIZE from the launcher, rank 0 serves the hub and writes hub.json, and a
+generator that reads the hub's address from it trains the demo task to the end with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.metrics import read_jsonl
+from pipeline.netutil import free_port
+from tests.conftest import REPO, Proc, wait_for
+from tests.integration.helpers import start_generator
+
+pytestmark = pytest.mark.integration
+STEPS, BATCH = 6, 8
+
+
+def _agent(run_dir, node: int, rdzv: int, hub_port: int, log) -> Proc:
+    return Proc([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
+                 "--rdzv-id", "test-run", "--max-restarts", "0",
+                 "-m", "pipeline.cli", "learner", "-c", "configs/demo.yaml", "--run-dir", str(run_dir),
+                 "--set", f"hub.port={hub_port}", "--set", f"trainer.total_steps={STEPS}",
+                 "--set", f"trainer.batch_size={BATCH}", "--set", "trainer.checkpoint_every=3"], log)
+
+
+def test_two_torchrun_nodes_train_the_demo_with_a_generator(procs, tmp_path, model_cache):
+    run_dir, rdzv, hub_port = tmp_path / "run", free_port(), free_port()
+    agents = [_agent(run_dir, node, rdzv, hub_port, tmp_path / f"node{node}.log") for node in (0, 1)]
+    try:
+        hub = wait_for(lambda: (run_dir / "hub.json").exists() and json.loads((run_dir / "hub.json").read_text()),
+                       600, "rank 0's hub.json", agents)
+        assert hub["address"] == f"tcp://127.0.0.1:{hub_port}"  # where rank 0 serves the hub
+        gen = start_generator(procs, run_dir, hub_port, [])
+        for agent in agents:
+            assert agent.wait(600) == 0, agent.tail()
+        assert gen.wait(120) == 0, gen.tail()
+    finally:
+        for agent in agents:
+            agent.stop()
+    logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
+    assert "learner rank 0 of 2" in logs and "learner rank 1 of 2" in logs  # one rank on each node
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    trained = [(t[0], t[1]) for r in records for t in r["trained"]]
+    assert len(trained) == len(set(trained)) == STEPS * BATCH  # every group once
+    assert (run_dir / "final" / "config.json").exists() and (run_dir / "checkpoints" / f"v{STEPS}").is_dir()
+
+
+def test_under_torchrun_a_learner_without_a_run_directory_is_refused():
+    """Every rank must write to the same run directory: one named by each (a timestamp) would not be."""
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "learner", "-c", "configs/demo.yaml"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "RANK": "0"})
+    assert out.returncode == 2
+    assert "under torchrun every rank must name the same run directory: pass --run-dir DIR" in out.stderr
