@@ -202,9 +202,10 @@ class Generator:
                 pass
             except EngineDied as e:  # leave at once: the hub re-queues the leases and records why
                 with contextlib.suppress(P.PeerLost):
-                    await client.request(P.Leave(self.id, sorted(self.held), str(e)[:16000]), timeout=5.0)
+                    await client.request(P.Leave(self.id, sorted(self.held), str(e)[:16000], self.pushed),
+                                         timeout=5.0)
                 raise
-            await client.request(P.Leave(self.id, sorted(self.held)), timeout=5.0)
+            await client.request(P.Leave(self.id, sorted(self.held), pushed=self.pushed), timeout=5.0)
             log.info("generator %s left", self.id)
         finally:
             for t in list(self.groups):

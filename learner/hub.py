@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+LEAVE_GRACE_S = 10.0  # how long a leaving generator's last rollouts are waited for
+
+
 class HubStopped(RuntimeError):
     """The hub was stopped while the learner waited on it, or the run cannot go on (the message says why)."""
 
@@ -164,6 +167,8 @@ class Hub:
                 log.warning("hub: generator %s silent for %.1f s: dropped, its leases re-queued", gen.generator_id,
                             now - gen.last_seen)
                 self._drop_generator(gen.generator_id, "heartbeat timeout")
+            for gen in [g for g in self.registry.generators.values() if g.leaving]:
+                self._left_when_in(gen)
             leases.expire_old(self, now)
 
     # ---- generators ---------------------------------------------------------------------------------
@@ -241,8 +246,17 @@ class Hub:
     def _on_leave(self, msg: P.Leave, gen: GeneratorInfo) -> P.Message:
         if msg.reason:
             log.error("hub: generator %s leaves: %s", msg.generator_id, msg.reason)
+        if gen.received < msg.pushed:  # its last rollouts (a drain's) are still on their way on the rollouts socket
+            gen.leaving = (msg.pushed, time.monotonic() + LEAVE_GRACE_S, msg.reason)
+            return P.Ack()
         self._drop_generator(msg.generator_id, "left", msg.reason)
         return P.Ack()
+
+    def _left_when_in(self, gen: GeneratorInfo) -> None:
+        """A generator that said Leave before its last rollouts arrived goes once they are in (or LEAVE_GRACE_S on)."""
+        if gen.leaving and self.registry.generators.get(gen.generator_id) is gen and (
+                gen.received >= gen.leaving[0] or time.monotonic() > gen.leaving[1]):
+            self._drop_generator(gen.generator_id, "left", gen.leaving[2])
 
     def _drop_generator(self, gen_id: str, why: str, detail: str = "") -> None:
         """Forget a generator (it left, went silent, or re-registers): its leased prompts go back to the
@@ -271,47 +285,50 @@ class Hub:
                 self._reject(reason, detail, msg.generator_id)
                 return
             gen.received += 1
-            self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
-            if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
+            try:
+                self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
+                if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
+                    try:
+                        self.evaluation.received(msg, gen.generator_id, self.published)
+                    except Rejected as e:
+                        self._reject(e.reason, e.detail, gen.generator_id)
+                        self._count_against(gen, f"{e.reason}: {e.detail}")
+                    self.lock.notify_all()
+                    return
+                lease = self.ledger.leases.get(msg.lease_id)
+                if lease is None or key not in lease.items:
+                    name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
+                    self.counters[name] += 1
+                    self.journal.warn(name, "hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
+                               "a known" if lease else "an unknown", msg.lease_id, name)
+                    return
+                if lease.generator_id != gen.generator_id:
+                    self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
+                                          "another generator", gen.generator_id)
+                    self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
+                    return
+                expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
+                self.ledger.settle(msg.lease_id, key)
                 try:
-                    self.evaluation.received(msg, gen.generator_id, self.published)
+                    check_rollout(msg, expected, self.published, self.shape)
                 except Rejected as e:
+                    self.ledger.requeue([key])  # its prompt is leased again
                     self._reject(e.reason, e.detail, gen.generator_id)
                     self._count_against(gen, f"{e.reason}: {e.detail}")
+                    self.lock.notify_all()
+                    return
+                if self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1:
+                    self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
+                else:
+                    self.ledger.buffered(msg)
+                tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
+                self.counters["rollouts"] += 1
+                self.counters["tokens"] += tokens
+                gen.groups += 1
+                gen.tokens += tokens
                 self.lock.notify_all()
-                return
-            lease = self.ledger.leases.get(msg.lease_id)
-            if lease is None or key not in lease.items:
-                name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
-                self.counters[name] += 1
-                self.journal.warn(name, "hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
-                           "a known" if lease else "an unknown", msg.lease_id, name)
-                return
-            if lease.generator_id != gen.generator_id:
-                self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
-                                      "another generator", gen.generator_id)
-                self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
-                return
-            expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
-            self.ledger.settle(msg.lease_id, key)
-            try:
-                check_rollout(msg, expected, self.published, self.shape)
-            except Rejected as e:
-                self.ledger.requeue([key])  # its prompt is leased again
-                self._reject(e.reason, e.detail, gen.generator_id)
-                self._count_against(gen, f"{e.reason}: {e.detail}")
-                self.lock.notify_all()
-                return
-            if self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1:
-                self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
-            else:
-                self.ledger.buffered(msg)
-            tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
-            self.counters["rollouts"] += 1
-            self.counters["tokens"] += tokens
-            gen.groups += 1
-            gen.tokens += tokens
-            self.lock.notify_all()
+            finally:
+                self._left_when_in(gen)
 
     def _count_against(self, gen: GeneratorInfo, why: str) -> None:
         """A rollout of `gen`'s own lease was invalid: past hub.max_rejected_rollouts it is quarantined."""

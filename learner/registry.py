@@ -47,6 +47,8 @@ class GeneratorInfo:
     generated: int = 0  # its last Heartbeat.generated: a count that moves is progress
     progress_at: float = field(default_factory=time.monotonic)  # tokens, a group, a failed group, a weights load
     stalled: bool = False  # its leases were taken back for want of progress: one group a lease until it progresses
+    leaving: tuple[int, float, str] | None = None  # it said Leave with rollouts still on their way: (rollouts it
+    # sent, until when they are waited for, its reason); dropped once they are in, or then
 
     @property
     def principal(self) -> str:

@@ -190,6 +190,7 @@ class Leave(Message):
     generator_id: str = text(GENERATOR_ID)
     returned_leases: list[int] = field(default_factory=list)
     reason: str = text(16384, "")  # why it leaves when it is not asked to (its engine died: the engine's error)
+    pushed: int = 0  # rollouts it sent in this session: the hub waits for those still on their way (another socket)
 
 
 @dataclass

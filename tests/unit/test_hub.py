@@ -42,6 +42,34 @@ def _publish(hub, version):
     hub.announce(P.WeightsReady(version, file=P.FileVersion(0, 0)), None)
 
 
+def test_a_leave_that_overtakes_the_last_rollouts_waits_for_them(make_hub, monkeypatch):
+    """A draining generator sends its last rollouts (rollouts socket) and then Leave (control socket): Leave can
+    arrive first. It says how many rollouts it sent, and the hub drops it once they are in: the drained group is
+    trained, not rejected as a stranger's. Rollouts that never come are waited for LEAVE_GRACE_S."""
+    from learner import hub as hub_module
+
+    hub = make_hub(max_staleness=1)
+    peer, late = Peer(hub, "gen-a"), Peer(hub, "gen-b")
+    assert isinstance(peer.register(), P.Welcome) and isinstance(late.register(), P.Welcome)
+    lease = peer.lease(1)
+    assert peer.ask(P.Leave("gen-a", pushed=1)) == P.Ack()  # its one rollout is still on its way
+    assert "gen-a" in hub.registry.generators
+    peer.send_groups(lease)
+    wait_until(lambda: "gen-a" not in hub.registry.generators)
+    assert hub.counters["rollouts"] == 1 and len(hub.ledger.buffer) == 1  # trained, not rejected
+    assert not any(hub.counters[k] for k in hub.counters if k.startswith("rejected"))
+
+    monkeypatch.setattr(hub_module, "LEAVE_GRACE_S", 0.2)
+    other = late.lease(1)
+    assert late.ask(P.Leave("gen-b", pushed=1)) == P.Ack()  # a rollout it says it sent, which never comes
+    time.sleep(0.3)
+    hub.tick()
+    assert "gen-b" not in hub.registry.generators and list(other.groups)[0] is not None
+    assert len(hub.ledger.pending) > 0 and not hub.ledger.leases  # its lease went back to the queue
+    peer.close()
+    late.close()
+
+
 def test_a_wait_for_room_is_longer_with_many_generators_so_they_do_not_flood_the_hub(make_hub):
     """Told to wait for room in the window, a generator asks again after Wait.retry_s: 50 ms, and with many
     generators long enough that together they ask at most about 1,000 times a second."""
