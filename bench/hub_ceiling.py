@@ -187,13 +187,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--profile", default="", help="write the hub's profile here (needs yappi)")
     args = p.parse_args(argv)
-    import resource as r
-
-    soft, hard = r.getrlimit(r.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:  # two sockets a generator, and their connections at the hub (root may raise the hard limit)
-        r.setrlimit(r.RLIMIT_NOFILE, (max(hard, 65536), max(hard, 65536)))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, 65536), max(hard, 65536)))
     except (ValueError, OSError):
-        r.setrlimit(r.RLIMIT_NOFILE, (hard, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     results = []
     for n in (int(x) for x in args.generators.split(",")):
         results.append(measure(n, args.seconds, args.warmup, args.profile))

@@ -286,49 +286,53 @@ class Hub:
                 return
             gen.received += 1
             try:
-                self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
-                if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
-                    try:
-                        self.evaluation.received(msg, gen.generator_id, self.published)
-                    except Rejected as e:
-                        self._reject(e.reason, e.detail, gen.generator_id)
-                        self._count_against(gen, f"{e.reason}: {e.detail}")
-                    self.lock.notify_all()
-                    return
-                lease = self.ledger.leases.get(msg.lease_id)
-                if lease is None or key not in lease.items:
-                    name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
-                    self.counters[name] += 1
-                    self.journal.warn(name, "hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
-                               "a known" if lease else "an unknown", msg.lease_id, name)
-                    return
-                if lease.generator_id != gen.generator_id:
-                    self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
-                                          "another generator", gen.generator_id)
-                    self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
-                    return
-                expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
-                self.ledger.settle(msg.lease_id, key)
-                try:
-                    check_rollout(msg, expected, self.published, self.shape)
-                except Rejected as e:
-                    self.ledger.requeue([key])  # its prompt is leased again
-                    self._reject(e.reason, e.detail, gen.generator_id)
-                    self._count_against(gen, f"{e.reason}: {e.detail}")
-                    self.lock.notify_all()
-                    return
-                if self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1:
-                    self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
-                else:
-                    self.ledger.buffered(msg)
-                tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
-                self.counters["rollouts"] += 1
-                self.counters["tokens"] += tokens
-                gen.groups += 1
-                gen.tokens += tokens
-                self.lock.notify_all()
+                self._received(msg, gen, key)
             finally:
                 self._left_when_in(gen)
+
+    def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key) -> None:
+        """A rollout of a registered generator, under the lock: scored (evaluation), buffered, or refused."""
+        self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
+        if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
+            try:
+                self.evaluation.received(msg, gen.generator_id, self.published)
+            except Rejected as e:
+                self._reject(e.reason, e.detail, gen.generator_id)
+                self._count_against(gen, f"{e.reason}: {e.detail}")
+            self.lock.notify_all()
+            return
+        lease = self.ledger.leases.get(msg.lease_id)
+        if lease is None or key not in lease.items:
+            name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
+            self.counters[name] += 1
+            self.journal.warn(name, "hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
+                       "a known" if lease else "an unknown", msg.lease_id, name)
+            return
+        if lease.generator_id != gen.generator_id:
+            self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
+                                  "another generator", gen.generator_id)
+            self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
+            return
+        expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
+        self.ledger.settle(msg.lease_id, key)
+        try:
+            check_rollout(msg, expected, self.published, self.shape)
+        except Rejected as e:
+            self.ledger.requeue([key])  # its prompt is leased again
+            self._reject(e.reason, e.detail, gen.generator_id)
+            self._count_against(gen, f"{e.reason}: {e.detail}")
+            self.lock.notify_all()
+            return
+        if self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1:
+            self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
+        else:
+            self.ledger.buffered(msg)
+        tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
+        self.counters["rollouts"] += 1
+        self.counters["tokens"] += tokens
+        gen.groups += 1
+        gen.tokens += tokens
+        self.lock.notify_all()
 
     def _count_against(self, gen: GeneratorInfo, why: str) -> None:
         """A rollout of `gen`'s own lease was invalid: past hub.max_rejected_rollouts it is quarantined."""

@@ -41,7 +41,7 @@ def build_engine(cfg: Config, model_path: str):
 
     t = cfg.trainer
     torch.manual_seed(t.seed)
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    dtype = run_dtype(cfg)
     if cfg.model.quantization is not None:  # QLoRA: the frozen base quantized (pipeline/quantization.py)
         model = load_quantized(cfg, model_path, dtype)
     else:
@@ -91,6 +91,11 @@ def build_engine(cfg: Config, model_path: str):
         ref.config.use_cache = False
         engine.reference = ref.requires_grad_(False)
     return engine
+
+
+def run_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the learner holds its weights in (model.dtype)."""
+    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
 
 
 def load_quantized(cfg: Config, model_path: str, dtype: torch.dtype):

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from learner.adapters import version_name
-from learner.model import gathered_weights, save_hf
+from learner.model import gathered_weights, run_dtype, save_hf
 
 
 class FullVersion:
@@ -84,8 +84,7 @@ class AdapterVersion:
         from pipeline.quantization import dequantized_model
         from pipeline.tinymodel import resolve_model_path
 
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        base = dequantized_model(resolve_model_path(cfg.model.path), cfg.model.quantization, dtype)
+        base = dequantized_model(resolve_model_path(cfg.model.path), cfg.model.quantization, run_dtype(cfg))
         return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
 
 
