@@ -381,13 +381,14 @@ class Hub:
 
     # ---- the learner's thread -----------------------------------------------------------------------
 
-    def take_batch(self, step: int) -> tuple[list[P.RolloutGroup], dict, dict]:
+    def take_batch(self, step: int, wait_s: float | None = None) -> tuple[list[P.RolloutGroup] | None, dict, dict]:
         """Block until batch_size groups fresh enough for `step` are buffered; stale ones are dropped and their
         prompts leased again. Returns (the batch, its stats, the run-time knobs it was built under): the step
         trains with those knobs on every rank and records that bound, whatever `pipeline set` changes meanwhile
-        (a change holds from the next batch taken: `next_step`)."""
+        (a change holds from the next batch taken: `next_step`). The batch is None when `wait_s` passed first."""
         B = self.cfg.trainer.batch_size
         stats = {"staleness/dropped": 0}
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         with self.lock:
             while True:
                 if self.server.stopped:
@@ -409,6 +410,8 @@ class Hub:
                         f"gave {self.ledger.trained} trained groups, {len(self.ledger.buffer)} left, fewer than "
                         f"a batch of {B}; the run ends at version {self.version} of trainer.total_steps="
                         f"{self.cfg.trainer.total_steps}")
+                if deadline is not None and time.monotonic() > deadline:
+                    return None, stats, knobs
                 self.lock.wait(0.5)
 
     def next_step(self) -> int:

@@ -1,21 +1,24 @@
-"""Several learner ranks on one host: the `pipeline learner` process spawns one child per rank.
+"""Several learner ranks: `pipeline learner --gpus 0,1` (or trainer.ranks) on one host runs torchrun's elastic
+agent in its own process (torch.distributed.launcher's API, as `torchrun --standalone` does), the path clusters
+take with `torchrun --nnodes N` on each node. There is no launcher of our own.
 
-Each child gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and, on GPUs, sees only
-its own GPU (CUDA_VISIBLE_DEVICES), so no rank allocates on another's device. Rank 0 serves the hub.
-Signals to the parent are passed on; when one rank fails, the others are stopped (by PID). A rank gets SIGTERM
-when the parent dies (a parent-death signal), so none outlives it, even after a SIGKILL or the OOM killer.
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the agent and sees every GPU of
+--gpus; it takes the one of its LOCAL_RANK (learner/model.py). The agent passes SIGTERM and SIGINT on to the
+ranks, and when one fails it stops the others. A rank ends with the agent that started it (`end_with_parent`),
+even after a SIGKILL or the OOM killer: torchrun starts each rank in a session of its own, which a signal to the
+agent's process group does not reach.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
-import subprocess
 import sys
-import time
+import uuid
 
-from pipeline.netutil import free_port
+log = logging.getLogger(__name__)
 
 
 def world_size(ranks: int, gpus: str | None) -> int:
@@ -24,54 +27,33 @@ def world_size(ranks: int, gpus: str | None) -> int:
     return len(gpus.split(",")) if gpus else 1
 
 
-def spawn_ranks(argv: list[str], world: int, gpus: str | None) -> int:
-    """Run `pipeline.cli *argv` once per rank; returns the exit code (a failed rank's, if any)."""
-    port = str(free_port())
-    command = [sys.executable, "-m", "pipeline.cli", *argv]
-    end_with_me = _parent_death_signal(os.getpid())
-    return supervise([subprocess.Popen(command, env=rank_env(rank, world, gpus, port), preexec_fn=end_with_me)
-                      for rank in range(world)])
+def run_ranks(argv: list[str], world: int) -> int:
+    """Run `python -m pipeline.cli *argv` as `world` ranks on this host under torchrun's agent; returns the exit
+    code: 0, the first failed rank's, or 130 after a signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5)
+    try:
+        elastic_launch(config, sys.executable)("-m", "pipeline.cli", *argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        log.error("learner rank %d failed with exit code %d; the other ranks were stopped", rank, failure.exitcode)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException:  # the ranks were stopped with the signal, as on Ctrl-C
+        return 130
+    return 0
 
 
-def _parent_death_signal(parent: int):
-    """A preexec_fn: the child gets SIGTERM (a rank ends as on Ctrl-C, removing its files) once the thread that
-    started it is gone; this one, the main thread, lives as long as the parent process."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
-def rank_env(rank: int, world: int, gpus: str | None, port: str) -> dict:
-    """The environment of one rank: the torch.distributed variables and, on GPUs, its own GPU alone."""
-    devices = gpus.split(",") if gpus else None
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0" if devices else str(rank),
-           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
-    return env
-
-
-def supervise(children: list[subprocess.Popen]) -> int:
-    """Pass SIGTERM and SIGINT on to the ranks and wait for them all; when one fails, kill the others (by PID)."""
-
-    def forward(sig, _frame):
-        for c in children:
-            if c.poll() is None:
-                c.send_signal(sig)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while True:
-        codes = [c.poll() for c in children]
-        if all(code is not None for code in codes):
-            return max(codes, key=abs)
-        if any(code not in (None, 0) for code in codes):
-            for c in children:  # one rank failed: the collectives of the others would hang
-                if c.poll() is None:
-                    c.kill()
-        time.sleep(0.2)
+def end_with_parent() -> None:
+    """This process gets SIGTERM (it ends as on Ctrl-C, removing its files) once the thread that started it is
+    gone: a rank does not outlive its launcher. Linux only (PR_SET_PDEATHSIG); elsewhere a no-op."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the line above: this process was handed to init
+        os.kill(os.getpid(), signal.SIGTERM)

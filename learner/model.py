@@ -13,8 +13,11 @@ from pipeline.config import Config
 log = logging.getLogger(__name__)
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the learner's process group (gloo on CPU, nccl on GPU). A lone learner is rank 0 of 1."""
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the learner's process group (gloo on CPU, nccl on GPU), whose collectives fail after `timeout_s`
+    (trainer.rank_timeout_s) rather than wait for a rank that is gone. A lone learner is rank 0 of 1."""
+    from datetime import timedelta
+
     import deepspeed
 
     os.environ.setdefault("RANK", "0")
@@ -29,7 +32,7 @@ def init_distributed() -> tuple[int, int]:
         os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():  # torchrun shows every GPU of the node: a rank takes its LOCAL_RANK's
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(auto_mpi_discovery=False)
+    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
     import torch.distributed as dist
 
     return dist.get_rank(), dist.get_world_size()

@@ -31,6 +31,7 @@ from learner import checkpoint
 from learner.hub import DatasetExhausted, Hub
 from learner.model import build_engine, init_distributed
 from learner.publisher import WeightPublisher
+from learner.ranks import Roster
 from learner.staleness import behaviour_version
 from learner.step import train_step
 from learner.versions import version_kind
@@ -42,6 +43,7 @@ from pipeline.tinymodel import resolve_model_path
 from weights.files import remove_shm, remove_stale
 
 log = logging.getLogger(__name__)
+KEEPALIVE_S = 5.0  # rank 0, waiting for a batch, tells the other ranks this often that it is there
 
 
 class NotFinite(RuntimeError):
@@ -54,7 +56,8 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     signal.signal(signal.SIGINT, _terminate)
     model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
     # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.trainer.rank_timeout_s)
+    roster = Roster(rank, world) if world > 1 else None
     log.info("learner rank %d of %d on host %s (local rank %s)", rank, world, socket.gethostname(),
              os.environ.get("LOCAL_RANK", "0"))
     if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
@@ -89,11 +92,17 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
         publisher = WeightPublisher(cfg, engine, hub, rank)
         publisher.publish(version)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
-        version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id)
-        if metrics is not None:
-            metrics.close()
-        publisher.flush()
-        publisher.kind.save_final(engine, cfg, tokenizer, run_dir / "final", rank)  # full, or the adapter
+        try:
+            version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id)
+            if metrics is not None:
+                metrics.close()
+            publisher.flush()
+            publisher.kind.save_final(engine, cfg, tokenizer, run_dir / "final", rank)  # full, or the adapter
+        except RuntimeError as e:  # a collective failed (gloo, nccl: RuntimeError): was a rank lost?
+            lost = roster.explain(e) if roster is not None else None
+            if lost is None:
+                raise
+            raise lost from e
         if rank == 0:
             if cfg.eval.every:  # the last version's evaluation (eval.jsonl), a while at most
                 hub.evaluations(wait_s=cfg.hub.lease_timeout_s)
@@ -104,6 +113,8 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
         if hub is not None:
             hub.stop()
             remove_shm(run_id)
+        if roster is not None:
+            roster.close()
     return run_dir
 
 
@@ -133,8 +144,7 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
 
     while step < cfg.trainer.total_steps:
         t0 = time.perf_counter()
-        groups, drop_stats, knobs, end = _take(hub, step) if rank == 0 else (None, {}, {}, "")
-        groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, engine.device)
+        groups, drop_stats, knobs, end = next_batch(hub, step, cfg, rank, world, engine.device)
         if end:
             log.warning("%s", end)
             break
@@ -176,9 +186,24 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
     return step
 
 
-def _take(hub: Hub, step: int) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
+def next_batch(hub: Hub | None, step: int, cfg: Config, rank: int, world: int, device) -> tuple[list | None, dict,
+                                                                                              dict, str]:
+    """Rank 0's next batch, on every rank: (groups, stats of the groups dropped, knobs, why the run ends). While
+    rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
+    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone."""
+    dropped = 0
+    while True:
+        groups, stats, knobs, end = _take(hub, step, None if world == 1 else KEEPALIVE_S) if rank == 0 else \
+            (None, {}, {}, "")
+        dropped += stats.get("staleness/dropped", 0)
+        groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, device)
+        if groups is not None or end:
+            return groups, {"staleness/dropped": dropped}, knobs, end
+
+
+def _take(hub: Hub, step: int, wait_s: float | None) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
     try:
-        groups, stats, knobs = hub.take_batch(step)
+        groups, stats, knobs = hub.take_batch(step, wait_s)
     except DatasetExhausted as e:
         return None, {}, {}, str(e)
     return groups, stats, knobs, ""
@@ -200,13 +225,14 @@ def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world
                                                                                                        str]:
     """Send rank 0's batch to every rank, encoded with the wire codec (no pickle), with the run-time knobs it was
     built under (`pipeline set` reaches rank 0's hub, which read them once for the batch: every rank trains the step
-    with that one snapshot) and why the run ends, if it does."""
+    with that one snapshot) and why the run ends, if it does. `groups` None: no batch yet, rank 0 waits on."""
     if world == 1:
         return groups, knobs, end
     import torch.distributed as dist
 
     if rank == 0:
-        data = msgpack.packb({"groups": [P.encode(g) for g in groups or []], "knobs": knobs, "end": end})
+        data = msgpack.packb({"groups": None if groups is None else [P.encode(g) for g in groups], "knobs": knobs,
+                              "end": end})
         size = torch.tensor([len(data)], dtype=torch.long, device=device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=device)
@@ -222,6 +248,8 @@ def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world
         if getattr(getattr(cfg, section), name) != value:
             apply_runtime_change(cfg, key, value)
             log.info("rank %d: %s = %r (run-time change, from rank 0)", rank, key, value)
+    if body["groups"] is None:
+        return None, body["knobs"], body["end"]
     return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["knobs"], body["end"]
 
 

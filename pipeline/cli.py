@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             return _keys(args)
         resume = getattr(args, "resume", None)
-        # the run directory is checked once: by the process that spawns the ranks, or under a launcher (torchrun)
-        # by rank 0; ranks that `pipeline learner --gpus` spawned were checked by it
+        # the run directory is checked by a lone learner, and under torchrun by rank 0 (`pipeline learner --gpus`
+        # checks it before it starts its ranks, and their rank 0 finds it as it was)
         checks = not env_flag("RANK") or (launched() and env_flag("RANK") == "0")
         if resume is not None:
             if checks:
@@ -97,45 +98,38 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(cfg, run_dir, resume=resume is not None)
     if args.command == "learner":
-        from learner.launch import spawn_ranks, world_size
+        from learner.launch import end_with_parent, run_ranks, world_size
 
         run_dir.mkdir(parents=True, exist_ok=True)
         world = world_size(cfg.trainer.ranks, args.gpus)
-        if world > 1 and not env_flag("RANK"):  # the parent: start one process per rank, same run directory
-            child = _without_gpus(sys.argv[1:] if argv is None else argv)
+        if world > 1 and not env_flag("RANK"):  # this host's ranks, under torchrun's agent, same run directory
+            child = sys.argv[1:] if argv is None else list(argv)
             if args.run_dir is None and args.resume is None:
                 child += ["--run-dir", str(run_dir)]
-            return spawn_ranks(child, world, args.gpus)
+            return run_ranks(child, world)
+        parent = os.getppid()
+        if launched():
+            end_with_parent()
         from learner.checkpoint import CheckpointError
         from learner.hub import HubStopped
+        from learner.ranks import RankLost
         from learner.service import NotFinite
         from learner.service import main as learner_main
 
         try:
             learner_main(cfg, run_dir, resume=resume is not None, token=args.launch_token)
-        except (HubStopped, NotFinite, CheckpointError) as e:  # the run cannot go on: its reason, not a traceback
+        except (HubStopped, NotFinite, CheckpointError, RankLost) as e:  # the run cannot go on: why, no traceback
             logging.getLogger("pipeline").error("the run failed: %s", e)
             return 1
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (learner.service turns it into this)
-            logging.getLogger("pipeline").warning("learner stopped by a signal; the hub and its files are gone")
+            orphan = " (its launcher, torchrun's agent, is gone)" if os.getppid() != parent else ""
+            logging.getLogger("pipeline").warning("learner stopped by a signal%s; the hub and its files are gone",
+                                                  orphan)
             return 130
         return 0
     from generator.service import main as generator_main
 
     return asyncio.run(generator_main(cfg, args.learner, args.gpus or ""))
-
-
-def _without_gpus(argv: list[str]) -> list[str]:
-    """Ranks get their GPU from the parent (CUDA_VISIBLE_DEVICES); drop --gpus from their arguments."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--gpus":
-            skip = True
-        elif not a.startswith("--gpus="):
-            out.append(a)
-    return out
 
 
 def _keys(args) -> int:

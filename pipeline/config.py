@@ -177,6 +177,10 @@ class TrainerConfig:
     (tens of seconds); parameter names, checkpoints and weights are unchanged. Not with zero_stage 3."""
     ranks: int = 0
     """Learner processes (data parallel). 0: one per GPU given with --gpus, else 1. On CPU, gloo ranks."""
+    rank_timeout_s: float = 600.0
+    """How long a learner rank waits in a collective (an all-reduce, a checkpoint's barrier) for the others: a rank
+    whose host vanished without closing its connections ends the run after this, naming it (a rank whose process
+    died ends it at once). Waiting for rollouts does not count: rank 0 tells the others every few seconds."""
     keep_checkpoints: int = 2
     """Checkpoints kept in RUN_DIR/checkpoints: the newest N (the final one is always kept); older ones are removed."""
     max_skipped_steps: int = 3

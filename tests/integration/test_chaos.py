@@ -135,16 +135,16 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     # stopped (SIGSTOP) before each look, so the step it is killed at is the one seen, not one it finished meanwhile
     def stopped_past_a_checkpoint() -> bool:
         assert learner.proc.poll() is None, "the run ended before the faults were done: raise PROMPTS"
-        os.killpg(learner.pid, signal.SIGSTOP)
+        _signal_learner(learner.pid, signal.SIGSTOP)
         n, latest = _steps(run_dir), run_dir / "checkpoints" / "latest"
         applied = [e["version"] for e in _events(run_dir, "weights_applied") if e["generator"] == id_c]
         if n % 2 == 1 and n > 8 and max(applied or [0]) >= n and latest.exists() and int(latest.read_text()[1:]) < n:
             return True
-        os.killpg(learner.pid, signal.SIGCONT)
+        _signal_learner(learner.pid, signal.SIGCONT)
         return False
 
     wait_for(stopped_past_a_checkpoint, 300, "an odd version applied by c", [learner, gen_c])
-    os.killpg(learner.pid, signal.SIGKILL)
+    _signal_learner(learner.pid, signal.SIGKILL)
     learner.wait(30)
     killed_at = _steps(run_dir)
     checkpoint = int((run_dir / "checkpoints" / "latest").read_text()[1:])
@@ -214,3 +214,16 @@ def _check_final_weights(run_dir: Path) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def _signal_learner(pid: int, sig: int) -> None:
+    """The learner's process group and its ranks': torchrun's agent starts each rank in a session of its own."""
+    for group in (*[p for p, _ in descendants(pid) if _leads_a_group(p)], pid):
+        os.killpg(group, sig)
+
+
+def _leads_a_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False

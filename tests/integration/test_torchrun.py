@@ -1,12 +1,15 @@
 """The learner under torchrun (torch.distributed.elastic), as a cluster starts it: two agents, each one node of a
 2-node c10d rendezvous with one gloo rank, run `python -m pipeline.cli learner` with the same run directory; the
 ranks take RANK / LOCAL_RANK / WORLD_SIZE from the launcher, rank 0 serves the hub and writes hub.json, and a
-generator that reads the hub's address from it trains the demo task to the end with them."""
+generator that reads the hub's address from it trains the demo task with them. One node is lost mid-run (its agent
+killed): the run ends, naming the lost rank and its host; the same commands with --resume finish it."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -14,40 +17,64 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from pipeline.netutil import free_port
-from tests.conftest import REPO, Proc, wait_for
-from tests.integration.helpers import start_generator
+from tests.conftest import REPO, Proc, running, wait_for
+from tests.integration.helpers import descendants, start_generator
 
 pytestmark = pytest.mark.integration
-STEPS, BATCH = 6, 8
+STEPS, BATCH = 8, 8
 
 
-def _agent(run_dir, node: int, rdzv: int, hub_port: int, log) -> Proc:
+def _agent(run_dir, node: int, rdzv: int, hub_port: int, log, resume: bool = False) -> Proc:
     return Proc([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
                  "--rdzv-id", "test-run", "--max-restarts", "0",
-                 "-m", "pipeline.cli", "learner", "-c", "configs/demo.yaml", "--run-dir", str(run_dir),
-                 "--set", f"hub.port={hub_port}", "--set", f"trainer.total_steps={STEPS}",
-                 "--set", f"trainer.batch_size={BATCH}", "--set", "trainer.checkpoint_every=3"], log)
+                 "-m", "pipeline.cli", "learner", "-c", "configs/demo.yaml", "--resume" if resume else "--run-dir",
+                 str(run_dir), "--set", f"hub.port={hub_port}", "--set", f"trainer.total_steps={STEPS}",
+                 "--set", f"trainer.batch_size={BATCH}", "--set", "trainer.checkpoint_every=2"], log)
 
 
-def test_two_torchrun_nodes_train_the_demo_with_a_generator(procs, tmp_path, model_cache):
-    run_dir, rdzv, hub_port = tmp_path / "run", free_port(), free_port()
-    agents = [_agent(run_dir, node, rdzv, hub_port, tmp_path / f"node{node}.log") for node in (0, 1)]
+def _steps(run_dir) -> int:
+    return len(read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_trained_once(procs, tmp_path,
+                                                                                          model_cache):
+    run_dir, hub_port = tmp_path / "run", free_port()
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    rdzv = free_port()
+    agents = [_agent(run_dir, node, rdzv, hub_port, logs[node]) for node in (0, 1)]
     try:
         hub = wait_for(lambda: (run_dir / "hub.json").exists() and json.loads((run_dir / "hub.json").read_text()),
                        600, "rank 0's hub.json", agents)
         assert hub["address"] == f"tcp://127.0.0.1:{hub_port}"  # where rank 0 serves the hub
         gen = start_generator(procs, run_dir, hub_port, [])
-        for agent in agents:
-            assert agent.wait(600) == 0, agent.tail()
-        assert gen.wait(120) == 0, gen.tail()
+        wait_for(lambda: _steps(run_dir) >= 3, 600, "3 steps (a checkpoint at v2)", agents + [gen])
+        # node 1 is lost: its agent killed outright; its rank, in a session of its own, ends with it
+        rank1 = [pid for pid, cmd in descendants(agents[1].pid) if "pipeline.cli" in cmd]
+        assert rank1, descendants(agents[1].pid)
+        os.kill(agents[1].pid, signal.SIGKILL)
+        assert agents[0].wait(120) != 0, agents[0].tail()  # the survivor ends, in bounded time
+        wait_for(lambda: not any(running(pid) for pid in rank1), 60, "node 1's rank to end", [])
     finally:
         for agent in agents:
             agent.stop()
-    logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
-    assert "learner rank 0 of 2" in logs and "learner rank 1 of 2" in logs  # one rank on each node
+    lost_at = _steps(run_dir)
+    assert lost_at < STEPS
+    said = logs[0].read_text()
+    assert f"learner rank 1 (host {socket.gethostname()}, pid {rank1[0]}) is gone" in said, said[-3000:]
+    assert "learner rank 0 of 2" in said and "learner rank 1 of 2" in logs[1].read_text()  # a rank on each node
+
+    rdzv = free_port()  # the same commands, with --resume; the generator reconnects to the same address
+    resumed = [_agent(run_dir, node, rdzv, hub_port, tmp_path / f"resumed{node}.log", resume=True) for node in (0, 1)]
+    try:
+        for agent in resumed:
+            assert agent.wait(600) == 0, agent.tail()
+        assert gen.wait(120) == 0, gen.tail()
+    finally:
+        for agent in resumed:
+            agent.stop()
     records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))  # the steps after the checkpoint, again
     trained = [(t[0], t[1]) for r in records for t in r["trained"]]
     assert len(trained) == len(set(trained)) == STEPS * BATCH  # every group once
     assert (run_dir / "final" / "config.json").exists() and (run_dir / "checkpoints" / f"v{STEPS}").is_dir()

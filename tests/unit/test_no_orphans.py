@@ -71,17 +71,20 @@ def test_a_pytest_session_ended_with_sigterm_leaves_no_process_of_its_procs(tmp_
 
 
 RANKS_PARENT = """
-import os, subprocess, sys, time
-from learner.launch import _parent_death_signal
+import subprocess, sys, time
 
-rank = subprocess.Popen(["sleep", "600"], preexec_fn=_parent_death_signal(os.getpid()))
+rank = subprocess.Popen([sys.executable, "-c", "from learner.launch import end_with_parent; end_with_parent(); "
+                         "import time; print('ready', flush=True); time.sleep(600)"], stdout=subprocess.PIPE,
+                        text=True, start_new_session=True)  # as torchrun starts a rank: out of reach of killpg
+assert rank.stdout.readline() == "ready\\n"
 print(rank.pid, flush=True)
 time.sleep(600)
 """
 
 
 def test_learner_ranks_end_when_their_parent_is_killed():
-    """`pipeline learner` with several ranks, run without `pipeline run` (no guard) and killed with SIGKILL."""
+    """`pipeline learner` with several ranks (torchrun's agent), run without `pipeline run` (no guard) and killed
+    with SIGKILL: a rank started in a session of its own ends too."""
     parent = subprocess.Popen([sys.executable, "-c", RANKS_PARENT], stdout=subprocess.PIPE, text=True, cwd=REPO)
     rank = 0
     try:
