@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import resource
@@ -26,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 from bench.common import result_name, write_result
@@ -90,6 +92,12 @@ async def generators(n: int, address: str, seconds: float, warmup: float, conn) 
     tokens = P.pack_ints([4 + i % 10 for i in range(TOKENS)])
     logprobs = P.pack_floats([-1.0] * TOKENS)
     lat = {"lease": [], "heartbeat": []}
+
+    @functools.cache
+    def samples(v: int) -> list[dict]:  # a group's samples on the wire, made once per version: the simulated
+        # generators' process must not be what limits the hub (their encoding took its core)
+        return [P.as_dict(P.Sample(tokens, logprobs, float(s % 2), [float(s % 2)], "length", v, v))
+                for s in range(GROUP)]
     measuring = asyncio.Event()
     stop = asyncio.Event()
 
@@ -129,14 +137,13 @@ async def generators(n: int, address: str, seconds: float, warmup: float, conn) 
             if not isinstance(lease, P.Lease):  # Wait: the window is full
                 await asyncio.sleep(getattr(lease, "retry_s", 0.05))
                 continue
-            v = lease.min_version
             for item in lease.groups:
-                samples = [P.Sample(tokens, logprobs, float(s % 2), [float(s % 2)], "length", v, v)
-                           for s in range(GROUP)]
-                await push.send(P.encode(P.RolloutGroup(
+                wire = P.as_dict(P.RolloutGroup(
                     lease_id=lease.lease_id, generator_id=gen_id, prompt_id=item.prompt_id, epoch=item.epoch,
-                    prompt_ids=item.prompt_ids, samples=samples, temperature=lease.sampling.temperature,
-                    session=welcome.session)))
+                    prompt_ids=item.prompt_ids, samples=[], temperature=lease.sampling.temperature,
+                    session=welcome.session))
+                wire.update(v=P.SCHEMA_VERSION, k=P.RolloutGroup.tag, r=0, samples=samples(lease.min_version))
+                await push.send(msgpack.packb(wire, use_bin_type=True))
                 pushed += 1
                 generated += GROUP * TOKENS
             await asyncio.sleep(0)

@@ -62,7 +62,7 @@ def _training(hub, gen: GeneratorInfo, n: int) -> P.Message:
     min_version = staleness.min_version(hub.version, in_flight, t.batch_size, t.max_staleness, len(items))
     sampling = hub.sampling()
     lease = LeaseState(next(hub.lease_ids), gen.generator_id, items, sampling.temperature, min_version,
-                       time.monotonic())
+                       time.monotonic(), principal=gen.principal)
     hub.ledger.grant(lease)
     return P.Lease(lease.lease_id, min_version, list(items.values()), sampling=sampling)
 
@@ -85,16 +85,14 @@ def share(hub, gen: GeneratorInfo, room: int) -> int:
     back another, so a large engine beside a small one still fills the window."""
     t = hub.cfg.trainer
     mine = gen.principal
-    owner, active = hub.registry.principals()  # (kept between requests: this runs for every one)
-    held: dict[str, int] = {}
-    for gid, n in hub.ledger.held.items():
-        p = owner.get(gid, gid)  # a dropped generator's leases: its own
-        held[p] = held.get(p, 0) + n
+    _, active = hub.registry.principals()  # (kept between requests: this runs for every one)
+    held = hub.ledger.held  # by principal; a lease keeps the principal it was granted to
     principals = len(active) + (mine not in active)  # the others' and this one's
     r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // principals))
-    # each other principal's r less what it holds, summed over those holding something only: the rest hold none
-    others = (principals - 1) * r - sum(min(r, h) for p, h in held.items() if p != mine and p in active)
-    return max(min(room, r - held.get(mine, 0)), room - others)
+    # each other principal's r less what it holds (kept as leases change: ledger.Holdings)
+    own = held.by.get(mine, 0)
+    others = (principals - 1) * r - (held.capped(active, r) - (min(r, own) if mine in active else 0))
+    return max(min(room, r - own), room - others)
 
 
 def _items(hub, n: int, gen: GeneratorInfo) -> dict[Key, P.PromptItem]:

@@ -38,6 +38,36 @@ class LeaseState:
     min_version: int
     granted: float  # time.monotonic()
     unreported: int = 0  # consecutive heartbeats of its generator that did not list it
+    principal: str = ""  # its generator's (a key, or the id without keys); "" for generator_id
+
+
+class Holdings:
+    """Groups on leases by principal, and the sum over the active principals of min(r, what each holds), kept as
+    leases change: each lease request's share reads it (learner/leases.py), and summing over a thousand holders for
+    every request took the hub's core. The sum is made afresh only when the active principals (a new set from the
+    registry) or r change: when a generator registers, leaves or drains."""
+
+    def __init__(self):
+        self.by: dict[str, int] = {}
+        self._active: set[str] | None = None
+        self._r = 0
+        self._capped = 0
+
+    def change(self, principal: str, n: int) -> None:
+        old = self.by.get(principal, 0)
+        if old + n:
+            self.by[principal] = old + n
+        else:
+            self.by.pop(principal, None)
+        if self._active is not None and principal in self._active:
+            self._capped += min(self._r, old + n) - min(self._r, old)
+
+    def capped(self, active: set[str], r: int) -> int:
+        """The sum over `active` of min(r, held)."""
+        if active is not self._active or r != self._r:
+            self._active, self._r = active, r
+            self._capped = sum(min(r, h) for p, h in self.by.items() if p in active)
+        return self._capped
 
 
 class PromptLedger:
@@ -47,10 +77,12 @@ class PromptLedger:
         self.pending: deque[Key] = deque()
         self.fresh = 0  # the last `fresh` keys of pending: the rest of epoch next_epoch - 1's shuffle, untouched
         self.leases: dict[int, LeaseState] = {}
-        # groups on leases, in all and by generator: kept as leases change (admission and each lease request's
-        # share read them; summing the leases each time took the hub's core with hundreds of generators)
+        # groups on leases, in all and by principal, and the leases by generator: kept as leases change (admission,
+        # each lease request's share and each heartbeat read them; walking the leases each time took the hub's core
+        # with hundreds of generators)
         self.leased = 0
-        self.held: dict[str, int] = {}
+        self.held = Holdings()
+        self._by_generator: dict[str, dict[int, LeaseState]] = {}
         self.buffer: list[tuple[P.RolloutGroup, float]] = []  # (group, arrival time)
         self.in_step: list[P.RolloutGroup] = []
         # done for its epoch (trained, filtered or rejected): one flag per prompt of each epoch that still has a
@@ -108,35 +140,41 @@ class PromptLedger:
     # ---- leases -------------------------------------------------------------------------------------
 
     def grant(self, lease: LeaseState) -> None:
+        lease.principal = lease.principal or lease.generator_id
         self.leases[lease.lease_id] = lease
-        self._holds(lease.generator_id, len(lease.items))
+        self._by_generator.setdefault(lease.generator_id, {})[lease.lease_id] = lease
+        self._holds(lease, len(lease.items))
 
-    def _holds(self, generator_id: str, change: int) -> None:
+    def _holds(self, lease: LeaseState, change: int) -> None:
         self.leased += change
-        left = self.held.get(generator_id, 0) + change
-        if left:
-            self.held[generator_id] = left
-        else:
-            self.held.pop(generator_id, None)
+        self.held.change(lease.principal, change)
 
     def leases_of(self, generator_id: str) -> list[LeaseState]:
-        return [lease for lease in self.leases.values() if lease.generator_id == generator_id]
+        return list(self._by_generator.get(generator_id, {}).values())
 
     def settle(self, lease_id: int, key: Key) -> None:
         """A leased prompt's group arrived or failed: off its lease, and the lease off the books once empty."""
         lease = self.leases[lease_id]
         del lease.items[key]
-        self._holds(lease.generator_id, -1)
+        self._holds(lease, -1)
         if not lease.items:
-            del self.leases[lease_id]
+            self._drop(lease)
 
     def take_back(self, lease_id: int) -> list[Key]:
         """A whole lease goes back to the front of the queue (expired, or its generator is gone)."""
-        lease = self.leases.pop(lease_id)
+        lease = self.leases[lease_id]
         keys = list(lease.items)
-        self._holds(lease.generator_id, -len(keys))
+        self._holds(lease, -len(keys))
+        self._drop(lease)
         self.requeue(keys)
         return keys
+
+    def _drop(self, lease: LeaseState) -> None:
+        del self.leases[lease.lease_id]
+        mine = self._by_generator[lease.generator_id]
+        del mine[lease.lease_id]
+        if not mine:
+            del self._by_generator[lease.generator_id]
 
     def take_back_all(self, generator_id: str) -> int:
         return sum(len(self.take_back(lease.lease_id)) for lease in self.leases_of(generator_id))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,17 +76,28 @@ class Message:
 
 def encode(msg: Message, rid: int = 0) -> bytes:
     body = {"v": SCHEMA_VERSION, "k": msg.tag, "r": rid}
-    for f in dataclasses.fields(msg):
-        body[f.name] = _to_wire(getattr(msg, f.name))
+    for name in _field_names(type(msg)):
+        body[name] = _to_wire(getattr(msg, name))
     return msgpack.packb(body, use_bin_type=True)
 
 
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    names = _field_names(type(value))
+    if names is not None:
+        return {name: _to_wire(getattr(value, name)) for name in names}
     if isinstance(value, list):
         return [_to_wire(v) for v in value]
     return value
+
+
+_NAMES: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """A dataclass's field names (None for any other type), looked up once per type."""
+    if cls not in _NAMES:
+        _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+    return _NAMES[cls]
 
 
 def as_dict(msg: Message) -> dict:
@@ -168,60 +180,129 @@ def _check_depth(body: Any, limit: int) -> None:
 
 
 def _from_wire(cls: type, body: Any, where: str) -> Any:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
-    hints = _hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            kwargs[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
-            if hints[f.name] is str and len(kwargs[f.name]) > f.metadata.get("max_len", DEFAULT_MAX_STR):
-                raise ProtocolError(f"{where}.{f.name}: {len(kwargs[f.name])} characters, at most "
-                                    f"{f.metadata.get('max_len', DEFAULT_MAX_STR)}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where}.{f.name}: missing")
-    # unknown fields come from a newer peer that appended them: ignored
-    return cls(**kwargs)
+    try:
+        return _checker(cls)(body)
+    except _Bad as e:
+        raise ProtocolError(f"{where}{e.path}: {e.message}") from None
 
 
-_HINTS: dict[type, dict] = {}
+class _Bad(Exception):
+    """A value that is not what its field says; `path` grows as it unwinds (".samples[0].tokens")."""
+
+    def __init__(self, path: str, message: str):
+        self.path, self.message = path, message
 
 
-def _hints(cls: type) -> dict:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+_CHECKERS: dict[Any, Callable[[Any], Any]] = {}
 
 
-def _check(tp: Any, value: Any, where: str) -> Any:
+def _checker(tp: Any) -> Callable[[Any], Any]:
+    """The check of a field's type, made once per type: a value in, the value (int as float where a float is
+    meant) out, or _Bad. Resolving the type hints for every field of every message took half the hub's time
+    with a thousand generators (bench/hub_ceiling.py)."""
+    check = _CHECKERS.get(tp)
+    if check is None:
+        check = _CHECKERS[tp] = _make_checker(tp)
+    return check
+
+
+def _make_checker(tp: Any) -> Callable[[Any], Any]:
     if tp is Any:
-        return value
+        return lambda v: v
     if typing.get_origin(tp) in (typing.Union, types.UnionType):  # `X | None`
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = type(None) in typing.get_args(tp)
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        check = _checker(inner)
+        return lambda v: None if v is None and optional else check(v)
     origin = typing.get_origin(tp)
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        kt, vt = typing.get_args(tp)
-        return {_check(kt, k, f"{where} key"): _check(vt, v, f"{where}[{k!r}]") for k, v in value.items()}
+        return _dict_checker(*map(_checker, typing.get_args(tp)))
     if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return _list_checker(_checker(typing.get_args(tp)[0]))
     if dataclasses.is_dataclass(tp):
-        return _from_wire(tp, value, where)
+        return _dataclass_checker(tp)
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+        def check_float(v):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return float(v)
+            raise _Bad("", f"expected float, got {type(v).__name__}")
+        return check_float
+    if tp is int:
+        def check_int(v):
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+            raise _Bad("", f"expected int, got {type(v).__name__}")
+        return check_int
+
+    def check_instance(v):
+        if isinstance(v, tp):
+            return v
+        raise _Bad("", f"expected {tp.__name__}, got {type(v).__name__}")
+    return check_instance
+
+
+def _dict_checker(key, value) -> Callable[[Any], Any]:
+    def check(v):
+        if not isinstance(v, dict):
+            raise _Bad("", f"expected a map, got {type(v).__name__}")
+        out = {}
+        for k, x in v.items():
+            try:
+                k = key(k)
+            except _Bad as e:
+                raise _Bad(f" key{e.path}", e.message) from None
+            try:
+                out[k] = value(x)
+            except _Bad as e:
+                raise _Bad(f"[{k!r}]{e.path}", e.message) from None
+        return out
+    return check
+
+
+def _list_checker(item) -> Callable[[Any], Any]:
+    def check(v):
+        if not isinstance(v, list):
+            raise _Bad("", f"expected a list, got {type(v).__name__}")
+        try:
+            return [item(x) for x in v]
+        except _Bad as e:
+            i = next(i for i, x in enumerate(v) if _fails(item, x))
+            raise _Bad(f"[{i}]{e.path}", e.message) from None
+    return check
+
+
+def _fails(check, value) -> bool:
+    try:
+        check(value)
+    except _Bad:
+        return True
+    return False
+
+
+def _dataclass_checker(cls: type) -> Callable[[Any], Any]:
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, _checker(hints[f.name]), f.metadata.get("max_len", DEFAULT_MAX_STR) if hints[f.name] is str
+               else None, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+              for f in dataclasses.fields(cls)]
+
+    def check(body):
+        if not isinstance(body, dict):
+            raise _Bad("", f"expected a map, got {type(body).__name__}")
+        kwargs = {}
+        for name, field_check, max_len, required in fields:
+            if name in body:
+                try:
+                    value = field_check(body[name])
+                except _Bad as e:
+                    raise _Bad(f".{name}{e.path}", e.message) from None
+                if max_len is not None and len(value) > max_len:
+                    raise _Bad(f".{name}", f"{len(value)} characters, at most {max_len}")
+                kwargs[name] = value
+            elif required:
+                raise _Bad(f".{name}", "missing")
+        # unknown fields come from a newer peer that appended them: ignored
+        return cls(**kwargs)
+    return check
 
 
 # ---- array helpers --------------------------------------------------------------------------------

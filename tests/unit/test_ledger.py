@@ -44,11 +44,14 @@ def train(book: PromptLedger, state: LeaseState, version: int = 0) -> None:
 
 def places(book: PromptLedger) -> Counter:
     """How often each prompt of epoch 0 appears across the ledger's places (each must be exactly once). The groups on
-    leases the ledger counts as they change are those its leases hold, in all and by generator."""
+    leases the ledger counts as they change are those its leases hold, in all and by principal (here, generator)."""
     by_gen = Counter()
     for le in book.leases.values():
         by_gen[le.generator_id] += len(le.items)
-    assert book.leased == sum(by_gen.values()) and book.held == {g: n for g, n in by_gen.items() if n}
+    assert book.leased == sum(by_gen.values()) and book.held.by == {g: n for g, n in by_gen.items() if n}
+    for g in by_gen:
+        assert sorted(le.lease_id for le in book.leases_of(g)) == sorted(
+            le.lease_id for le in book.leases.values() if le.generator_id == g)
     where = list(book.pending) + [k for le in book.leases.values() for k in le.items]
     where += [(g.epoch, g.prompt_id) for g, _ in book.buffer] + [(g.epoch, g.prompt_id) for g in book.in_step]
     where += [(0, pid) for pid in range(book.n_prompts) if book.done((0, pid))]
@@ -237,3 +240,35 @@ def test_a_checkpoint_of_the_first_format_still_loads_and_a_newer_one_is_refused
         ledger().restore({**book.snapshot(), "format": 3})
     with pytest.raises(ValueError, match="4 prompts shuffled with data.seed=0, this run has 6 .* the same data"):
         ledger(n=6).restore(book.snapshot())
+
+
+def test_the_held_sum_kept_as_leases_change_equals_the_sum_made_afresh():
+    """ledger.Holdings keeps sum over the active principals of min(r, held) as leases are granted, settled and taken
+    back, made afresh only when the active set or r changes: at every point it equals the sum made from the leases."""
+    import random
+
+    rng = random.Random(0)
+    book = ledger(n=400)
+    principals = [f"p{i}" for i in range(12)]
+    active, r, next_id = set(principals[:8]), 3, 1
+    for _ in range(3000):
+        action = rng.random()
+        if action < 0.4:
+            keys = book.take(rng.randint(1, 4), "x", lambda tried: False)
+            if keys:
+                book.grant(LeaseState(next_id, f"gen-{next_id % 20}", {k: P.PromptItem(k[1], k[0], "p") for k in keys},
+                                      1.0, 0, 0.0, principal=rng.choice(principals)))
+                next_id += 1
+        elif action < 0.7 and book.leases:
+            lease_ = rng.choice(list(book.leases.values()))
+            book.settle(lease_.lease_id, next(iter(lease_.items)))
+        elif action < 0.85 and book.leases:
+            book.take_back(rng.choice(list(book.leases)))
+        elif action < 0.95:
+            active = set(rng.sample(principals, rng.randint(1, 12)))  # a new set: registered, left or drained
+        else:
+            r = rng.randint(1, 6)
+        held = Counter()
+        for le in book.leases.values():
+            held[le.principal] += len(le.items)
+        assert book.held.capped(active, r) == sum(min(r, h) for p, h in held.items() if p in active)
