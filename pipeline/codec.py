@@ -12,6 +12,7 @@ field. No pickle anywhere. The messages themselves are in pipeline/protocol.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable
@@ -129,6 +130,8 @@ def decode(data, limit: int | None = None, limits: Limits = FROM_PEER) -> tuple[
                              rid if isinstance(rid, int) else 0)
     if not isinstance(rid, int):
         raise ProtocolError(f"{cls.__name__}.r: request id must be an int, got {type(rid).__name__}")
+    if _free_form(cls) or not body.keys() <= _names(cls):  # else the typed check goes only as deep as the type
+        _check_depth(body, limits.depth)
     return _from_wire(cls, body, cls.__name__), rid
 
 
@@ -159,24 +162,38 @@ def _unpack(data, nbytes: int, limits: Limits) -> Any:
                                list_hook=budget.list, object_hook=budget.map)
     except Exception as e:  # msgpack raises several types for truncated, random or too costly input
         raise ProtocolError(f"not a valid MessagePack message within the limits ({type(e).__name__}: {e})") from None
-    _check_depth(body, limits.depth)
     return body
 
 
+@functools.cache
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(_field_names(cls))
+
+
+@functools.cache
+def _free_form(tp: Any) -> bool:
+    """Whether a value of this type may hold arrays and maps of any shape (an Any somewhere in it)."""
+    if tp is Any:
+        return True
+    if dataclasses.is_dataclass(tp):
+        return any(_free_form(h) for h in typing.get_type_hints(tp).values())
+    return any(_free_form(a) for a in typing.get_args(tp))
+
+
 def _check_depth(body: Any, limit: int) -> None:
-    """Nesting of arrays and maps at most `limit` (iterative: the containers are already counted)."""
-    stack = [(body, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > limit:
+    """Nesting of arrays and maps at most `limit`, level by level (iterative: the containers are already counted)."""
+    level, depth = [body], 1
+    while level:
+        deeper = []
+        for value in level:
+            if type(value) is dict:
+                value = value.values()
+            elif type(value) is not list:
+                continue
+            deeper.extend(c for c in value if type(c) is dict or type(c) is list)
+        if deeper and depth >= limit:
             raise ProtocolError(f"message nests arrays and maps deeper than {limit} levels")
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        level, depth = deeper, depth + 1
 
 
 def _from_wire(cls: type, body: Any, where: str) -> Any:
