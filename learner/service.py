@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,6 +45,7 @@ from weights.files import remove_shm, remove_stale
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 5.0  # rank 0, waiting for a batch, tells the other ranks this often that it is there
+STUCK_S = 10.0  # a rank still running this long after SIGTERM or SIGINT is stuck in a collective (`end_if_stuck`)
 
 
 class NotFinite(RuntimeError):
@@ -58,6 +60,9 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
     rank, world = init_distributed(cfg.trainer.rank_timeout_s)
     roster = Roster(rank, world) if world > 1 else None
+    run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
+    if world > 1:
+        end_if_stuck(run_id)
     log.info("learner rank %d of %d on host %s (local rank %s)", rank, world, socket.gethostname(),
              os.environ.get("LOCAL_RANK", "0"))
     if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
@@ -74,7 +79,6 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     if resume and rank == 0:
         discarded = truncate_metrics(run_dir, version)
         log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
-    run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
     hub = None
     try:
         if rank == 0:
@@ -124,6 +128,27 @@ def _terminate(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def end_if_stuck(run_id: str, grace_s: float = STUCK_S) -> None:
+    """A signal that cannot stop the rank: its main thread waits in a collective for a rank that is gone (nccl does
+    not see a dead peer on its host until trainer.rank_timeout_s), where Python's handler (`_terminate`) runs only
+    once the call returns, and torchrun's agent SIGKILLs it 30 s on, before its files are removed. A thread hears
+    the signal at once (the wakeup fd); if the process still runs `grace_s` later, it removes the run's /dev/shm
+    files itself and exits 130."""
+    heard, tell = socket.socketpair()
+    tell.setblocking(False)
+    signal.set_wakeup_fd(tell.fileno())
+
+    def watch() -> None:
+        heard.recv(1)
+        time.sleep(grace_s)
+        log.error("the learner did not stop within %.0f s of the signal (it waits in a collective for a rank that "
+                  "is gone); its /dev/shm files are removed and it exits", grace_s)
+        remove_shm(run_id)
+        os._exit(130)
+
+    threading.Thread(target=watch, name="end-if-stuck", daemon=True).start()
 
 
 def _write_hub_json(run_dir: Path, hub: dict) -> None:

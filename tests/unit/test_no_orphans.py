@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from pipeline.launcher import Child, _members
 from tests.conftest import REPO, running, wait_for
@@ -97,3 +98,46 @@ def test_learner_ranks_end_when_their_parent_is_killed():
             parent.kill()
         if rank and running(rank):
             os.kill(rank, signal.SIGKILL)
+
+
+STUCK_RANK = """
+import datetime, os, signal, sys, time
+import torch, torch.distributed as dist
+from learner import service
+from weights.files import private_dir, shm_dir
+
+rank, run_id = int(sys.argv[1]), sys.argv[2]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+if rank == 1:  # a rank that no longer answers: it never joins the all-reduce
+    time.sleep(600)
+signal.signal(signal.SIGTERM, service._terminate)
+service.end_if_stuck(run_id, grace_s=2.0)
+private_dir(shm_dir(run_id))
+print("ready", flush=True)
+dist.all_reduce(torch.zeros(1))  # waits in gloo for rank 1: Python's SIGTERM handler cannot run
+"""
+
+
+def test_a_rank_stuck_in_a_collective_ends_on_sigterm_and_removes_its_shm_files(tmp_path):
+    """A rank whose collective waits for a rank that is gone cannot run Python's SIGTERM handler until the collective
+    times out (trainer.rank_timeout_s); learner.service.end_if_stuck ends it within its grace, its /dev/shm files
+    removed, before torchrun's agent would SIGKILL it with the files left."""
+    from pipeline.netutil import free_port
+    from weights.files import shm_dir
+
+    run_id, port = f"stuck-{os.getpid()}", str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", STUCK_RANK, str(r), run_id, port], stdout=subprocess.PIPE,
+                              text=True, cwd=REPO) for r in (0, 1)]
+    try:
+        assert ranks[0].stdout.readline() == "ready\n"
+        assert shm_dir(run_id).is_dir()
+        time.sleep(1.0)  # in the all-reduce
+        ranks[0].send_signal(signal.SIGTERM)
+        assert ranks[0].wait(30) == 130
+        assert not shm_dir(run_id).exists()
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait(10)
