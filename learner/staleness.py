@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pipeline import protocol as P
 
+WINDOW_FULL = "staleness window full"  # no room for anyone until a step ends (learner/leases.py holds such requests)
+
 
 def behaviour_version(group: P.RolloutGroup) -> int:
     return min(s.first_version for s in group.samples)
@@ -27,7 +29,7 @@ def room(version: int, in_flight: int, total_steps: int, batch_size: int, k: int
     free = min((k + 1) * batch_size - in_flight, still_needed)
     if free > 0:
         return free, ""
-    return 0, "waiting for the last steps" if still_needed <= 0 else "staleness window full"
+    return 0, "waiting for the last steps" if still_needed <= 0 else WINDOW_FULL
 
 
 def min_version(version: int, in_flight: int, batch_size: int, k: int, n: int = 1) -> int:
