@@ -47,8 +47,7 @@ def hub_process(n: int, conn, profile: str = "") -> None:
         "trainer": {"batch_size": BATCH, "group_size": GROUP, "total_steps": 10**6, "max_staleness": 2,
                     "epochs": 10**4},
         "sampling": {"max_tokens": TOKENS}, "generator": {"lease_size": LEASE, "max_model_len": 512},
-        "hub": {"max_generators": n, "heartbeat_s": 1.0, "heartbeat_timeout_s": 30.0,
-                "lease_wait_s": float(os.environ.get("HUB_LEASE_WAIT_S", 2.0))}})
+        "hub": {"max_generators": n, "heartbeat_s": 1.0, "heartbeat_timeout_s": 30.0}})
     hub = Hub(cfg, echo_rows(4096, 0), Path(tempfile.mkdtemp(prefix="hub-ceiling-")), "bench", 0, None,
               encode=encode, vocab_size=16)
     hub.start()
@@ -133,7 +132,7 @@ async def generators(n: int, address: str, seconds: float, warmup: float, conn) 
                     lat["heartbeat"].append(time.perf_counter() - start)
             start = time.perf_counter()
             lease = await ask(P.LeaseRequest(gen_id, LEASE))
-            if measuring.is_set():  # a lease, or a Wait (both may have been held for room: hub.lease_wait_s)
+            if measuring.is_set():  # a request answered with a lease, or with a Wait (the window is full)
                 lat["lease" if isinstance(lease, P.Lease) else "wait"].append(time.perf_counter() - start)
             if not isinstance(lease, P.Lease):  # Wait: the window is full
                 await asyncio.sleep(getattr(lease, "retry_s", 0.05))

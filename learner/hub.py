@@ -30,7 +30,6 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,8 +92,6 @@ class Hub:
             self.counters.update(state.get("counters", {}))
         eval_prompts = Prompts(eval_rows or [], (cfg.eval.data or cfg.data).prompt_column, encode, vocab_size,
                                cfg.generator.max_model_len)
-        self.held: deque[leases.Held] = deque()  # lease requests waiting for room (leases.hold)
-        self._rid = 0  # the request id of the control message being handled
         self.evaluation = Evaluation(cfg, eval_prompts, self.shape, run_dir)  # eval.every: held-out prompts
         self.evaluation.start(version)
         self.auth = ServerAuth.load(cfg.auth.keys)
@@ -126,9 +123,7 @@ class Hub:
 
     # ---- what the server hands over -----------------------------------------------------------------
 
-    def control(self, msg: P.Message, ident: bytes, user: str, rid: int = 0) -> P.Message | None:
-        """The reply to a control message, or None when it is held (a lease request: learner/leases.py, `hold`)."""
-        self._rid = rid
+    def control(self, msg: P.Message, ident: bytes, user: str) -> P.Message:
         handler = getattr(self, f"_on_{msg.tag}", None)
         if handler is None:
             self.malformed(f"control: unexpected {type(msg).__name__}", False)
@@ -175,7 +170,6 @@ class Hub:
             for gen in [g for g in self.registry.generators.values() if g.leaving]:
                 self._left_when_in(gen)
             leases.expire_old(self, now)
-            leases.answer_held(self, now)
 
     # ---- generators ---------------------------------------------------------------------------------
 
@@ -278,9 +272,8 @@ class Hub:
 
     # ---- leases (learner/leases.py) ------------------------------------------------------------------
 
-    def _on_lease_request(self, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message | None:
-        reply = leases.request(self, msg, gen)
-        return None if leases.hold(self, msg, gen, self._rid, reply) else reply
+    def _on_lease_request(self, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
+        return leases.request(self, msg, gen)
 
     # ---- rollouts and failed groups -----------------------------------------------------------------
 
@@ -426,12 +419,9 @@ class Hub:
         return self.version + (1 if self.ledger.in_step else 0)
 
     def finish_step(self, version: int) -> None:
-        """The step that produced `version` is done: its groups join the ledger, admission moves on (the hub's
-        thread answers the lease requests held for room at once)."""
+        """The step that produced `version` is done: its groups join the ledger, admission moves on."""
         with self.lock:
             self.ledger.finish_step()
-            if self.held:
-                self.server.wake()
             self.version = version
             self.evaluation.start(version)
             self.weights.newest = max(self.weights.newest, version)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from learner import staleness
 from learner.ledger import Key, LeaseState
@@ -70,43 +69,6 @@ def _training(hub, gen: GeneratorInfo, n: int) -> P.Message:
 
 WAIT_S = 0.05  # how soon a generator told to wait for room asks again...
 ASKS_PER_S = 1000  # ...unless the generators together would then ask more often than this
-
-
-@dataclass
-class Held:
-    gen: GeneratorInfo
-    rid: int
-    msg: P.LeaseRequest
-    until: float  # time.monotonic()
-
-
-def hold(hub, msg: P.LeaseRequest, gen: GeneratorInfo, rid: int, reply: P.Message) -> bool:
-    """Hold a request the full window refused (True), to answer it once a step frees room (`answer_held`) or
-    hub.lease_wait_s on: a generator waits for room without asking again and again. Not one that asks for no
-    groups (a generator with no room of its own asks to hear whether the run is over), nor one its share refused."""
-    wait = hub.cfg.hub.lease_wait_s
-    if not (isinstance(reply, P.Wait) and reply.reason == staleness.WINDOW_FULL and msg.max_groups > 0 and wait > 0):
-        return False
-    hub.held.append(Held(gen, rid, msg, time.monotonic() + wait))
-    return True
-
-
-def answer_held(hub, now: float) -> None:
-    """The held lease requests, oldest first, while there is room: each gets what a request gets now (a lease,
-    or a Wait its share gives); once its time is up, the Wait. A generator gone or registered again since is
-    not answered: its request died with its session."""
-    t, held = hub.cfg.trainer, hub.held
-    while held:
-        first = held[0]
-        gen = hub.registry.generators.get(first.msg.generator_id)
-        if gen is not first.gen:
-            held.popleft()
-            continue
-        room, _ = staleness.room(hub.version, hub.ledger.in_flight(), t.total_steps, t.batch_size, t.max_staleness)
-        if room <= 0 and now < first.until:  # those behind it were held later
-            return
-        held.popleft()
-        hub.server.push(gen.ident, P.encode(request(hub, first.msg, gen), first.rid))
 
 
 def retry_s(hub) -> float:

@@ -143,8 +143,6 @@ class Server:
             if self.rollouts in events:
                 self._drain(self.rollouts, self._on_rollout)
             self.handler.tick()
-            while self._outbox:  # what tick answered (held lease requests)
-                self.control.send_multipart(self._outbox.popleft())
 
     def _drain(self, sock, handle, budget: int = 1000) -> None:
         """Read without blocking until empty (much faster than one poll per message)."""
@@ -174,9 +172,7 @@ class Server:
             self.reply(ident, P.Error(f"bad message: {e}", stop=isinstance(e, P.SchemaMismatch)),
                        getattr(e, "rid", 0))
             return
-        reply = self.handler.control(msg, ident, user, rid)
-        if reply is not None:  # None: held (a lease request waiting for room), answered later with `push`
-            self.reply(ident, reply, rid)
+        self.reply(ident, self.handler.control(msg, ident, user), rid)
 
     def _on_rollout(self, frames: list[zmq.Frame]) -> None:
         user = user_of(frames[-1]) if self.auth else ""

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from pipeline import protocol as P
 
-WINDOW_FULL = "staleness window full"  # no room for anyone until a step ends (learner/leases.py holds such requests)
-
 
 def behaviour_version(group: P.RolloutGroup) -> int:
     return min(s.first_version for s in group.samples)
@@ -29,7 +27,7 @@ def room(version: int, in_flight: int, total_steps: int, batch_size: int, k: int
     free = min((k + 1) * batch_size - in_flight, still_needed)
     if free > 0:
         return free, ""
-    return 0, "waiting for the last steps" if still_needed <= 0 else WINDOW_FULL
+    return 0, "waiting for the last steps" if still_needed <= 0 else "staleness window full"
 
 
 def min_version(version: int, in_flight: int, batch_size: int, k: int, n: int = 1) -> int:

@@ -256,10 +256,6 @@ class HubConfig:
     max_reward_errors: int = 3
     """The run stops with the traceback once reward functions raised this many times (the prompts are leased
     again meanwhile; errors reported by one generator alone count only while it is the only one)."""
-    lease_wait_s: float = 2.0
-    """A lease request that finds the staleness window full is held this long at most and answered as soon as
-    room frees (a step ends), rather than with a Wait the generator repeats: with a thousand generators the
-    repeats took the hub's core, and a freed room waited for the next one to come. 0: a Wait at once."""
     lease_timeout_s: float = 600.0
     """A lease whose groups have not all arrived this long after it was granted goes back to the queue (as do
     leases its generator stops reporting in its heartbeats). Generous: long completions take minutes."""

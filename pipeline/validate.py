@@ -64,7 +64,6 @@ RANGES = {
     "hub.max_message_mb": Range(1, 2047), "hub.max_rejected_prompts": POSITIVE, "hub.max_reward_errors": POSITIVE,
     "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE, "hub.max_rejected_rollouts": POSITIVE,
     "hub.quarantine_s": NON_NEGATIVE,
-    "hub.lease_wait_s": Range(0, 5, why="a generator's request times out after 10 s"),
     "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
     "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": TEMPERATURE,
     "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,

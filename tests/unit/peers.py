@@ -22,7 +22,7 @@ def encode(text: str) -> list[int]:
 
 def new_hub(run_dir, rows=None, version: int = 0, state=None, eval_rows=None, **sections) -> Hub:
     data = {"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10}, "generator": {"lease_size": 8},
-            "hub": {"max_message_mb": 1, "lease_wait_s": 0}}  # a Wait at once, unless a test holds requests
+            "hub": {"max_message_mb": 1}}
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     hub = Hub(config_from_dict(data), rows or echo_rows(16, 0), run_dir, "test", version, state, encode=encode,
