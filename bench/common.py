@@ -33,12 +33,17 @@ QWEN_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_e
 
 
 def build_model(size: str, dest: Path, seed: int = 0) -> Path:
-    """A random-weight Qwen2 of `size` ("0.5b", "1.5b", "7b"; "tiny": the builtin one) in bf16, with tokenizer."""
+    """A random-weight Qwen2 of `size` ("0.5b", "1.5b", "7b"; "tiny", "smollm2": the builtin ones) in bf16, with
+    tokenizer."""
     dest = Path(dest)
     if size == "tiny":
         from pipeline.tinymodel import build_tiny_model
 
         return build_tiny_model(dest)
+    if size == "smollm2":  # a real pretrained model that runs on CPU (135M parameters; pipeline/smollm2.py)
+        from pipeline.tinymodel import resolve_model_path
+
+        return Path(resolve_model_path("builtin:smollm2"))
     if (dest / "config.json").exists():
         return dest
     import torch
@@ -231,7 +236,9 @@ def run_config(model: str, data: str, **sections) -> dict:
 class Services:
     """A learner and generators as separate `pipeline` processes, each in its own process group."""
 
-    def __init__(self, run_dir: Path, cfg: dict, use_gpus: bool = True):
+    def __init__(self, run_dir: Path, cfg: dict, use_gpus: bool = True, prefix: dict[str, list[str]] | None = None):
+        """`prefix`: what runs the "learner" or the "generator" (`ip netns exec NS`: another host, bench/netns.py)."""
+        self.prefix = prefix or {}
         self.run_dir = Path(run_dir)
         if self.run_dir.exists():  # a fresh run: an old hub.json or metrics.jsonl would be read as this run's
             shutil.rmtree(self.run_dir)
@@ -245,7 +252,7 @@ class Services:
         signal.signal(signal.SIGTERM, _exit_on_term)  # `timeout` stops the driver: still stop the children
 
     def _argv(self, *args: str, gpus: str, overrides: tuple[str, ...] = ()) -> list[str]:
-        argv = [sys.executable, "-m", "pipeline.cli", *args, "-c", str(self.cfg_path)]
+        argv = [*self.prefix.get(args[0], []), sys.executable, "-m", "pipeline.cli", *args, "-c", str(self.cfg_path)]
         for o in overrides:
             argv += ["--set", o]
         if self.use_gpus:

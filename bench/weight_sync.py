@@ -14,6 +14,9 @@ broadcast GPU 0 -> GPU 1 (reference for a GPU-to-GPU transport).
     python -m bench.weight_sync --sizes 0.5b --transports nccl,shm,zmq
     python -m bench.weight_sync --sizes 0.5b --transports nccl,nccl:unstaged   # weights.staging on, off
     python -m bench.weight_sync --sizes 7b --transports nccl --learner-gpus 0,1 --generator-gpus 2 --zero-stage 3
+    python -m bench.weight_sync --cpu --netns --sizes smollm2 --transports nccl,zmq   # two hosts (namespaces)
+With --netns the learner and the generator run on two hosts (bench/netns.py), and the raw transfer is a gloo
+broadcast of a version's bytes between them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +53,11 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
                      weights={"transport": name, "staging": variant != "unstaged"})
     if args.cpu:
         cfg["model"]["dtype"] = "float32"
-    with Services(run_dir, cfg, use_gpus=not args.cpu) as svc:
+    prefix = {}
+    if args.hosts is not None:  # the learner on host a, the generator on host b: every byte crosses their link
+        cfg["hub"].update(host=args.hosts.address["a"], allow_insecure=True)  # two namespaces of this machine
+        prefix = {"learner": args.hosts.prefix("a"), "generator": args.hosts.prefix("b")}
+    with Services(run_dir, cfg, use_gpus=not args.cpu, prefix=prefix) as svc:
         svc.start_learner(gpus=args.learner_gpus, timeout=600)
         svc.start_generator(gpus=args.generator_gpus)
         svc.wait_steps(steps, timeout=300)
@@ -76,10 +84,12 @@ def one_run(size: str, model: str, data: str, transport: str, run_dir: Path, arg
         "step_end_to_applied_ms_median": median([a["after_step_ms"] for a in steady]),
         "step_end_to_applied_ms_min": min((a["after_step_ms"] for a in steady), default=None),
         "acks": len(svc.events("weights_applied")),
+        "version_bytes": steady_records[-1].get("sync/version_bytes") if steady_records else None,
+        "transports": [e["transport"] for e in svc.events("register")],
     }
 
 
-def raw_transfers(nbytes: int, cpu: bool) -> dict:
+def raw_transfers(nbytes: int, cpu: bool, hosts=None) -> dict:
     import numpy as np
 
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
@@ -100,7 +110,37 @@ def raw_transfers(nbytes: int, cpu: bool) -> dict:
     out = {"bytes": nbytes, "memcpy_ms": memcpy_ms, "shm_write_ms": write_ms, "shm_read_ms": read_ms}
     if not cpu:
         out["nccl_broadcast_ms"] = _nccl_broadcast_ms(nbytes)
+    if hosts is not None:
+        out["gloo_broadcast_between_hosts_ms"] = _gloo_broadcast_ms(nbytes, hosts)
     return out
+
+
+GLOO_BROADCAST = """
+import os, sys, time, datetime, torch, torch.distributed as dist
+rank, nbytes = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+buf = torch.empty(nbytes, dtype=torch.uint8)
+dist.broadcast(buf, 0)
+times = []
+for _ in range(5):
+    dist.barrier()
+    t = time.perf_counter()
+    dist.broadcast(buf, 0)
+    times.append((time.perf_counter() - t) * 1000)
+if rank == 1:
+    print(sorted(times)[2])
+"""
+
+
+def _gloo_broadcast_ms(nbytes: int, hosts) -> float:
+    """The raw transfer between the two hosts: a gloo broadcast of `nbytes` from host a to host b (median of 5)."""
+    from pipeline.netutil import free_port
+
+    env = {**os.environ, "MASTER_ADDR": hosts.address["a"], "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([*hosts.prefix(host), sys.executable, "-c", GLOO_BROADCAST, str(rank), str(nbytes)],
+                              env=env, stdout=subprocess.PIPE, text=True) for rank, host in enumerate("ab")]
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    return float(out[1])
 
 
 def _nccl_worker(rank: int, nbytes: int, port: int, q) -> None:
@@ -154,7 +194,20 @@ def main() -> None:
     p.add_argument("--generator-gpus", default="1")
     p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--name", default=None, help="result file name (default: weight_sync_TRANSPORTS_SIZES_MACHINE)")
+    p.add_argument("--netns", action="store_true",
+                   help="the learner and the generator on two hosts: network namespaces of this machine (root)")
     args = p.parse_args()
+    if args.netns:
+        from bench.netns import HostPair
+
+        with HostPair() as args.hosts:
+            _measure(args)
+    else:
+        args.hosts = None
+        _measure(args)
+
+
+def _measure(args) -> None:
     data = str(write_dataset(Path(args.runs) / "sync.jsonl", rows=2048))
     results = {}
     for size in args.sizes.split(","):
@@ -168,15 +221,18 @@ def main() -> None:
             except Exception as e:  # keep the other measurements
                 entry[transport] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
             print(size, transport, entry[transport], flush=True)
-        entry["raw"] = raw = raw_transfers(nbytes, args.cpu)
-        nccl, raw_ms = entry.get("nccl", {}), raw.get("nccl_broadcast_ms")
+        version_bytes = [entry[t]["version_bytes"] for t in entry if isinstance(entry[t], dict)
+                         and entry[t].get("version_bytes")]
+        entry["raw"] = raw = raw_transfers(version_bytes[0] if version_bytes else nbytes, args.cpu, args.hosts)
+        nccl, raw_ms = entry.get("nccl", {}), raw.get("nccl_broadcast_ms") or raw.get("gloo_broadcast_between_hosts_ms")
         if raw_ms and nccl.get("step_end_to_applied_ms_median"):  # share of the raw bandwidth reached
             nccl["raw_fraction_end_to_end"] = raw_ms / nccl["step_end_to_applied_ms_median"]
             if nccl.get("learner_broadcast_ms_median"):
                 nccl["raw_fraction_broadcasts"] = raw_ms / nccl["learner_broadcast_ms_median"]
         results[size] = entry
     zero = f"zero{args.zero_stage}" if args.zero_stage else ""
-    name = args.name or result_name("weight_sync", args.transports, args.sizes, zero, gpus=not args.cpu)
+    name = args.name or result_name("weight_sync", args.transports, args.sizes, zero, "netns" if args.hosts else "",
+                                    gpus=not args.cpu)
     write_result(name, "python -m bench.weight_sync " + " ".join(sys.argv[1:]),
                  "random-weight Qwen2.5 shapes, bf16 (" + args.sizes + ")", results)
 
