@@ -43,6 +43,7 @@ class Server:
         self.ctx = zmq.Context()
         if auth is not None:  # before any socket binds: a CURVE server without a ZAP handler admits anyone
             auth.bind_zap(self.ctx)
+            counters.setdefault("unlisted_keys", 0)  # handshakes refused: nothing of theirs reaches the hub
         # a message past the decoder's limit gets an error reply; past twice that, zmq drops the connection
         self.control = self._socket(zmq.ROUTER, 2 * P.FROM_PEER.bytes)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -132,7 +133,7 @@ class Server:
         while not self._stopped.is_set():
             events = dict(poller.poll(100))  # ms; also the period of the timeout checks
             if self.auth is not None and self.auth.zap in events:
-                self.auth.answer()
+                self.counters["unlisted_keys"] += self.auth.answer()
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()

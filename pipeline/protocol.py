@@ -119,7 +119,7 @@ class Register(Message):
     tag: ClassVar[str] = "register"
     generator_id: str = text(GENERATOR_ID)
     host: str = text(255, "")
-    boot_id: str = text(64, "")
+    boot_id: str = text(64, "")  # where it runs: weights.files.host_identity ("BOOT_ID:NETNS:SHM"; older: the boot id)
     gpus: str = text(128, "")
     pid: int = 0
     loaded_version: int = -1  # >= 0 when reconnecting with an engine that already holds weights

@@ -156,8 +156,10 @@ class ServerAuth:
         sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
         sock.zap_domain = b"pipeline"
 
-    def answer(self) -> None:
-        """Answer the pending ZAP requests: 200 with user id "ROLES:KEY" for a listed key, 400 otherwise."""
+    def answer(self) -> int:
+        """Answer the pending ZAP requests: 200 with user id "ROLES:KEY" for a listed key, 400 otherwise. Returns
+        how many it refused."""
+        refused = self.refused
         while self.zap.poll(0):
             frames = self.zap.recv_multipart()
             version, request_id, mechanism = frames[0], frames[1], frames[5]
@@ -172,6 +174,7 @@ class ServerAuth:
                 self.refused += 1
             status = (b"200", b"OK") if user else (b"400", b"public key not listed in auth.keys")
             self.zap.send_multipart([version, request_id, *status, user, b""])
+        return self.refused - refused
 
 
 def _mtime(path: Path) -> float:

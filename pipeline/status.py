@@ -8,7 +8,8 @@ def render(s) -> str:
     shown = [("rollouts", "rollouts"), ("tokens", "tokens"), ("requeued", "re-queued"),
              ("stale_dropped", "stale dropped"),
              ("duplicates", "duplicates"), ("unknown_lease", "unknown lease"), ("lost_leases", "lost leases"),
-             ("bad_messages", "bad messages"), ("refused", "refused"), ("muted", "muted"),
+             ("bad_messages", "bad messages"), ("refused", "refused"), ("unlisted_keys", "unlisted keys"),
+             ("muted", "muted"),
              ("quarantined", "quarantined"), ("rejected_prompts", "rejected prompts"),
              ("reward_errors", "reward errors"), ("skipped_steps", "skipped steps"),
              ("journal_dropped", "journal dropped")]

@@ -82,15 +82,19 @@ def receiver(transport: str, client, chunk_mb: int, generator_id: str):
     return _load(TRANSPORTS[transport][1])(client, chunk_mb * 2**20, generator_id)
 
 
-def pick(configured: str, register, learner_boot_id: str, learner_gpus: list[str], senders: dict) -> str:
+def pick(configured: str, register, learner_host: str, learner_gpus: list[str], senders: dict) -> str:
     """The transport of a registering generator. `auto`: ipc for a one-GPU generator on the learner's own GPU;
     nccl when the learner has a collective transport (GPUs) and the generator reports GPUs other than the
     learner's; else shm on the learner's host, zmq across hosts. A generator that failed ipc or nccl once is
-    not given it again."""
+    not given it again. `learner_host` and `register.boot_id` are weights.files.host_identity's: a generator in
+    another network namespace of the learner's machine is on another host (shm and ipc need one host), though
+    its GPU numbers are the learner's (one machine)."""
     if configured != "auto":
         return configured
-    same_host = bool(register.boot_id) and register.boot_id == learner_boot_id
-    shares_gpu = same_host and bool(set(register.gpus.split(",")) & set(learner_gpus))
+    same_host = bool(register.boot_id) and register.boot_id == learner_host
+    # the boot id alone (an older generator reports nothing else): one machine, whose GPU numbers are the learner's
+    same_machine = bool(register.boot_id) and register.boot_id.split(":")[0] == learner_host.split(":")[0]
+    shares_gpu = same_machine and bool(set(register.gpus.split(",")) & set(learner_gpus))
     ipc = senders.get("ipc")
     if (ipc is not None and same_host and register.gpus == learner_gpus[0] and register.tensor_parallel == 1
             and register.generator_id not in ipc.failed):

@@ -28,12 +28,25 @@ SHM_ROOT = Path("/dev/shm")
 
 
 def host_identity() -> tuple[str, str]:
-    """(hostname, boot id): two processes with the same boot id share /dev/shm."""
+    """(hostname, "BOOT_ID:NETNS:SHM"): the machine's boot id, this process's network namespace and the device of
+    its /dev/shm. Processes of one boot id share a machine (its GPU numbers name the same devices); they share a
+    host, whose /dev/shm files and CUDA IPC handles both can open, only when all three match. A process in a
+    network namespace or with a /dev/shm of its own (a container; the tests' namespaces) is on another host, as
+    the hub sees it: its transport is zmq, not shm (weights.pick)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot = ""
-    return socket.gethostname(), boot
+        return socket.gethostname(), ""
+    where = f"{boot}:{_inode('/proc/self/ns/net'):x}:{_inode('/dev/shm', device=True):x}"
+    return socket.gethostname(), where[:64]  # P.Register.boot_id's limit (36 + 2 x 9 characters in practice)
+
+
+def _inode(path: str, device: bool = False) -> int:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return st.st_dev if device else st.st_ino
 
 
 def shm_dir(run_id: str) -> Path:

@@ -65,6 +65,17 @@ def abort(group) -> None:
             return
 
 
+def let_go(group, work, timeout_s: float) -> None:
+    """Abort a dropped peer's group, and hold it until its last broadcast has ended (at most `timeout_s`): the
+    group's destructor joins gloo's threads, one of which sends to a host that vanished (no FIN, no RST) until the
+    group's timeout, and neither abort nor anything else ends that send. Whichever thread lets go of the group last
+    runs the destructor: the hub's thread, or the learner's, stood still weights.collective_timeout_s."""
+    abort(group)
+    deadline = time.monotonic() + timeout_s + 10  # s; gloo's work fails at the group's timeout
+    while work is not None and not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 class Peer:
     def __init__(self, generator_id: str, store, world: int, loaded_version: int):
         self.generator_id, self.store, self.world, self.loaded_version = generator_id, store, world, loaded_version
@@ -73,6 +84,7 @@ class Peer:
         self.failed = False
         self.closed = threading.Event()  # dropped: its rendezvous stops waiting, which frees the thread and store
         self.announced = 0  # versions announced on the store
+        self.work = None  # its broadcast under way: a drop holds the group until it ends (let_go)
 
     def announce(self, version: int) -> None:
         """Tell the workers' receiver threads, through the store, that `version` is about to be broadcast."""
@@ -95,6 +107,7 @@ class NcclSender:
         self.latest = None  # set by the publisher
         self.transports = {"nccl"}
         self._sending: list[Peer] = []  # the peers of the version being broadcast
+        self.letting_go: list[threading.Thread] = []  # dropped groups' (let_go), joined at shutdown
         # a joiner's first version vs. a version being broadcast, one at a time: a version begun while a generator
         # joins reaches it too (taken before the publisher's own lock on both paths)
         self.join_lock = threading.Lock()
@@ -153,7 +166,11 @@ class NcclSender:
         pass
 
     def shutdown(self) -> None:
-        pass
+        """Let every dropped group go before the process ends (their threads hold the last reference): a group
+        left to a daemon thread at exit is never destroyed, and NCCL's watchdog then ends the process with
+        "terminate called without an active exception"."""
+        for thread in self.letting_go:
+            thread.join(self.timeout_s + 15)
 
     def metrics(self) -> dict:
         return {}
@@ -195,8 +212,8 @@ class NcclSender:
         except Exception as e:  # the generator never came: it re-registers (auto: with a file transport)
             self._fail(peer, f"did not join its process group: {e}")
             return
-        if peer.failed:  # closed while it joined
-            abort(peer.group)
+        if peer.failed:  # closed while it joined: its group goes too
+            self._drop(peer)
             return
         log.info("nccl transport: %s joined (%s, %d ranks)", peer.generator_id, self.backend, peer.world)
 
@@ -222,25 +239,29 @@ class NcclSender:
         log.warning("nccl transport: %s %s; dropped", peer.generator_id, why)
         self.failed.add(peer.generator_id)
         self._drop(peer)
-        if peer.group is not None:
-            abort(peer.group)
 
     def close(self, generator_id: str) -> None:
-        """Forget a generator's group (it drains, left, went silent or registers again) and abort the group in
-        a thread of its own: a broadcast already sent to a peer that stopped receiving ends, instead of
-        holding the learner until that generator's process exits."""
+        """Forget a generator's group (it drains, left, went silent or registers again)."""
         with self.lock:
             peer = self.peers.get(generator_id)
-        if peer is not None and self._drop(peer) and peer.group is not None:
-            threading.Thread(target=abort, args=(peer.group,), daemon=True, name=f"abort-{generator_id}").start()
+        if peer is not None:
+            self._drop(peer)
 
     def _drop(self, peer: Peer) -> bool:
-        """Take `peer` (not a newer one under its id) out of the broadcasts; False if it already was."""
+        """Take `peer` (not a newer one under its id) out of the broadcasts, and abort its group on a thread of its
+        own (let_go): a broadcast sent to a peer that stopped receiving ends (NCCL), instead of holding the learner
+        until that generator's process exits. False if it already was."""
         with self.lock:
             if self.peers.get(peer.generator_id) is peer:
                 del self.peers[peer.generator_id]
             was_live, peer.failed = not peer.failed, True  # send() skips it from the next bucket on
+            group, work, peer.group, peer.work = peer.group, peer.work, None, None
         peer.closed.set()
+        if group is not None:
+            thread = threading.Thread(target=let_go, args=(group, work, self.timeout_s), daemon=True,
+                                      name=f"abort-{peer.generator_id}")
+            thread.start()
+            self.letting_go = [t for t in self.letting_go if t.is_alive()] + [thread]
         return was_live
 
     def is_ready(self, generator_id: str) -> bool:
@@ -256,13 +277,34 @@ class NcclSender:
         """Broadcast a bucket (on this backend's device) to every peer; a peer that fails is dropped (it
         will re-register)."""
         for peer in peers:
-            if peer.failed:
-                continue
             try:
-                peer.group.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+                with self.lock:  # a drop sees the broadcast under way (let_go), or this skips the peer
+                    if peer.failed:
+                        continue
+                    work = peer.work = peer.group.broadcast(t, 0)
+                self._wait(peer, work)
+                peer.work = None
             except Exception as e:
                 if not peer.failed:  # not closed meanwhile (a closed group's broadcasts fail by design)
                     self._fail(peer, f"broadcast failed ({e})")
+
+    def _wait(self, peer: Peer, work) -> None:
+        """Wait for one peer's broadcast until it is done, the peer is closed (the hub dropped it), or the timeout.
+        NCCL's wait only makes the stream wait, and its abort ends the broadcast. Gloo's wait blocks, and neither
+        its abort nor anything else ends a send to a host that vanished without FIN or RST (a cut link) before
+        the timeout: the learner stood still weights.collective_timeout_s (120 s) after the hub had dropped that
+        generator (hub.heartbeat_timeout_s), so on gloo this waits itself and gives up when the peer is closed."""
+        if self.backend == "nccl":
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            return
+        deadline, pause = time.monotonic() + self.timeout_s, 0.0005  # s; doubling up to 50 ms
+        while not work.is_completed():
+            if peer.closed.wait(pause):
+                raise RuntimeError("closed while its broadcast was under way")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not received within weights.collective_timeout_s={self.timeout_s:g} s")
+            pause = min(2 * pause, 0.05)
+        work.wait()  # its error, if it failed
 
 
 class NcclReceiver:

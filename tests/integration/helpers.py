@@ -19,8 +19,9 @@ def start_learner(procs, run_dir: Path, port: int, overrides: list[str], extra: 
     return procs([*args, *extra], run_dir.parent / f"{run_dir.name}-learner.log")
 
 
-def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name: str = "gen", env: dict | None = None):
-    args = ["generator", "-c", "configs/demo.yaml", "--learner", f"tcp://127.0.0.1:{port}"]
+def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name: str = "gen", env: dict | None = None,
+                    host: str = "127.0.0.1"):
+    args = ["generator", "-c", "configs/demo.yaml", "--learner", f"tcp://{host}:{port}"]
     for o in overrides:
         args += ["--set", o]
     return procs(args, run_dir.parent / f"{run_dir.name}-{name}.log", env)

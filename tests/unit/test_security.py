@@ -44,7 +44,7 @@ def test_only_listed_keys_get_in_and_an_id_belongs_to_its_key(keyed, tmp_path):
     own.server = client_keys(str(keys), "generator").server  # it knows the hub's public key, which is no secret
     stranger = Peer(hub, "gen-a", own)
     assert _silent(stranger, P.Register("gen-x"))
-    assert hub.auth.refused >= 1
+    assert hub.auth.refused >= 1 and hub.counters["unlisted_keys"] >= 1  # counted (pipeline status, metrics.jsonl)
     # another listed generator key cannot speak for gen-a, over control or rollouts, even knowing its session
     b = Peer(hub, "gen-a", client_keys(str(keys), "gen-b"))
     b.session = welcome.session

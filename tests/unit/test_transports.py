@@ -158,18 +158,21 @@ def test_nccl_buckets_carry_every_tensor_bit_exact(monkeypatch):
 
 
 class FakeGroup:
-    """A process group that records broadcasts and aborts; `on_broadcast` runs inside a broadcast."""
+    """A process group that records broadcasts and aborts; `on_broadcast` runs while a broadcast is waited for."""
 
     def __init__(self, on_broadcast=None):
         self.sent, self.aborted, self.on_broadcast = 0, threading.Event(), on_broadcast
 
     def broadcast(self, t, root):
-        if self.on_broadcast is not None:
-            self.on_broadcast()
         self.sent += 1
         return self
 
-    def wait(self, timeout):
+    def wait(self, timeout=None):
+        if self.on_broadcast is not None:
+            self.on_broadcast()
+        return True
+
+    def is_completed(self):
         return True
 
     def abort(self):
@@ -195,19 +198,21 @@ def test_closing_a_generator_aborts_its_group_and_drops_it_from_the_broadcasts()
     def failing():
         raise RuntimeError("connection reset")
 
-    a, b = add("a", FakeGroup()), add("b", FakeGroup())
+    ga, gb = FakeGroup(), FakeGroup()
+    a, b = add("a", ga), add("b", gb)
     bucket = torch.zeros(4)
     peers.broadcast(peers.ready(), bucket)
-    assert (a.group.sent, b.group.sent) == (1, 1)
+    assert (ga.sent, gb.sent) == (1, 1)
     snapshot = peers.ready()  # what a publish in progress holds
     peers.close("a")
-    assert a.group.aborted.wait(5) and peers.ready() == [b]
+    assert ga.aborted.wait(5) and peers.ready() == [b] and a.group is None  # let go: not the learner's to destroy
     peers.broadcast(snapshot, bucket)
-    assert (a.group.sent, b.group.sent) == (1, 2)  # the closed one is skipped from the next bucket on
-    c = add("c", FakeGroup(on_broadcast=lambda: (peers.close("c"), failing())))  # closed while it sends
-    d = add("d", FakeGroup(on_broadcast=failing))  # a real failure
+    assert (ga.sent, gb.sent) == (1, 2)  # the closed one is skipped from the next bucket on
+    gc, gd = FakeGroup(on_broadcast=lambda: (peers.close("c"), failing())), FakeGroup(on_broadcast=failing)
+    add("c", gc)  # closed while it sends
+    add("d", gd)  # a real failure
     peers.broadcast(peers.ready(), bucket)
-    assert b.group.sent == 3 and c.group.aborted.wait(5) and d.group.aborted.is_set()
+    assert gb.sent == 3 and gc.aborted.wait(5) and gd.aborted.wait(5)
     assert peers.failed == {"d"} and peers.ready() == [b]  # auto gives "d" a file transport next time; not "c"
     again = add("a", FakeGroup())  # "a" registered again: its old group failing late leaves the new one alone
     peers._fail(a, "did not join its process group")
@@ -496,3 +501,74 @@ def test_a_generator_that_comes_joins_its_group_and_is_sent_versions():
     receive.join(10)
     assert torch.equal(got, torch.arange(4, dtype=torch.float32)) and sender.failed == set()
     sender.leave("g")
+
+
+def test_a_broadcast_to_a_generator_that_stopped_receiving_ends_when_it_is_dropped():
+    """A generator whose host vanished (a cut link: no FIN, no RST) stops receiving in the middle of a version. Gloo's
+    send to it waits for the group's timeout, and neither its abort nor a close ends that wait: the learner stood
+    still weights.collective_timeout_s after the hub had dropped the generator. Now the broadcast ends when the hub
+    drops it, and letting the peer go (the publisher's list of the last version's peers) does not join the group's
+    threads on the learner's thread, which waited that long too."""
+    import gc
+    import time
+
+    from generator.worker_ext import WeightLoader
+
+    sender = _nccl_sender(20.0)
+    setup = sender.open("g", 2)
+    worker = WeightLoader()  # its end in this process: it joins, then receives nothing
+    joined = threading.Thread(target=worker.init_collective, args=("127.0.0.1", setup["port"], 2, "gloo", 20.0))
+    joined.start()
+    joined.join(20)
+    deadline = time.monotonic() + 10
+    while not sender.is_ready("g") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sending = sender.ready()  # what a publish in progress holds
+    assert sending
+    threading.Timer(1.0, sender.leave, args=("g",)).start()  # the hub drops it: silent for hub.heartbeat_timeout_s
+    start = time.monotonic()
+    sender.broadcast(sending, torch.zeros(64 * 2**20, dtype=torch.uint8))  # more than the sockets hold
+    assert time.monotonic() - start < 5  # not the group's 20 s
+    assert sender.failed == set() and not sender.ready()  # dropped, not failed: it may use nccl next time
+    time.sleep(1)  # a step later
+    start = time.monotonic()
+    del sending  # the next version's peers replace these
+    gc.collect()
+    assert time.monotonic() - start < 5
+
+
+def test_shm_only_on_the_learners_host_and_a_network_namespace_is_another_host():
+    """`auto` gives shm only to a generator on the learner's host: the same boot id, network namespace and /dev/shm.
+    One in another network namespace of the same machine (a container; the hosts of tests/integration/test_hosts.py)
+    shared the boot id and was given shm; it gets zmq, and its GPU numbers still name the learner's GPUs."""
+    from weights import pick
+    from weights.files import host_identity
+
+    here = host_identity()[1]
+    boot, _, shm = here.split(":")
+    nccl = {"nccl": SimpleNamespace(failed=set())}
+
+    def auto(where: str, gpus: str = "", senders=None) -> str:
+        register = SimpleNamespace(boot_id=where, gpus=gpus, generator_id="g", tensor_parallel=1)
+        return pick("auto", register, here, ["0"], senders or {})
+
+    assert auto(here) == "shm"
+    assert auto(f"{boot}:1:{shm}") == "zmq"  # another network namespace
+    assert auto(boot) == "zmq"  # an older generator: its boot id alone
+    assert auto(f"{boot}:1:{shm}", "0", nccl) == "zmq"  # the learner's own GPU, seen from another namespace
+    assert auto(f"{boot}:1:{shm}", "1", nccl) == auto("another-boot:1:2", "0", nccl) == "nccl"
+
+
+def test_a_process_in_another_network_namespace_reports_another_host():
+    import subprocess
+    import sys
+
+    code = "from weights.files import host_identity; print(host_identity()[1])"
+    out = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    if out.returncode != 0:
+        pytest.skip(f"cannot make a network namespace (root needed): {out.stderr.strip()[-200:]}")
+    from weights.files import host_identity
+
+    here, there = host_identity()[1], out.stdout.strip()
+    assert there != here and there.split(":")[0] == here.split(":")[0]  # one machine, another host
