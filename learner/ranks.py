@@ -54,12 +54,14 @@ class Roster:
         """The other ranks that do not answer now."""
         return [m for m in self.members if m.rank != self.rank and not _answers(m)]
 
-    def explain(self, error: BaseException) -> RankLost | None:
+    def explain(self, error: BaseException, linger: bool = True) -> RankLost | None:
         """RankLost naming the ranks that are gone, if any is; None when every rank still answers (the error is
-        another one). Waits PROBE_S before returning, so that a rank that saw the same failure does not take this
-        one for lost by probing it after it ended."""
+        another one). `linger`: stay PROBE_S more, so that a rank that saw the same failed collective does not take
+        this one for lost by probing it after it ended. Not after a signal (`linger` False): every rank of a
+        stopped run heard it, and one that lingered would be probed by one that ended."""
         lost = self.lost()
-        time.sleep(PROBE_S)
+        if linger:
+            time.sleep(PROBE_S)
         if not lost:
             return None
         names = ", ".join(str(m) for m in lost)

@@ -102,8 +102,9 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
                 metrics.close()
             publisher.flush()
             publisher.kind.save_final(engine, cfg, tokenizer, run_dir / "final", rank)  # full, or the adapter
-        except RuntimeError as e:  # a collective failed (gloo, nccl: RuntimeError): was a rank lost?
-            lost = roster.explain(e) if roster is not None else None
+        except (RuntimeError, KeyboardInterrupt) as e:  # a collective failed (gloo, nccl: RuntimeError), or
+            # torchrun's agent stops this rank (its rendezvous lost a node): was a rank lost?
+            lost = roster.explain(e, linger=isinstance(e, RuntimeError)) if roster is not None else None
             if lost is None:
                 raise
             raise lost from e
@@ -141,12 +142,16 @@ def end_if_stuck(run_id: str, grace_s: float = STUCK_S) -> None:
     signal.set_wakeup_fd(tell.fileno())
 
     def watch() -> None:
-        heard.recv(1)
-        time.sleep(grace_s)
-        log.error("the learner did not stop within %.0f s of the signal (it waits in a collective for a rank that "
-                  "is gone); its /dev/shm files are removed and it exits", grace_s)
-        remove_shm(run_id)
-        os._exit(130)
+        with heard, tell:  # both live as long as this thread: the wakeup fd must never name a closed descriptor
+            while (sig := heard.recv(1)) and sig[0] not in (signal.SIGTERM, signal.SIGINT):
+                pass  # the byte is the signal's number; others with a Python handler come this way too
+            if not sig:
+                return
+            time.sleep(grace_s)
+            log.error("the learner did not stop within %.0f s of the signal (it waits in a collective for a rank "
+                      "that is gone); its /dev/shm files are removed and it exits", grace_s)
+            remove_shm(run_id)
+            os._exit(130)
 
     threading.Thread(target=watch, name="end-if-stuck", daemon=True).start()
 
@@ -197,7 +202,7 @@ def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, p
                 "generators": len(hub.registry.generators), "max_staleness": knobs["trainer.max_staleness"],
                 "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
                 "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
-                **{f"hub/{k}": v for k, v in hub.counters.items()},
+                **{f"hub/{k}": v for k, v in dict(hub.counters).items()},  # a copy: the hub's thread adds keys
             }
             for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
                 record.update({"eval/version": done["version"],

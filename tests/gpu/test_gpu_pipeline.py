@@ -28,6 +28,7 @@ import pytest
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
 from tests.gpu.helpers import build_model, write_dataset
+from tests.integration.helpers import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -99,7 +100,8 @@ class GpuWatch:
     def sample(self) -> None:
         apps = _compute_apps()
         for name, proc in self.procs.items():
-            pids = _group_pids(proc.pid)
+            pids = _group_pids(proc.pid) | {pid for pid, _ in descendants(proc.pid)}  # torchrun's ranks: sessions
+            # of their own
             for pid, uuids in apps.items():
                 if pid in pids:
                     self.seen[name].update(uuids)

@@ -2,7 +2,8 @@
 2-node c10d rendezvous with one gloo rank, run `python -m pipeline.cli learner` with the same run directory; the
 ranks take RANK / LOCAL_RANK / WORLD_SIZE from the launcher, rank 0 serves the hub and writes hub.json, and a
 generator that reads the hub's address from it trains the demo task with them. One node is lost mid-run (its agent
-killed): the run ends, naming the lost rank and its host; the same commands with --resume finish it."""
+and its rank killed): the run ends, naming the lost rank and its host; the same commands with --resume finish it.
+(A rank whose agent alone is killed ends with it: tests/unit/test_no_orphans.py.)"""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_train
         assert hub["address"] == f"tcp://127.0.0.1:{hub_port}"  # where rank 0 serves the hub
         gen = start_generator(procs, run_dir, hub_port, [])
         wait_for(lambda: _steps(run_dir) >= 3, 600, "3 steps (a checkpoint at v2)", agents + [gen])
-        # node 1 is lost: its agent killed outright; its rank, in a session of its own, ends with it
+        # node 1 is lost: its agent and its rank (in a session of its own) killed outright
         rank1 = [pid for pid, cmd in descendants(agents[1].pid) if "pipeline.cli" in cmd]
         assert rank1, descendants(agents[1].pid)
-        os.kill(agents[1].pid, signal.SIGKILL)
+        for pid in (agents[1].pid, *rank1):
+            os.kill(pid, signal.SIGKILL)
         assert agents[0].wait(120) != 0, agents[0].tail()  # the survivor ends, in bounded time
         wait_for(lambda: not any(running(pid) for pid in rank1), 60, "node 1's rank to end", [])
     finally:
