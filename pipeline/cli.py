@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -122,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("pipeline").error("the run failed: %s", e)
             return 1
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (learner.service turns it into this)
+            who = f" rank {env_flag('RANK')} on host {socket.gethostname()}" if env_flag("RANK") else ""
             orphan = " (its launcher, torchrun's agent, is gone)" if os.getppid() != parent else ""
-            logging.getLogger("pipeline").warning("learner stopped by a signal%s; the hub and its files are gone",
-                                                  orphan)
+            logging.getLogger("pipeline").warning("learner%s stopped by a signal%s; the hub and its files are gone",
+                                                  who, orphan)
             return 130
         return 0
     from generator.service import main as generator_main
