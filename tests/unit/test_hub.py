@@ -265,7 +265,7 @@ class FakeNccl(NcclSender):
 
     def __init__(self, hub):
         self.hub, self.lock, self.peers, self.failed, self.transports = hub, threading.Lock(), {}, set(), {"nccl"}
-        self.opened, self.closed = [], []
+        self.opened, self.closed, self.letting_go = [], [], []
 
     def open(self, generator_id, world, loaded_version=-1):
         self.opened.append((generator_id, world, loaded_version))
