@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("pipeline").error("the run failed: %s", e)
             return 1
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (learner.service turns it into this)
-            who = f" rank {env_flag('RANK')} on host {socket.gethostname()}" if env_flag("RANK") else ""
+            who = f" rank {env_flag('RANK')} on host {socket.gethostname()}" if launched() else ""
             orphan = " (its launcher, torchrun's agent, is gone)" if os.getppid() != parent else ""
             logging.getLogger("pipeline").warning("learner%s stopped by a signal%s; the hub and its files are gone",
                                                   who, orphan)
