@@ -36,7 +36,10 @@ def main(out: str, specs: dict) -> None:
     import torch.distributed as dist
 
     from learner.model import init_distributed
+    from pipeline.tinymodel import resolve_model_path
 
+    resolve_model_path("builtin:tiny")  # before the process group, as the learner does: transformers writes a
+    # model on rank 0 of a group only, so a rank that built it first inside one would fail
     rank, world = init_distributed()
     for name, spec in specs.items():
         Path(out, name).mkdir(parents=True, exist_ok=True)
