@@ -85,7 +85,7 @@ def share(hub, gen: GeneratorInfo, room: int) -> int:
     back another, so a large engine beside a small one still fills the window."""
     t = hub.cfg.trainer
     mine = gen.principal
-    _, active = hub.registry.principals()  # (kept between requests: this runs for every one)
+    active = hub.registry.active_principals()  # (kept between requests: this runs for every one)
     held = hub.ledger.held  # by principal; a lease keeps the principal it was granted to
     principals = len(active) + (mine not in active)  # the others' and this one's
     r = max(1, min(hub.cfg.generator.lease_size, (t.max_staleness + 1) * t.batch_size // principals))

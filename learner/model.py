@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import torch
 
-from pipeline.config import Config
+from pipeline.config import Config, TrainerConfig
 
 log = logging.getLogger(__name__)
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float = TrainerConfig.rank_timeout_s) -> tuple[int, int]:
     """Join the learner's process group (gloo on CPU, nccl on GPU), whose collectives fail after `timeout_s`
     (trainer.rank_timeout_s) rather than wait for a rank that is gone. A lone learner is rank 0 of 1."""
     from datetime import timedelta

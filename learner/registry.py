@@ -61,7 +61,7 @@ class Registry:
         self.generators: dict[str, GeneratorInfo] = {}
         self._index = itertools.count()
         self._quarantined: dict[str, tuple[float, str]] = {}  # principal -> (until, why)
-        self._principals: tuple[dict[str, str], set[str]] | None = None  # `principals()` until a change
+        self._active: set[str] | None = None  # `active_principals()` until a change
 
     def refusal(self, msg: P.Register, user: str) -> tuple[str, bool]:
         """Why `msg` may not register (`""`: it may), and whether that is an attempt to speak for another."""
@@ -91,25 +91,24 @@ class Registry:
                             time.monotonic(), ident=ident, user=user, session=secrets.token_hex(16),
                             version=loaded_version)
         self.generators[gen.generator_id] = gen
-        self._principals = None
+        self._active = None
         return gen
 
     def remove(self, generator_id: str) -> GeneratorInfo | None:
-        self._principals = None
+        self._active = None
         return self.generators.pop(generator_id, None)
 
     def drains(self, gen: GeneratorInfo) -> None:
         gen.draining = True
-        self._principals = None
+        self._active = None
 
-    def principals(self) -> tuple[dict[str, str], set[str]]:
-        """({generator id: its principal}, the principals of the generators not draining), kept until a generator
-        registers, leaves or drains: every lease request asks for them (learner.leases.share), and walking a thousand
-        generators for each took the hub's whole core."""
-        if self._principals is None:
-            self._principals = ({gid: g.principal for gid, g in self.generators.items()},
-                                {g.principal for g in self.generators.values() if not g.draining})
-        return self._principals
+    def active_principals(self) -> set[str]:
+        """The principals of the generators not draining, kept (the same set) until a generator registers, leaves or
+        drains: every lease request asks for them (learner.leases.share), and walking a thousand generators for each
+        took the hub's whole core."""
+        if self._active is None:
+            self._active = {g.principal for g in self.generators.values() if not g.draining}
+        return self._active
 
     def speaker(self, generator_id: str, ident: bytes, user: str) -> tuple[GeneratorInfo | None, P.Error | None]:
         """The generator a message speaks for, if it came from the connection (and key) that registered it."""

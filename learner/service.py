@@ -59,9 +59,9 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
     # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
     rank, world = init_distributed(cfg.trainer.rank_timeout_s)
-    roster = Roster(rank, world) if world > 1 else None
-    run_id = f"{run_dir.name}-{secrets.token_hex(3)}"
+    run_id, roster = f"{run_dir.name}-{secrets.token_hex(3)}", None
     if world > 1:
+        roster = Roster(rank, world)
         end_if_stuck(run_id)
     log.info("learner rank %d of %d on host %s (local rank %s)", rank, world, socket.gethostname(),
              os.environ.get("LOCAL_RANK", "0"))

@@ -91,7 +91,8 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-_NAMES: dict[type, tuple[str, ...] | None] = {}
+_NAMES: dict[type, tuple[str, ...] | None] = {}  # a dict, not functools.cache: this runs for every value encoded,
+# and the cache (a key tuple a call) took about 60 ns more a call
 
 
 def _field_names(cls: type) -> tuple[str, ...] | None:
@@ -210,20 +211,11 @@ class _Bad(Exception):
         self.path, self.message = path, message
 
 
-_CHECKERS: dict[Any, Callable[[Any], Any]] = {}
-
-
+@functools.cache
 def _checker(tp: Any) -> Callable[[Any], Any]:
     """The check of a field's type, made once per type: a value in, the value (int as float where a float is
     meant) out, or _Bad. Resolving the type hints for every field of every message took half the hub's time
     with a thousand generators (bench/hub_ceiling.py)."""
-    check = _CHECKERS.get(tp)
-    if check is None:
-        check = _CHECKERS[tp] = _make_checker(tp)
-    return check
-
-
-def _make_checker(tp: Any) -> Callable[[Any], Any]:
     if tp is Any:
         return lambda v: v
     if typing.get_origin(tp) in (typing.Union, types.UnionType):  # `X | None`

@@ -25,12 +25,12 @@ class WeightServing:
         self.last_ready: P.WeightsReady | None = None  # the newest file version
         self.blobs = Blobs(cfg.weights.chunk_mb * 2**20)
         self.senders = senders(cfg, hub, run_id)  # by transport (weights/__init__.py); the publisher drives them
-        self._boot_id = host_identity()[1]  # boot id, network namespace, /dev/shm: which generators share a host
+        self._host = host_identity()[1]  # boot id, network namespace, /dev/shm: which generators share a host
 
     def join(self, msg: P.Register, ident: bytes, version: int) -> tuple[str, P.CollectiveSetup | None]:
         """A generator registers: (its transport, its setup from the sender). ValueError: no sender for it here."""
         visible = env_flag("CUDA_VISIBLE_DEVICES")  # rank 0's device is the one in the nccl groups
-        transport = pick(self.cfg.weights.transport, msg, self._boot_id, visible.split(",")[:1] if visible else ["0"],
+        transport = pick(self.cfg.weights.transport, msg, self._host, visible.split(",")[:1] if visible else ["0"],
                          self.senders)
         sender = self.senders.get(transport)
         if sender is None:

@@ -19,6 +19,16 @@ SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
              num_key_value_heads=2, tie_word_embeddings=True)  # Qwen2.5-0.5B
 
 
+def gpu_count() -> int:
+    """GPUs torch sees here (0 without a CUDA build)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
 def build_model(dest: Path, seed: int = 0) -> Path:
     """The model and its tokenizer, saved in Hugging Face format into `dest`."""
     import torch

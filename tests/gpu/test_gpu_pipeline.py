@@ -27,26 +27,17 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
-from tests.gpu.helpers import build_model, write_dataset
+from tests.gpu.helpers import build_model, gpu_count, write_dataset
 from tests.integration.helpers import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
-
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
-    pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (learner on 0, generator on 1)"),
+    pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (learner on 0, generator on 1)"),
 ]
 CLI = [sys.executable, "-m", "pipeline.cli"]
 
@@ -107,7 +98,7 @@ class GpuWatch:
                     self.seen[name].update(uuids)
 
     def check(self, allowed: dict[str, list[int]]) -> None:
-        uuid = {i: _uuid(i) for i in range(_gpus())}
+        uuid = {i: _uuid(i) for i in range(gpu_count())}
         for name, gpus in allowed.items():
             others = {uuid[i] for i in uuid if i not in gpus}
             assert not self.seen[name] & others, f"{name} held memory on GPUs it was not given: {self.seen}"
@@ -203,7 +194,7 @@ def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path)
     watch.check({"learner": [0], "generator": [1]})
 
 
-@pytest.mark.skipif(_gpus() < 4, reason="needs 4 GPUs (learner 0, generator 1, a joiner with TP 2 on 2,3)")
+@pytest.mark.skipif(gpu_count() < 4, reason="needs 4 GPUs (learner 0, generator 1, a joiner with TP 2 on 2,3)")
 def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path) -> None:
     cfg_path, run_dir = _config(model_dir, tmp_path, total_steps=1000), tmp_path / "run"
     watch = GpuWatch()
@@ -254,7 +245,7 @@ def test_zero3_learner_on_two_gpus(model_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # a third GPU for the generator when there is one; on two it shares GPU 1 with learner rank 1 (the
     # weights still go by broadcast from rank 0's GPU 0)
-    gen_gpu = 2 if _gpus() >= 3 else 1
+    gen_gpu = 2 if gpu_count() >= 3 else 1
     cfg_path = _config(model_dir, tmp_path, zero_stage=3)
     watch = _run_to_end(cfg_path, run_dir, tmp_path, "0,1", str(gen_gpu), timeout=360)
     _check_every_version_by_broadcast(run_dir)

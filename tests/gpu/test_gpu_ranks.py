@@ -19,6 +19,7 @@ import pytest
 from pipeline.metrics import read_jsonl
 from pipeline.netutil import free_port
 from tests.conftest import running, wait_for
+from tests.gpu.helpers import gpu_count
 from tests.integration.helpers import descendants
 
 pytestmark = [
@@ -26,15 +27,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
 ]
 STEPS = 30
-
-
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
 
 
 def _rank(learner_pid: int, rank: int) -> int:
@@ -48,7 +40,7 @@ def _rank(learner_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {learner_pid}: {descendants(learner_pid)}")
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (learner ranks on 0 and 1)")
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (learner ranks on 0 and 1)")
 def test_two_nccl_ranks_lose_one_end_and_resume_with_every_prompt_once(procs, tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     common = ["-c", "configs/demo.yaml", "--gpus", "0,1", "--set", f"hub.port={port}", "--set",

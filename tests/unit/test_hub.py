@@ -285,7 +285,7 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
     files = hub.weights.senders["shm"]
     files.latest = lambda fn, background=False: file_joins.append(hub.version)
     peer = Peer(hub)
-    here = hub.weights._boot_id
+    here = hub.weights._host
 
     sessions = {}
 
@@ -325,7 +325,7 @@ def test_explicit_transport_is_kept(make_hub):
     hub.cfg.weights.transport = "zmq"
     hub.weights.senders["nccl"] = FakeNccl(hub)
     peer = Peer(hub)
-    assert peer.ask(P.Register("x", "h", hub.weights._boot_id, "1")).transport == "zmq"
+    assert peer.ask(P.Register("x", "h", hub.weights._host, "1")).transport == "zmq"
     peer.close()
 
 
@@ -464,7 +464,7 @@ def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_h
     ipc = hub.weights.senders["ipc"] = IpcSender(hub.weights.cfg, hub, "run")
     hub.weights.senders["nccl"] = FakeNccl(hub)
     peer = Peer(hub)
-    here = hub.weights._boot_id
+    here = hub.weights._host
 
     def register(gen_id, gpus, boot=here, tp=1):
         peer.id = gen_id

@@ -478,22 +478,29 @@ def test_registrations_that_leave_without_joining_leave_no_thread_and_no_store_b
     assert sender.failed == set()  # left, not failed: it may use nccl next time
 
 
-def test_a_generator_that_comes_joins_its_group_and_is_sent_versions():
-    """The rendezvous waits for the workers (they add themselves to JOIN_KEY), then makes the group."""
-    from generator.worker_ext import WeightLoader
-
-    sender = _nccl_sender(10.0)
-    setup = sender.open("g", 2)
-    worker = WeightLoader()
-    joined = threading.Thread(target=worker.init_collective, args=("127.0.0.1", setup["port"], 2, "gloo", 10.0))
-    joined.start()
-    joined.join(20)
+def _joined(sender, timeout_s: float):
+    """Generator "g", one worker in this process, joins its group with `sender`; returns the worker."""
     import time
 
+    from generator.worker_ext import WeightLoader
+
+    worker = WeightLoader()
+    setup = sender.open("g", 2)
+    joined = threading.Thread(target=worker.init_collective,
+                              args=("127.0.0.1", setup["port"], 2, "gloo", timeout_s))
+    joined.start()
+    joined.join(20)
     deadline = time.monotonic() + 10
     while not sender.is_ready("g") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sender.is_ready("g")
+    return worker
+
+
+def test_a_generator_that_comes_joins_its_group_and_is_sent_versions():
+    """The rendezvous waits for the workers (they add themselves to JOIN_KEY), then makes the group."""
+    sender = _nccl_sender(10.0)
+    worker = _joined(sender, 10.0)
     got = torch.zeros(4)
     receive = threading.Thread(target=lambda: worker._collective.broadcast(got, 0).wait())
     receive.start()
@@ -512,17 +519,9 @@ def test_a_broadcast_to_a_generator_that_stopped_receiving_ends_when_it_is_dropp
     import gc
     import time
 
-    from generator.worker_ext import WeightLoader
-
     sender = _nccl_sender(20.0)
-    setup = sender.open("g", 2)
-    worker = WeightLoader()  # its end in this process: it joins, then receives nothing
-    joined = threading.Thread(target=worker.init_collective, args=("127.0.0.1", setup["port"], 2, "gloo", 20.0))
-    joined.start()
-    joined.join(20)
-    deadline = time.monotonic() + 10
-    while not sender.is_ready("g") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    worker = _joined(sender, 20.0)  # its end in this process: it joins, then receives nothing (held to the end: a
+    # worker let go closes its group, and the broadcast would fail instead)
     sending = sender.ready()  # what a publish in progress holds
     assert sending
     threading.Timer(1.0, sender.leave, args=("g",)).start()  # the hub drops it: silent for hub.heartbeat_timeout_s
@@ -535,6 +534,7 @@ def test_a_broadcast_to_a_generator_that_stopped_receiving_ends_when_it_is_dropp
     del sending  # the next version's peers replace these
     gc.collect()
     assert time.monotonic() - start < 5
+    del worker
 
 
 def test_shm_only_on_the_learners_host_and_a_network_namespace_is_another_host():
