@@ -56,12 +56,17 @@ class Roster:
 
     def explain(self, error: BaseException, linger: bool = True) -> RankLost | None:
         """RankLost naming the ranks that are gone, if any is; None when every rank still answers (the error is
-        another one). `linger`: stay PROBE_S more, so that a rank that saw the same failed collective does not take
-        this one for lost by probing it after it ended. Not after a signal (`linger` False): every rank of a
-        stopped run heard it, and one that lingered would be probed by one that ended."""
+        another one). `linger`: ask again a moment later, and stay PROBE_S in all, so that a rank that saw the same
+        failed collective does not take this one for lost by probing it after it ended. Not after a signal (`linger`
+        False): every rank of a stopped run heard it, and one that lingered would be probed by one that ended."""
         lost = self.lost()
         if linger:
-            time.sleep(PROBE_S)
+            try:
+                time.sleep(PROBE_S / 3)
+                lost = lost or self.lost()  # a killed rank's connections close a moment before its listening socket
+                time.sleep(PROBE_S * 2 / 3)  # (the ranks that saw the failure too are still here: they linger)
+            except KeyboardInterrupt:  # its agent stops this rank meanwhile (its rendezvous lost the node too): the
+                pass  # run ends either way, and what was found is why
         if not lost:
             return None
         names = ", ".join(str(m) for m in lost)
