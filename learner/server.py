@@ -25,13 +25,15 @@ from pipeline.security import ServerAuth, user_of
 log = logging.getLogger(__name__)
 
 STRIKES_PER_S = 20  # bad messages from one source in a second, past which its messages are dropped undecoded
+ROLLOUTS_PER_TURN = 32  # rollouts read between two looks at the control socket: a request waits behind no more
+TICK_S = 0.05  # how often the handler's timeout checks run while messages keep coming (they walk every generator)
 
 
 class Server:
     def __init__(self, host: str, port: int, auth: ServerAuth | None, rollout_limits: P.Limits, handler,
                  counters: dict[str, int]):
         """`handler` has control(msg, ident, user) -> reply, rollout(msg, user), malformed(what, rollout: bool),
-        tick() (every poll, at most 100 ms apart) and failed(why); `counters["muted"]` counts what was dropped."""
+        tick() (every TICK_S to 100 ms) and failed(why); `counters["muted"]` counts what was dropped."""
         self.host, self.auth, self.rollout_limits, self.handler = host, auth, rollout_limits, handler
         self.counters = counters
         self._outbox: deque[tuple[bytes, bytes]] = deque()  # (ROUTER identity, message)
@@ -130,8 +132,9 @@ class Server:
         for s in (self.control, self.rollouts, self._wake_rx, self.auth and self.auth.zap):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
+        next_tick = 0.0
         while not self._stopped.is_set():
-            events = dict(poller.poll(100))  # ms; also the period of the timeout checks
+            events = dict(poller.poll(100))  # ms; also the longest time between two timeout checks
             if self.auth is not None and self.auth.zap in events:
                 self.counters["unlisted_keys"] += self.auth.answer()
             if self._wake_rx in events:
@@ -141,9 +144,11 @@ class Server:
                 self.control.send_multipart(self._outbox.popleft())
             if self.control in events:
                 self._drain(self.control, self._on_control)
-            if self.rollouts in events:
-                self._drain(self.rollouts, self._on_rollout)
-            self.handler.tick()
+            if self.rollouts in events:  # a turn's worth: the next poll comes back at once while more wait
+                self._drain(self.rollouts, self._on_rollout, ROLLOUTS_PER_TURN)
+            if (now := time.monotonic()) >= next_tick:
+                self.handler.tick()
+                next_tick = now + TICK_S
 
     def _drain(self, sock, handle, budget: int = 1000) -> None:
         """Read without blocking until empty (much faster than one poll per message)."""

@@ -156,6 +156,8 @@ def test_a_qlora_adapter_of_smollm2_reaches_the_engine_through_its_llama_names(p
         want = learner.eval()(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(run_dir / "final-merged")(input_ids=ids).logits
         plain = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)(input_ids=ids).logits
-    torch.testing.assert_close(merged, want, rtol=1e-4, atol=1e-4)
+    # float32 through 30 layers in two orders (W + BA, and W then BA): 1.4e-4 apart at worst here; the base it did
+    # not train on is 1e-2 and more away (next line)
+    torch.testing.assert_close(merged, want, rtol=1e-3, atol=1e-3)
     assert (plain - want).abs().max() > 1e-2  # the base it trained on is not the checkpoint's
     assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # it trained

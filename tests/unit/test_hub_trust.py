@@ -76,6 +76,63 @@ def test_an_invalid_rollout_is_rejected_by_reason_and_its_prompt_leased_again(hu
     peer.close()
 
 
+def test_the_whole_group_check_passes_only_groups_every_sample_check_passes():
+    """The hub checks a group with a few array operations (`_clean`) and asks each sample only when that fails: it
+    must never pass a group a sample's check refuses. Random groups, each with one value changed or none."""
+    import random
+
+    import numpy as np
+
+    from learner.validation import Expected, Rejected, RunShape, _check_sample, _clean, check_rollout
+
+    rng = random.Random(0)
+    shape = RunShape(vocab_size=16, group_size=4, max_tokens=8, max_model_len=12, rewards=1)
+    prompt = P.pack_ints([4, 5, 6])
+    odd = [math.nan, math.inf, -math.inf, 0.5, 1e-30, -0.0, 0.0, -1e30]
+    passed = refused = 0
+    for _ in range(3000):
+        samples = []
+        for _ in range(4):
+            n = rng.randrange(0, 10)
+            tokens = [rng.randrange(0, 16) for _ in range(n)]
+            logprobs = [-rng.random() * 5 for _ in range(n)]
+            version = [rng.choice([0, 1, 2]) for _ in range(2)]
+            samples.append(dict(tokens=tokens, logprobs=logprobs, reward=rng.random(), rewards=[rng.random()],
+                                first=min(version), last=max(version), gen_ms=rng.random()))
+        s = rng.choice(samples)
+        change = rng.randrange(9)
+        if change == 0 and s["tokens"]:
+            s["tokens"][rng.randrange(len(s["tokens"]))] = rng.choice([-1, 16, 2**31 - 1, -2**31])
+        elif change == 1 and s["logprobs"]:
+            s["logprobs"][rng.randrange(len(s["logprobs"]))] = rng.choice(odd)
+        elif change == 2:
+            s["reward"] = rng.choice(odd)
+        elif change == 3:
+            s["rewards"] = rng.choice([[], [1.0, 2.0], [rng.choice(odd)]])
+        elif change == 4:
+            s["first"], s["last"] = rng.choice([(-1, 0), (2, 1), (0, 3), (1, 1)])
+        elif change == 5:
+            s["gen_ms"] = rng.choice(odd)
+        group = P.RolloutGroup(lease_id=1, generator_id="g", prompt_id=0, epoch=0, prompt_ids=prompt, samples=[
+            P.Sample(P.pack_ints(x["tokens"]), P.pack_floats(x["logprobs"]), x["reward"], x["rewards"], "length",
+                     x["first"], x["last"], x["gen_ms"]) for x in samples], temperature=1.0, session="s")
+        fails = []
+        for i, sample in enumerate(group.samples):
+            try:
+                _check_sample(sample, f"samples[{i}]", 3, 0, 2, shape)
+            except Rejected as e:
+                fails.append(e.reason)
+        assert _clean(group.samples, 3, 0, 2, shape) == (not fails), (samples, fails)
+        try:
+            check_rollout(group, Expected(prompt, 1.0, 0), 2, shape)
+            passed += 1
+        except Rejected as e:
+            assert fails and e.reason in (fails[0], "structure")  # first > last: the codec's check, first
+            refused += 1
+    assert passed > 500 and refused > 500  # both ways, many times
+    assert np.float32(-0.0) <= 0  # -0.0 is a log-prob of 1: allowed
+
+
 def test_rollouts_from_strangers_and_for_other_generators_leases_are_rejected_and_lose_nothing(hubs):
     hub = hubs()
     owner, other = Peer(hub, "owner"), Peer(hub, "other")
