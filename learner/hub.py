@@ -25,6 +25,7 @@ with that error.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -112,6 +113,11 @@ class Hub:
         return self.server.endpoint(self.server.rollouts_port)
 
     def start(self) -> None:
+        # what is loaded by now (the dataset's rows, the model's modules) lives as long as the run: frozen, Python's
+        # full collections no longer walk it. They hold every thread, the hub's answers too: 257 ms at worst with
+        # 1,024 generators before (docs/figures.md, "The hub's ceiling")
+        gc.collect()
+        gc.freeze()
         self.server.start()
         log.info("hub listening on %s%s", self.address, " (CURVE: listed keys only)" if self.auth else "")
 
@@ -323,7 +329,8 @@ class Hub:
             self._count_against(gen, f"{e.reason}: {e.detail}")
             self.lock.notify_all()
             return
-        if self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1:
+        filtered = self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1
+        if filtered:
             self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
         else:
             self.ledger.buffered(msg)
@@ -332,7 +339,10 @@ class Hub:
         self.counters["tokens"] += tokens
         gen.groups += 1
         gen.tokens += tokens
-        self.lock.notify_all()
+        if filtered or not self.ledger.leases or len(self.ledger.buffer) >= self.cfg.trainer.batch_size:
+            # the learner may have a batch now, or the dataset may have ended: woken for each group instead, it
+            # went through the whole buffer each time (with 1,024 generators, most of the hub's time)
+            self.lock.notify_all()
 
     def _count_against(self, gen: GeneratorInfo, why: str) -> None:
         """A rollout of `gen`'s own lease was invalid: past hub.max_rejected_rollouts it is quarantined."""

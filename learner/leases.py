@@ -133,7 +133,9 @@ def expire_old(hub, now: float) -> None:
     timeout = hub.cfg.hub.lease_timeout_s
     idle = max(hub.cfg.hub.progress_timeout_s, 3 * hub.cfg.hub.heartbeat_s)
     hub.evaluation.take_back(older_than=timeout)
-    for lease in list(hub.ledger.leases.values()):
+    for lease in list(hub.ledger.leases.values()):  # oldest first (in the order granted)
+        if now - lease.granted <= min(timeout, idle):  # neither check can hold for this one, or any after it
+            break
         gen = hub.registry.generators.get(lease.generator_id)
         if now - lease.granted > timeout:
             expire(hub, lease, f"not returned within hub.lease_timeout_s={timeout}")

@@ -83,7 +83,7 @@ class PromptLedger:
         self.leased = 0
         self.held = Holdings()
         self._by_generator: dict[str, dict[int, LeaseState]] = {}
-        self.buffer: list[tuple[P.RolloutGroup, float]] = []  # (group, arrival time)
+        self.buffer: list[staleness.Buffered] = []
         self.in_step: list[P.RolloutGroup] = []
         # done for its epoch (trained, filtered or rejected): one flag per prompt of each epoch that still has a
         # prompt not done, and how many those are; an epoch all done is forgotten (every key of it is done), so
@@ -199,7 +199,7 @@ class PromptLedger:
     # ---- received groups and steps ------------------------------------------------------------------
 
     def buffered(self, group: P.RolloutGroup) -> None:
-        self.buffer.append((group, time.monotonic()))
+        self.buffer.append(staleness.Buffered.of(group, time.monotonic()))
 
     def filter(self, group: P.RolloutGroup) -> None:
         """Its rewards were all equal (no signal, dynamic sampling): done for its epoch, a fresh group takes its
@@ -227,7 +227,7 @@ class PromptLedger:
         self.failed_by.pop(key, None)
 
     def is_buffered(self, key: Key) -> bool:
-        return any((g.epoch, g.prompt_id) == key for g, _ in self.buffer) or any(
+        return any((g.epoch, g.prompt_id) == key for g, *_ in self.buffer) or any(
             (g.epoch, g.prompt_id) == key for g in self.in_step)
 
     def in_flight(self) -> int:
@@ -240,13 +240,13 @@ class PromptLedger:
         keep, stale = staleness.split_stale(self.buffer, step, k)
         if stale:
             self.buffer = keep
-            self.pending.extendleft(reversed([(g.epoch, g.prompt_id) for g, _ in stale]))
+            self.pending.extendleft(reversed([(g.epoch, g.prompt_id) for g, *_ in stale]))
             self.counters["stale_dropped"] += len(stale)  # (not counted as re-queued)
         if len(self.buffer) < size:
             return None, len(stale)
         ordered = staleness.oldest_first(self.buffer)
         self.buffer = ordered[size:]
-        self.in_step = [g for g, _ in ordered[:size]]
+        self.in_step = [g for g, *_ in ordered[:size]]
         return self.in_step, len(stale)
 
     def finish_step(self) -> None:
@@ -274,7 +274,7 @@ class PromptLedger:
         other key of an epoch begun is done. So the state is about the size of the staleness window, not of an
         epoch: it is taken under the hub's lock, and the learner's thread writes it as JSON, holding Python's GIL."""
         out = [k for lease in self.leases.values() for k in lease.items]
-        out += [(g.epoch, g.prompt_id) for g, _ in self.buffer] + [(g.epoch, g.prompt_id) for g in self.in_step]
+        out += [(g.epoch, g.prompt_id) for g, *_ in self.buffer] + [(g.epoch, g.prompt_id) for g in self.in_step]
         out += itertools.islice(self.pending, len(self.pending) - self.fresh)
         seen = set()
         listed = [list(k) for k in out if not self.done(k) and not (k in seen or seen.add(k))]

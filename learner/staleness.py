@@ -10,11 +10,26 @@ when trained), which the generator waits for before generating.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pipeline import protocol as P
 
 
 def behaviour_version(group: P.RolloutGroup) -> int:
     return min(s.first_version for s in group.samples)
+
+
+class Buffered(NamedTuple):
+    """A group waiting for its step, with what orders it: its behaviour version (found once: the learner's thread
+    goes through the whole buffer, under the hub's lock, whenever it looks for a batch) and its arrival time."""
+
+    group: P.RolloutGroup
+    arrival: float
+    behaviour: int
+
+    @classmethod
+    def of(cls, group: P.RolloutGroup, arrival: float) -> Buffered:
+        return cls(group, arrival, behaviour_version(group))
 
 
 def lag(group: P.RolloutGroup, step: int) -> int:
@@ -37,13 +52,13 @@ def min_version(version: int, in_flight: int, batch_size: int, k: int, n: int = 
     return min(version, max(0, version + (in_flight + n - 1) // batch_size - k))
 
 
-def split_stale(buffered: list, step: int, k: int) -> tuple[list, list]:
-    """(fresh, stale) of (group, arrival time) pairs for the step turning version `step` into step + 1."""
-    fresh = [(g, t) for g, t in buffered if lag(g, step) <= k]
-    stale = [(g, t) for g, t in buffered if lag(g, step) > k]
+def split_stale(buffered: list[Buffered], step: int, k: int) -> tuple[list[Buffered], list[Buffered]]:
+    """(fresh, stale) buffered groups for the step turning version `step` into step + 1."""
+    fresh = [b for b in buffered if step - b.behaviour <= k]
+    stale = [b for b in buffered if step - b.behaviour > k]
     return fresh, stale
 
 
-def oldest_first(buffered: list) -> list:
+def oldest_first(buffered: list[Buffered]) -> list[Buffered]:
     """A batch takes the oldest groups first (by behaviour version, then arrival), before they go stale."""
-    return sorted(buffered, key=lambda gt: (behaviour_version(gt[0]), gt[1]))
+    return sorted(buffered, key=lambda b: (b.behaviour, b.arrival))

@@ -120,7 +120,7 @@ async def test_generator_leases_generates_and_follows_weight_versions(tmp_path):
         await _until(lambda: engine.version == 1 and hub.registry.generators[gen.id].version == 1)
         assert engine.loaded == [(0, checksum(_blob(0))), (1, checksum(blob))]  # the run's v0 first
         await _until(lambda: any(behaviour == 1 for behaviour in
-                                 [min(s.first_version for s in g.samples) for g, _ in hub.ledger.buffer]))
+                                 [min(s.first_version for s in g.samples) for g, *_ in hub.ledger.buffer]))
         applied = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if "weights_applied" in line]
         assert len(applied) == 2
     assert gen.id not in hub.registry.generators  # it said goodbye

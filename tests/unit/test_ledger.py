@@ -53,7 +53,7 @@ def places(book: PromptLedger) -> Counter:
         assert sorted(le.lease_id for le in book.leases_of(g)) == sorted(
             le.lease_id for le in book.leases.values() if le.generator_id == g)
     where = list(book.pending) + [k for le in book.leases.values() for k in le.items]
-    where += [(g.epoch, g.prompt_id) for g, _ in book.buffer] + [(g.epoch, g.prompt_id) for g in book.in_step]
+    where += [(g.epoch, g.prompt_id) for g, *_ in book.buffer] + [(g.epoch, g.prompt_id) for g in book.in_step]
     where += [(0, pid) for pid in range(book.n_prompts) if book.done((0, pid))]
     return Counter(k for k in where if k[0] == 0)
 
