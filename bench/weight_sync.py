@@ -112,6 +112,8 @@ def raw_transfers(nbytes: int, cpu: bool, hosts=None) -> dict:
         out["nccl_broadcast_ms"] = _nccl_broadcast_ms(nbytes)
     if hosts is not None:
         out["gloo_broadcast_between_hosts_ms"] = _gloo_broadcast_ms(nbytes, hosts)
+        # the same while host b's cores are busy, as a generator's are while its engine generates (on CPU)
+        out["gloo_broadcast_between_hosts_b_busy_ms"] = _gloo_broadcast_ms(nbytes, hosts, busy=os.cpu_count())
     return out
 
 
@@ -132,14 +134,22 @@ if rank == 1:
 """
 
 
-def _gloo_broadcast_ms(nbytes: int, hosts) -> float:
-    """The raw transfer between the two hosts: a gloo broadcast of `nbytes` from host a to host b (median of 5)."""
+def _gloo_broadcast_ms(nbytes: int, hosts, busy: int = 0) -> float:
+    """The raw transfer between the two hosts: a gloo broadcast of `nbytes` from host a to host b (median of 5);
+    `busy`: with that many busy loops running on host b meanwhile."""
     from pipeline.netutil import free_port
 
-    env = {**os.environ, "MASTER_ADDR": hosts.address["a"], "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([*hosts.prefix(host), sys.executable, "-c", GLOO_BROADCAST, str(rank), str(nbytes)],
-                              env=env, stdout=subprocess.PIPE, text=True) for rank, host in enumerate("ab")]
-    out = [p.communicate(timeout=300)[0] for p in procs]
+    loops = [subprocess.Popen([*hosts.prefix("b"), sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        env = {**os.environ, "MASTER_ADDR": hosts.address["a"], "MASTER_PORT": str(free_port())}
+        procs = [subprocess.Popen([*hosts.prefix(host), sys.executable, "-c", GLOO_BROADCAST, str(rank),
+                                   str(nbytes)], env=env, stdout=subprocess.PIPE, text=True)
+                 for rank, host in enumerate("ab")]
+        out = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for loop in loops:  # by PID: the processes this started
+            loop.kill()
+            loop.wait()
     return float(out[1])
 
 

@@ -175,6 +175,13 @@ class FakeGroup:
     def is_completed(self):
         return True
 
+    def get_future(self):
+        import torch
+
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
     def abort(self):
         self.aborted.set()
 
