@@ -43,6 +43,12 @@ from bench.common import result_name, write_result
 TOKENS, GROUP, LEASE, STALENESS = 256, 8, 8, 2
 
 
+def cpu() -> float:
+    """CPU seconds this process has used so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def batch_for(n: int) -> int:
     """A batch (64 at least) whose window, (max_staleness + 1) batches in flight, holds a full lease for each of n
     generators and a batch's worth buffered besides: with less, the fair share gives each a lease of one group and
@@ -90,8 +96,7 @@ def hub_process(n: int, batch: int, conn, profile: str = "") -> None:
     conn.send(hub.address)
     marks = []
     while (what := conn.recv()) != "stop":  # "mark": the counters and CPU now
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        marks.append((time.perf_counter(), hub.counters["rollouts"], usage.ru_utime + usage.ru_stime))
+        marks.append((time.perf_counter(), hub.counters["rollouts"], cpu()))
         conn.send(what)
     (t0, r0, c0), (t1, r1, c1) = marks[-2:]
     gc_pauses = {f"gen{g}": {"count": len(p), "max_ms": 1000 * max(p, default=0), "total_ms": 1000 * sum(p)}
@@ -181,10 +186,6 @@ async def generators(n: int, address: str, seconds: float, warmup: float, conn, 
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
     await asyncio.sleep(warmup + n * 0.002)
-    def cpu() -> float:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-
     conn.send("mark")
     conn.recv()
     measuring.set()
