@@ -157,13 +157,19 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
               "hub.heartbeat_s=0.5", f"hub.heartbeat_timeout_s={heartbeat_timeout}"]
     learner = start_learner(_on(hosts, "a", procs), run_dir, free_port,
                             [*common, "hub.host=0.0.0.0", f"auth.keys={keys}"])
-    gens = {h: start_generator(_on(hosts, h, procs), run_dir, free_port,
-                               [*common, f"auth.keys={own['host-' + h]}", f"auth.identity=host-{h}"], h,
-                               host=learner_at) for h in ("b", "d")}
-    watch = [learner, *gens.values()]
-    wait_for(lambda: len(_events(run_dir, "register")) == 2, 300, "b and d to register", watch)
-    id_b, id_d = (_id_of(run_dir, gens[h]) for h in ("b", "d"))
 
+    def generator(h: str):
+        return start_generator(_on(hosts, h, procs), run_dir, free_port,
+                               [*common, f"auth.keys={own['host-' + h]}", f"auth.identity=host-{h}"], h,
+                               host=learner_at)
+
+    # d first, b once d is in: started together, d could join when b had nearly ended the run (in CI the run ended
+    # while the test waited for d to hold a lease, and the status request went unanswered)
+    gens = {"d": generator("d")}
+    wait_for(lambda: _events(run_dir, "register"), 300, "d to register", [learner, gens["d"]])
+    gens["b"] = generator("b")
+    watch = [learner, *gens.values()]
+    id_d = _id_of(run_dir, gens["d"])
     wait_for(lambda: [t for r in read_jsonl(run_dir / "metrics.jsonl") for t in r["trained"] if t[3] == id_d], 300,
              "d to contribute", watch)
     _python(hosts, "a", FREEZE, f"tcp://127.0.0.1:{free_port}", str(keys), id_d, str(gens["d"].pid))
@@ -179,6 +185,7 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
     gens["d"].stop(grace=0)  # its host is gone: nothing to drain
 
     registers = _events(run_dir, "register")
+    id_b = _id_of(run_dir, gens["b"])
     assert [e["transport"] for e in registers] == ["nccl", "nccl"]
     applied = [(e["version"], e["via"]) for e in _events(run_dir, "weights_applied") if e["generator"] == id_b]
     versions = [v for v, _ in applied]  # in order, by broadcast (one that joined late may skip one as it joins)
