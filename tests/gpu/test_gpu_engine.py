@@ -20,7 +20,11 @@ pytestmark = [
 ]
 
 
-def test_sampled_logprobs_kept_in_the_worker_are_vllms_on_a_gpu(model_cache) -> None:
+def test_sampled_logprobs_kept_in_the_worker_are_vllms_on_a_gpu(model_cache, monkeypatch) -> None:
+    # the engine starts in pytest's process, where the GPU modules' collection has asked torch for the GPUs: vLLM,
+    # seeing CUDA not initialized, forked its engine core, which failed with "Cannot re-initialize CUDA in forked
+    # subprocess" (an H100, vLLM 0.26). A generator's process touches no GPU before its engine starts.
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     apply_environment(load_config(None, ["generator.enforce_eager=false"]), "0")
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="bfloat16", enforce_eager=False,
                                          gpu_memory_utilization=0.3)
