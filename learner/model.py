@@ -107,7 +107,7 @@ def load_quantized(cfg: Config, model_path: str, dtype: torch.dtype):
     compute the base of (pipeline.quantization.quantized_names)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quantization import bnb_config, quantized_modules, quantized_names
+    from pipeline.quantization import bnb_config, exact_on_cpu, quantized_modules, quantized_names
 
     q = cfg.model.quantization
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
@@ -117,6 +117,7 @@ def load_quantized(cfg: Config, model_path: str, dtype: torch.dtype):
     if sorted(mine) != sorted(theirs):
         raise RuntimeError(f"model.quantization: the learner quantized {len(mine)} weights, the generators would "
                            f"serve {len(theirs)} as quantized ({sorted(set(mine) ^ set(theirs))[:3]})")
+    exact_on_cpu(model)
     log.info("model.quantization %s: %d linear weights quantized by bitsandbytes", q, len(mine))
     for name in mine:  # a checkpoint holds no part of the frozen base, its quantization statistics neither
         model.get_submodule(name.removesuffix(".weight")).register_state_dict_post_hook(_left_out)

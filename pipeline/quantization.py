@@ -47,6 +47,17 @@ def quantized_names(model_path: str, quantization: str) -> list[str]:
     return quantized_modules(model)
 
 
+def exact_on_cpu(model) -> None:
+    """Keep every 4-bit layer computing in bnb_4bit_compute_dtype on the CPU. bitsandbytes 0.50 on a CPU with
+    AVX512-BF16 repacks a 4-bit weight the first time its layer runs in eval mode without a gradient, and from then on
+    computes that layer in bf16, training's forwards included (its fused kernel passes no gradient to the layer's
+    input): the learner's no-gradient passes (the KL reference, proximal log-probs) would leave it computing with
+    another base than the generators serve. Off, every forward dequantizes into the compute dtype."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def quantized_modules(model) -> list[str]:
     """The weight names of `model`'s bitsandbytes layers."""
     import bitsandbytes as bnb

@@ -12,7 +12,7 @@ from generator.merge import Merger
 from learner import checkpoint
 from learner.adapters import wrap
 from learner.versions import AdapterVersion, FullVersion, version_kind
-from pipeline.config import LoraConfig
+from pipeline.config import LoraConfig, config_from_dict
 from pipeline.tinymodel import resolve_model_path
 from pipeline.validate import ConfigError
 from weights.plan import is_adapter
@@ -128,10 +128,11 @@ def test_the_generators_quantized_base_is_the_learners(tiny, quantization):
     """model.quantization: the weights a generator computes as the learner's base (pipeline/quantization.py, from
     the checkpoint alone) are those bitsandbytes quantized in the learner's model, and 4-bit layers compute with
     exactly that base (8-bit ones also round their input to 8 bits)."""
-    from pipeline.quantization import bnb_config, learner_base, quantized_modules, quantized_names
+    from learner.model import load_quantized
+    from pipeline.quantization import learner_base, quantized_modules, quantized_names
 
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32, device_map={"": "cpu"},
-                                                 quantization_config=bnb_config(quantization, torch.float32))
+    model = load_quantized(config_from_dict({"model": {"lora": {}, "quantization": quantization}}), tiny,
+                           torch.float32).eval()  # eval, no gradient: where bitsandbytes may take a bf16 kernel
     names = quantized_names(tiny, quantization)
     assert sorted(names) == sorted(quantized_modules(model)) and len(names) == 2 * 7  # not the output head
     plain = dict(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).named_parameters())
