@@ -62,6 +62,7 @@ async def main(args) -> dict:
 
     from bench.common import model_from_args, run_config, write_dataset
     from generator.engine import Engine
+    from generator.engines import Fixed
     from generator.service import Generator
     from pipeline.config import config_from_dict
     from pipeline.tasks import encode_prompt
@@ -77,7 +78,7 @@ async def main(args) -> dict:
     engine = Engine(cfg, model, seed=0, eos_id=tok.eos_token_id)
     engine_start_s = time.perf_counter() - t0
     try:
-        gen = Generator(cfg, engine, tok, "tcp://127.0.0.1:1")
+        gen = Generator(cfg, Fixed(engine, tok), "tcp://127.0.0.1:1")
         gen.welcome = SimpleNamespace(group_size=args.n)
         gen.push = _Sink()
         prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]

@@ -233,9 +233,11 @@ def _insider(args, keys: ClientKeys, rng: random.Random) -> dict:
     secure_client(control, keys)
     control.connect(args.address)
     me = f"rogue-{args.seed}-{os.getpid()}"
-    control.send(P.encode(P.Register(me), 1))
+    control.send(P.encode(P.SpecRequest(me), 1))  # the run's spec digest, which a Register must show
+    spec = _await(control, 1, timeout_ms=10_000)
+    control.send(P.encode(P.Register(me, spec_digest=getattr(spec, "digest", "")), 2))
     # no answer when another process flooding under the same key has it muted: it attacks unregistered then
-    welcome = _await(control, 1, timeout_ms=10_000)
+    welcome = _await(control, 2, timeout_ms=10_000)
     push = ctx.socket(zmq.PUSH)
     push.linger = 0
     secure_client(push, keys)

@@ -151,7 +151,8 @@ async def generators(n: int, address: str, seconds: float, warmup: float, conn, 
                     return reply
 
         await asyncio.sleep(i * 0.002)  # registrations spread over a moment, as engines come up
-        welcome = await ask(P.Register(gen_id, pid=os.getpid()))
+        spec = await ask(P.SpecRequest(gen_id))  # the run's config, which a generator adopts before registering
+        welcome = await ask(P.Register(gen_id, pid=os.getpid(), spec_digest=spec.digest))
         assert isinstance(welcome, P.Welcome), welcome
         push.connect(welcome.rollouts_endpoint)
         pushed = generated = 0

@@ -319,15 +319,22 @@ def _worker_in_engine_core_on_cpu(g) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def adapter_slots(cfg: Config) -> int:
+    """generator.lora_mode adapter: adapters an engine serves at once (vLLM's max_loras), trainer.max_staleness + 2 (a
+    version per lag, the newest and one arriving); 0 without. vLLM fixes them when the engine starts: a generator
+    whose run raises k past them builds its engine again (generator/engines.py)."""
+    if cfg.model.lora is None or cfg.generator.lora_mode != "adapter":
+        return 0
+    return cfg.trainer.max_staleness + 2
+
+
 def _served_lora_args(cfg: Config) -> dict:
     """vLLM's LoRA settings for generator.lora_mode adapter: the smallest rank it serves at or above model.lora.r;
-    adapters in a batch up to trainer.max_staleness + 2 (a version per lag, the newest and one arriving); room in
-    memory for more, since a long request keeps an old one."""
-    lora = cfg.model.lora
-    if lora is None or cfg.generator.lora_mode != "adapter":
+    `adapter_slots` adapters in a batch; room in memory for more, since a long request keeps an old one."""
+    slots = adapter_slots(cfg)
+    if not slots:
         return {}
-    rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora.r)
-    slots = cfg.trainer.max_staleness + 2
+    rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= cfg.model.lora.r)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": slots, "max_cpu_loras": 4 * slots + 8}
 
 

@@ -1,5 +1,7 @@
 """The generator service: register with the hub, take leases, generate groups, push rollouts.
 
+    spec     -> RunSpec (the run's config for what a generator serves: adopted, the engine built for it; again before
+                each registration: a config its engine cannot serve builds the engine again, generator/engines.py)
     register -> Welcome (run id, version, transport, endpoints, session)
     tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists leases the hub took back
              weights     WeightsReady, pushed by the hub on the control channel (the one route a version takes;
@@ -16,13 +18,16 @@ heartbeat tells the hub at once (an nccl generator takes no more broadcasts: its
 then finish groups, return the leases not started (nothing else is waited for), Leave, exit 0. A second one
 leaves at once, whatever is still waited for. A dead engine leaves at once
 with the engine's error (the hub re-queues the leases) and exits 1; so does a generator the hub refuses.
-A reward function that raises is reported as an error of the run (GroupFailed kind "reward").
+A reward function that raises is reported as an error of the run (GroupFailed kind "reward"). A generator that cannot
+serve the run's config (what its own config says explicitly differs, the model files on its host differ or are not
+there, its engine does not start) is refused, naming the field, and exits 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import signal
@@ -32,21 +37,17 @@ import uuid
 import zmq
 import zmq.asyncio
 
+from generator.engine import adapter_slots
+from generator.engines import rebuild
 from generator.rollout import Context, group_message
 from pipeline import protocol as P
+from pipeline import runspec
 from pipeline.client import HubClient
 from pipeline.config import Config, env_flag
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt, load_callable, load_reward_fns
 from weights import VersionGone, receiver
-from weights.files import (
-    host_identity,
-    own_segments,
-    record_segments,
-    remove_left_segments,
-    remove_receiver_dir,
-    shm_segments,
-)
+from weights.files import host_identity, remove_receiver_dir, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +85,28 @@ class EngineDied(Exception):
     """The vLLM engine is dead: leave at once (the hub re-queues the leases) and exit."""
 
 
+class Rebuild(Exception):
+    """The run's config now needs another engine (more adapter slots for a raised trainer.max_staleness): leave,
+    returning the leases, build it, register again."""
+
+
 class Generator:
-    def __init__(self, cfg: Config, engine, tokenizer, address: str, gpus: str = ""):
-        self.cfg, self.engine, self.tok, self.address = cfg, engine, tokenizer, address
+    def __init__(self, cfg: Config, engines, address: str, gpus: str = "", explicit: frozenset | set = frozenset()):
+        """`cfg`: its own config, where and how it runs; what it serves comes from the run (`_adopt`), and what `cfg`
+        sets of that explicitly (`explicit`, dotted keys) it claims. `engines`: generator.engines.VllmEngines (or
+        Fixed: an engine built elsewhere)."""
+        self.own, self.cfg, self.engines, self.address = cfg, cfg, engines, address
+        self.engine, self.tok = engines.current()
+        self.explicit, self.claims = explicit, runspec.claims(cfg, explicit)
+        self.built = copy.deepcopy(cfg) if self.engine is not None else None  # the config its engine was built for
+        self.digest, self.fingerprints = runspec.digest(cfg), {}
         self.gpus = gpus or env_flag("CUDA_VISIBLE_DEVICES")  # reported: `auto` picks nccl for GPUs
         host, boot = host_identity()
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.rewards = load_reward_fns(cfg.rewards)
-        self.rollout = load_callable(cfg.generator.rollout, "generator.rollout")
+        # an engine built elsewhere (Fixed: tests, benchmarks) serves `cfg` as given until a run's spec comes
+        self.rewards = load_reward_fns(cfg.rewards) if self.engine is not None else []
+        self.rollout = load_callable(cfg.generator.rollout, "generator.rollout") if self.engine is not None else None
         self.keys = client_keys(cfg.auth.keys, cfg.auth.identity)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
@@ -126,6 +140,10 @@ class Generator:
                 return self.exit_code
             except LeavingNow:
                 return self.exit_code
+            except Rebuild as e:
+                log.info("generator %s: %s; its engine is built again", self.id, e)
+                backoff = 0.5
+                continue
             except (EngineDied, Refused, P.SchemaMismatch) as e:
                 log.error("generator %s: %s", self.id, e)
                 return 1
@@ -170,10 +188,11 @@ class Generator:
         client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s), keys=self.keys)
         self.client = client
         try:
+            await self._unless_leaving(self._adopt())
             welcome = await self._unless_leaving(self._ask(P.Register(
                 self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
-                self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", "")),
-                timeout=10.0))
+                self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", ""),
+                self.digest, self.fingerprints, adapter_slots(self.built)), timeout=10.0))
             if not isinstance(welcome, P.Welcome):
                 raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
             self.refusals, self.welcomed = 0, True
@@ -200,6 +219,10 @@ class Generator:
                 await self._unless_leaving(self._run_tasks())
             except LeavingNow:  # a second signal (or a drain before any lease): Leave now; the hub re-queues the leases
                 pass
+            except Rebuild:  # its leases go back to the queue; the engine is built again before it registers again
+                with contextlib.suppress(P.PeerLost):
+                    await client.request(P.Leave(self.id, sorted(self.held), pushed=self.pushed), timeout=5.0)
+                raise
             except EngineDied as e:  # leave at once: the hub re-queues the leases and records why
                 with contextlib.suppress(P.PeerLost):
                     await client.request(P.Leave(self.id, sorted(self.held), str(e)[:16000], self.pushed),
@@ -215,6 +238,66 @@ class Generator:
             client.close()
             if hasattr(self, "push"):
                 self.push.close(linger=2000)
+
+    async def _adopt(self) -> None:
+        """Take the run's config for what this generator serves (RunSpec), and build the engine for it where the one
+        it has cannot serve it. Whatever stops it from serving the run is told to the hub, which refuses it (Refused):
+        its own explicit values differ, the model files on its host differ or are missing, the engine fails."""
+        early = self.engine is None and "model.path" in self.explicit
+        try:
+            spec = await self._ask(P.SpecRequest(self.id, self.claims), timeout=5.0 if early else 10.0)
+        except P.PeerLost:
+            if early:  # no hub yet (a learner still starting): its own model meanwhile, as its engine's start is long
+                await self._prebuild()
+            raise
+        if not isinstance(spec, P.RunSpec):
+            raise NotRegistered(f"the run's spec refused: {getattr(spec, 'message', spec)}")
+        try:
+            cfg = runspec.adopt(self.own, spec.config, self.explicit)
+            if changed := runspec.overridden(self.claims, cfg):  # the learner's anyway (they travel with leases)
+                log.warning("generator %s: the run's values replace its own config's: %s", self.id,
+                            "; ".join(changed))
+            rewards = load_reward_fns(cfg.rewards)
+            rollout = load_callable(cfg.generator.rollout, "generator.rollout")
+        except Exception as e:  # the run's reward or rollout functions cannot be imported here
+            await self._cannot_serve(f"{type(e).__name__}: {e}")
+        if why := rebuild(self.built, cfg):
+            await self._build(cfg, why)
+        self.cfg, self.rewards, self.rollout, self.digest = cfg, rewards, rollout, runspec.digest(cfg)
+
+    async def _prebuild(self) -> None:
+        """The engine its own config names, built while the hub does not answer yet; the run's spec, once the hub
+        answers, keeps it or builds another (`rebuild`); its Register shows the fingerprints, which the hub checks."""
+        try:
+            await self._build(self.own, "the hub does not answer yet: from its own config meanwhile", ask=False)
+        except Exception as e:  # said to the hub once it answers, on the usual path
+            log.warning("generator %s: no engine from its own config (%s: %s)", self.id, type(e).__name__, e)
+
+    async def _build(self, cfg: Config, why: str, ask: bool = True) -> None:
+        try:
+            fingerprints = await asyncio.to_thread(self.engines.fingerprints, cfg)
+        except Exception as e:  # no such model directory or tokenizer on this host
+            if not ask:
+                raise
+            await self._cannot_serve(f"model.path: {e}")
+        if ask:  # the hub compares them with the learner's: another model is refused before an engine is built for it
+            await self._ask(P.SpecRequest(self.id, self.claims, fingerprints), timeout=10.0)
+        log.info("generator %s: building its engine for model.path %s (%s)", self.id, cfg.model.path, why)
+        self.built = None
+        try:
+            self.engine, self.tok = await self.engines.build(cfg)
+        except Exception as e:
+            log.exception("generator %s: the engine did not start", self.id)
+            if not ask:
+                raise
+            await self._cannot_serve(f"the engine did not start for model.path {cfg.model.path} "
+                                     f"({type(e).__name__}: {e})")
+        self.built, self.fingerprints = copy.deepcopy(cfg), fingerprints
+
+    async def _cannot_serve(self, problem: str) -> None:
+        """Tell the hub why this generator cannot serve the run: it refuses it (counted); this raises Refused."""
+        reply = await self._ask(P.SpecRequest(self.id, self.claims, problem=problem[:16000]), timeout=10.0)
+        raise Refused(f"it cannot serve the run: {problem} ({getattr(reply, 'message', reply)})")
 
     async def _unless_leaving(self, aw, until: asyncio.Event | None = None):
         """Await `aw`, unless `until` is set first (default leave_now: a second signal): then it is cancelled and
@@ -280,6 +363,7 @@ class Generator:
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
+                self._follow_staleness(reply.max_staleness)
                 dead = set(reply.dead_leases)
                 for lease_id in dead:
                     self.held.pop(lease_id, None)
@@ -294,6 +378,14 @@ class Generator:
             else:  # a drain is reported at once
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
+
+    def _follow_staleness(self, k: int) -> None:
+        """`pipeline set trainer.max_staleness`: the adapter slots must hold a version per lag (Rebuild if not)."""
+        if k < 0 or k == self.cfg.trainer.max_staleness:
+            return
+        self.cfg.trainer.max_staleness = k
+        if self.built is not None and (why := rebuild(self.built, self.cfg)):
+            raise Rebuild(why)
 
     async def _pushed(self) -> None:
         """Weight announcements: the hub pushes them on the control channel, in order with its replies."""
@@ -488,25 +580,18 @@ def _on_host_of(endpoint: str, address: str) -> str:
     return f"{address.rsplit(':', 1)[0]}:{endpoint.rsplit(':', 1)[1]}"
 
 
-async def main(cfg: Config, address: str, gpus: str = "") -> int:
-    from transformers import AutoTokenizer
+async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | frozenset = frozenset()) -> int:
+    """`cfg`: this generator's own config; `explicit`: the dotted keys its file and --set gave (what it claims)."""
+    from generator.engines import VllmEngines
 
-    from generator.engine import Engine
-    from pipeline.tinymodel import resolve_model_path
-
-    model_path = resolve_model_path(cfg.model.path)
-    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
-    before = shm_segments()
-    engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, tok.eos_token_id)
-    segments = record_segments(own_segments(before))  # removed by remove_stale, should this process and engine die
+    for stale in remove_stale():  # what a process killed with SIGKILL left in /dev/shm and the temp folder
+        log.info("removed %s, left by a process that no longer runs", stale)
+    engines = VllmEngines()
     try:
-        await engine.start(cfg)
-        gen = Generator(cfg, engine, tok, address, gpus)
-        return await gen.run()
+        return await Generator(cfg, engines, address, gpus, explicit).run()
     finally:
         with contextlib.suppress(Exception):
-            engine.shutdown()
-        remove_left_segments(segments)  # then the record of them, which no later start would find to sweep
+            engines.close()
         remove_receiver_dir()
 
 

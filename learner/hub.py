@@ -10,6 +10,7 @@
     learner/validation.py what a rollout says, checked against its lease and the run
     learner/faults.py     failed groups and rejected prompts: what they cost the run, once confirmed
     learner/operators.py  status and run-time changes         learner/journal.py  events.jsonl, rate-limited logs
+    pipeline/runspec.py   the run's spec, which every generator adopts before it registers (SpecRequest)
     weights/serving.py    the weight transports' side of registration, announcements and zmq pulls
 
 The learner's thread talks to the hub through `take_batch`, `finish_step`, `abandon_step`, `finish_run` and
@@ -40,10 +41,11 @@ from learner.faults import Faults
 from learner.journal import Journal
 from learner.ledger import PromptLedger
 from learner.prompts import Prompts
-from learner.registry import GeneratorInfo, Registry
+from learner.registry import GENERATOR_ID, GeneratorInfo, Registry
 from learner.server import Server
 from learner.validation import Expected, Rejected, RunShape, check_rollout
 from pipeline import protocol as P
+from pipeline import runspec
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
 from weights.serving import WeightServing
@@ -67,15 +69,19 @@ class DatasetExhausted(HubStopped):
 
 class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
-                 state: dict | None = None, *, encode, vocab_size: int, eval_rows: list[dict] | None = None):
+                 state: dict | None = None, *, encode, vocab_size: int, eval_rows: list[dict] | None = None,
+                 fingerprints: dict[str, str] | None = None):
+        """`fingerprints`: of the learner's model files (pipeline/fingerprint.py); every generator's must be these."""
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
+        self.fingerprints = dict(fingerprints or {})
+        self.spec_digest = runspec.digest(cfg)  # what every generator serves: the run-time knobs aside, fixed
         self.prompts = Prompts(rows, cfg.data.prompt_column, encode, vocab_size, cfg.generator.max_model_len)
         self.version = version  # trained
         self.complete = False  # the learner is done: generators hear RunComplete
         self.lock = threading.Condition()
         self.counters = dict(bad_messages=0, refused=0, muted=0, unknown_lease=0, duplicates=0, stale_dropped=0,
                              requeued=0, rollouts=0, tokens=0, rejected_rollouts=0, rejected_prompts=0, lost_leases=0,
-                             reward_errors=0, skipped_steps=0)
+                             reward_errors=0, skipped_steps=0, refused_spec=0)
         self.registry = Registry(cfg.hub.max_generators, cfg.hub.max_generators_per_key)
         self.ledger = PromptLedger(len(rows), cfg.trainer.epochs, cfg.data.seed, self.counters)
         self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
@@ -145,6 +151,8 @@ class Hub:
                 return P.Error(f"the run failed: {self.failure}", stop=True)
             if isinstance(msg, P.Register):
                 return self._on_register(msg, ident, user)
+            if isinstance(msg, P.SpecRequest):
+                return self._on_spec_request(msg, user)
             gen, error = self.registry.speaker(msg.generator_id, ident, user)
             if gen is None:
                 return error if error.fatal else self._refuse(f"{type(msg).__name__} for {error.message}")
@@ -183,6 +191,8 @@ class Hub:
         refusal, forged = self.registry.refusal(msg, user)
         if refusal:
             return self._refuse(refusal) if forged else P.Error(refusal, stop=True)
+        if why := self._serves_another(msg.spec_digest, msg.fingerprints):
+            return self._refuse_spec(msg.generator_id, user, why)
         if msg.loaded_run == self.run_id and (why := self._unpublished(msg.loaded_version, -1)):
             return P.Error(f"registration refused: loaded_version {why}", stop=True)
         old = self.registry.generators.get(msg.generator_id)
@@ -204,6 +214,33 @@ class Hub:
             rollouts_endpoint=self.rollouts_address, transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s,
             sampling=self.sampling(), group_size=self.cfg.trainer.group_size, index=gen.index,
             collective=collective, session=gen.session)
+
+    def _on_spec_request(self, msg: P.SpecRequest, user: str) -> P.Message:
+        """The run's spec, unless the generator's claims, fingerprints or a problem it reports say it cannot serve
+        the run (refused and counted, naming the field)."""
+        if not GENERATOR_ID.fullmatch(msg.generator_id):
+            return self._refuse(f"SpecRequest: generator_id {msg.generator_id[:40]!r}")
+        if why := self.registry.quarantined(user or msg.generator_id):
+            return P.Error(f"registration refused: {why}", stop=True)
+        why = (runspec.conflict(msg.claims, self.cfg) or msg.problem
+               or (msg.fingerprints and runspec.fingerprint_conflict(msg.fingerprints, self.fingerprints)))
+        if why:
+            return self._refuse_spec(msg.generator_id, user, why)
+        return P.RunSpec(self.run_id, runspec.spec_of(self.cfg), self.spec_digest, self.fingerprints)
+
+    def _serves_another(self, digest: str, fingerprints: dict[str, str]) -> str:
+        """Why a registering generator does not serve this run's config ("" when it does)."""
+        if digest != self.spec_digest:
+            return (f"it serves another config than the run's (spec digest {digest[:16] or 'none'}, the run's "
+                    f"{self.spec_digest[:16]}): a generator adopts the run's (SpecRequest) before it registers")
+        return runspec.fingerprint_conflict(fingerprints, self.fingerprints)
+
+    def _refuse_spec(self, gen_id: str, user: str, why: str) -> P.Error:
+        """A generator that cannot serve this run's config: refused for good (it exits), counted, journaled."""
+        self.counters["refused_spec"] += 1
+        self.journal.event("spec_refused", user or gen_id, generator=gen_id, reason=why)
+        self.journal.warn("spec_refused", "hub: generator %s refused: %s", gen_id, why)
+        return P.Error(f"registration refused: {why}", stop=True)
 
     def sampling(self) -> P.Sampling:
         s = self.cfg.sampling
@@ -232,7 +269,7 @@ class Hub:
             self.registry.drains(gen)
             self.weights.leave(msg.generator_id)
             self.journal.event("drain", gen.principal, generator=msg.generator_id)
-        return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen))
+        return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen), self.cfg.trainer.max_staleness)
 
     def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
         if why := self._unpublished(msg.version, 0):

@@ -22,9 +22,28 @@ log = logging.getLogger(__name__)
 
 
 def world_size(ranks: int, gpus: str | None) -> int:
+    """This host's learner ranks: trainer.ranks, else one per GPU of --gpus, else 1. Each rank takes the GPU of its
+    local rank, so more ranks than GPUs given (--gpus, else those visible) is refused with both numbers (ConfigError);
+    without GPUs the ranks are gloo ranks on the CPU, as many as asked."""
+    given = len(gpus.split(",")) if gpus else 0
+    if ranks > 1 and not given:
+        given = _visible_gpus()
+    if ranks and given and ranks > given:
+        from pipeline.config import ConfigError
+
+        where = f"--gpus {gpus}" if gpus else "the GPUs visible (CUDA_VISIBLE_DEVICES, or all)"
+        raise ConfigError(f"trainer.ranks: {ranks} learner ranks, but {where} gives {given} GPU"
+                          f"{'s' if given > 1 else ''}: each rank needs one; give more GPUs or set trainer.ranks "
+                          f"to {given} (0: one per GPU)")
     if ranks:
         return ranks
-    return len(gpus.split(",")) if gpus else 1
+    return given or 1
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def run_ranks(argv: list[str], world: int) -> int:

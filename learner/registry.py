@@ -45,6 +45,7 @@ class GeneratorInfo:
     joined_at: float = field(default_factory=time.time)
     applied: int = -1  # the last version it said it loaded (WeightsApplied): only a new one is journaled
     generated: int = 0  # its last Heartbeat.generated: a count that moves is progress
+    adapter_slots: int = 0  # generator.lora_mode adapter: adapters its engine serves at once (Register)
     progress_at: float = field(default_factory=time.monotonic)  # tokens, a group, a failed group, a weights load
     stalled: bool = False  # its leases were taken back for want of progress: one group a lease until it progresses
     leaving: tuple[int, float, str] | None = None  # it said Leave with rollouts still on their way: (rollouts it
@@ -68,10 +69,8 @@ class Registry:
         problem = registration_problem(msg)
         if problem:
             return f"registration refused: {problem}", False
-        until, why = self._quarantined.get(user or msg.generator_id, (0.0, ""))
-        if time.monotonic() < until:
-            return (f"registration refused: quarantined for {until - time.monotonic():.0f} s more ({why}); "
-                    "hub.quarantine_s"), False
+        if why := self.quarantined(user or msg.generator_id):
+            return f"registration refused: {why}", False
         old = self.generators.get(msg.generator_id)
         if old is not None:
             if not hmac.compare_digest(old.session, msg.session) or old.user != user:
@@ -86,10 +85,17 @@ class Registry:
                     "(hub.max_generators_per_key)"), False
         return "", False
 
+    def quarantined(self, principal: str) -> str:
+        """Why `principal` may not register now ("" when it may)."""
+        until, why = self._quarantined.get(principal, (0.0, ""))
+        if time.monotonic() < until:
+            return f"quarantined for {until - time.monotonic():.0f} s more ({why}); hub.quarantine_s"
+        return ""
+
     def add(self, msg: P.Register, ident: bytes, user: str, transport: str, loaded_version: int) -> GeneratorInfo:
         gen = GeneratorInfo(msg.generator_id, msg.host, msg.gpus, msg.pid, next(self._index), transport,
                             time.monotonic(), ident=ident, user=user, session=secrets.token_hex(16),
-                            version=loaded_version)
+                            version=loaded_version, adapter_slots=msg.adapter_slots)
         self.generators[gen.generator_id] = gen
         self._active = None
         return gen
@@ -165,7 +171,7 @@ class Registry:
         return [P.GeneratorStatus(g.generator_id, g.host, g.gpus, g.version,
                                   max(0, version - g.version) if g.version >= 0 else -1, g.tokens_per_s,
                                   leases.get(g.generator_id, 0), g.groups, g.tokens, round(now - g.last_seen, 2),
-                                  g.transport, g.draining)
+                                  g.transport, g.draining, g.adapter_slots)
                 for g in self.generators.values()]
 
 
@@ -176,6 +182,6 @@ def registration_problem(msg: P.Register) -> str:
         return "host and boot_id must be printable"
     if not re.fullmatch(r"[0-9,]*", msg.gpus):
         return f"gpus {msg.gpus[:40]!r}: GPU indices separated by commas"
-    if not 1 <= msg.tensor_parallel <= 64 or msg.pid < 0:
-        return f"tensor_parallel {msg.tensor_parallel} (1-64) or pid {msg.pid}"
+    if not 1 <= msg.tensor_parallel <= 64 or msg.pid < 0 or not 0 <= msg.adapter_slots <= 1024:
+        return f"tensor_parallel {msg.tensor_parallel} (1-64), pid {msg.pid} or adapter_slots {msg.adapter_slots}"
     return ""

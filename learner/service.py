@@ -38,6 +38,7 @@ from learner.step import train_step
 from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
+from pipeline.fingerprint import fingerprints, local_dir
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
@@ -79,25 +80,29 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
     if resume and rank == 0:
         discarded = truncate_metrics(run_dir, version)
         log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
-    hub = None
+    hub, what = None, None
     try:
         if rank == 0:
             for stale in remove_stale():
                 log.info("removed %s, left by a process that no longer runs", stale)
             save_config(cfg, run_dir / "config.yaml")
+            # what every generator's files must be, and what a checkpoint's weights mean
+            tokenizer_dir = local_dir(cfg.model.tokenizer) if cfg.model.tokenizer else None
+            prints = fingerprints(local_dir(model_path), tokenizer_dir)
+            what = checkpoint.meaning(cfg, prints["model.path"], kind)
             hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
                       encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
-                      vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg))
+                      vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg), fingerprints=prints)
             hub.start()
             _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": run_id,
                                       "rollouts": hub.rollouts_address, "token": token})
-            print(f"learner: hub listening on {hub.address}  (pipeline generator -c CONFIG --learner {hub.address})",
+            print(f"learner: hub listening on {hub.address}  (pipeline generator --learner {hub.address})",
                   flush=True)
         publisher = WeightPublisher(cfg, engine, hub, rank)
         publisher.publish(version)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
         try:
-            version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id)
+            version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id, what)
             if metrics is not None:
                 metrics.close()
             publisher.flush()
@@ -163,14 +168,15 @@ def _write_hub_json(run_dir: Path, hub: dict) -> None:
     os.replace(tmp, run_dir / "hub.json")
 
 
-def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id) -> int:
-    """Train from `version` to trainer.total_steps (or until the dataset is exhausted); returns the last version."""
+def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id, what=None) -> int:
+    """Train from `version` to trainer.total_steps (or until the dataset is exhausted); returns the last version.
+    `what`: what the weights mean, recorded with each checkpoint (rank 0's)."""
     last_tokens, last_time, start = (hub.counters["tokens"] if hub else 0), time.perf_counter(), time.perf_counter()
     step, skipped = version, 0
 
     def save(version: int) -> None:
         checkpoint.save(engine, run_dir, version, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints,
-                        publisher.kind.kind)
+                        what)
 
     while step < cfg.trainer.total_steps:
         t0 = time.perf_counter()

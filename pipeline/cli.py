@@ -31,11 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
     run.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                      help="continue RUN_DIR's run from its newest checkpoint (config: RUN_DIR/config.yaml unless -c)")
-    lrn = service("learner", "the learner service (DeepSpeed + hub)", True)
+    lrn = service("learner", "the learner service (DeepSpeed + hub)", False)
     lrn.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
-    lrn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue from RUN_DIR's checkpoint")
+    lrn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                     help="continue RUN_DIR's run from its newest checkpoint (config: RUN_DIR/config.yaml unless -c)")
     lrn.add_argument("--launch-token", default="", help=argparse.SUPPRESS)  # `pipeline run`'s, echoed in hub.json
-    gen = service("generator", "a generator service (vLLM)", True)
+    gen = service("generator", "a generator service (vLLM): it serves the run's model and config, which it takes from "
+                  "the learner; -c/--set say where and how it runs (GPUs, engine memory, keys)", False)
     gen.add_argument("--learner", required=True, help="hub address, e.g. tcp://127.0.0.1:5555")
     st = sub.add_parser("status", help="the learner's version, buffer and generators")
     st.add_argument("--watch", action="store_true")
@@ -59,6 +61,7 @@ def launched() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from learner.checkpoint import CheckpointError
     from pipeline.launcher import RunDirError, check_run_dir, run_dir_of
 
     try:
@@ -73,13 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         if resume is not None:
             if checks:
                 check_run_dir(resume.resolve(), resume=True)
-            if args.config is None:  # `pipeline run --resume RUN_DIR`: the run's own config, --set on top
+            if args.config is None:  # `--resume RUN_DIR`: the run's own config, --set on top
                 args.config = str(resume / "config.yaml")
+        if args.command == "learner" and args.config is None:
+            raise ConfigError("pipeline learner: -c CONFIG is required (or --resume RUN_DIR: the run's config.yaml)")
         cfg = load_config(args.config, args.overrides)
         if args.command in ("learner", "run"):
+            from learner.checkpoint import check_resume
+            from learner.launch import world_size
             from pipeline.security import check_exposure
 
             check_exposure(cfg)
+            if not env_flag("RANK"):  # more ranks than GPUs given is refused here, not in torch.cuda.set_device
+                world_size(cfg.trainer.ranks, args.gpus or (cfg.run.learner_gpus if args.command == "run" else None))
+            if resume is not None and checks:  # another model or LoRA scale than the run's is refused at start
+                for change in check_resume(cfg, resume.resolve()):
+                    print(f"pipeline {args.command}: resuming with {change} (RUN_DIR/config.yaml has the first)",
+                          file=sys.stderr)
             if launched() and resume is None and args.run_dir is None and not cfg.run.name:
                 raise RunDirError("under torchrun every rank must name the same run directory: pass --run-dir DIR "
                                   "(or set run.name), the same on every node")
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pipeline: config error: {e}", file=sys.stderr)
         return 2
-    except RunDirError as e:
+    except (RunDirError, CheckpointError) as e:
         print(f"pipeline {args.command}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -129,9 +142,16 @@ def main(argv: list[str] | None = None) -> int:
                                                   who, orphan)
             return 130
         return 0
-    from generator.service import main as generator_main
+    from pipeline.supervise import guarded, supervise
 
-    return asyncio.run(generator_main(cfg, args.learner, args.gpus or ""))
+    if not guarded():  # started by hand: this process supervises the real generator, which has a guard
+        return supervise([sys.executable, "-m", "pipeline.cli", *(sys.argv[1:] if argv is None else argv)])
+    from generator.service import main as generator_main
+    from pipeline.config import read_yaml
+    from pipeline.runspec import explicit_keys
+
+    explicit = explicit_keys(read_yaml(args.config) if args.config else {}, args.overrides)  # what it claims
+    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit))
 
 
 def _keys(args) -> int:

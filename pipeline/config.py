@@ -406,15 +406,20 @@ def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) ->
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file at `path` (if any), then dotted overrides."""
-    data: dict = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-    return config_from_dict(data, overrides)
+    return config_from_dict(read_yaml(path) if path is not None else {}, overrides)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file's mapping, as written (pipeline/runspec.py asks which fields it sets)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:

@@ -43,20 +43,24 @@ class RunDirError(Exception):
     """The run directory does not suit the command: it holds a run already, or has no checkpoint to resume."""
 
 
+GUARDED = "PIPELINE_GUARDED"  # set to 1 for what Child starts: a `pipeline generator` so marked has its guard
+
+
 class Child:
     """A child process in its own process session (its group holds vLLM's engine processes too), logging
-    to `log_path`; stopped by PID, never by name. The tests and benchmarks start their services with it.
-    Its guard ends the group should the child or this process die without stopping it."""
+    to `log_path` (None: to this process's stdout and stderr); stopped by PID, never by name. The tests and
+    benchmarks start their services with it. Its guard ends the group should the child or this process die without
+    stopping it; the child's environment says so (`GUARDED`)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict | None = None, cwd=None):
+    def __init__(self, name: str, argv: list[str], log_path: Path | None, env: dict | None = None, cwd=None):
         self.name, self.log_path = name, log_path
-        self.log = log_path.open("ab")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env, cwd=cwd)
+        self.log = log_path.open("ab") if log_path is not None else None
+        err = subprocess.STDOUT if self.log is not None else None
+        env = {**(os.environ if env is None else env), GUARDED: "1"}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=err, start_new_session=True, env=env, cwd=cwd)
         # a session of its own: Ctrl-C in a terminal or a signal to either group does not reach it
         self.guard = subprocess.Popen([sys.executable, "-m", "pipeline.launcher", str(os.getpid()), str(self.pid)],
-                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      cwd=PACKAGE_ROOT)
+                                      stdout=self.log, stderr=err, start_new_session=True, cwd=PACKAGE_ROOT)
 
     @property
     def pid(self) -> int:
@@ -69,6 +73,8 @@ class Child:
         return self.proc.returncode
 
     def tail(self, n: int = 30) -> str:
+        if self.log_path is None:
+            return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
@@ -97,7 +103,8 @@ def stop_all(children: list[Child], grace: float = 20.0, now: bool = False, hurr
     for c in children:  # its guard is done once the group is empty (it sweeps /dev/shm, then exits)
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.guard.wait(30)
-        c.log.close()
+        if c.log is not None:
+            c.log.close()
 
 
 def _wait(done, timeout: float, hurry=lambda: False) -> bool:
@@ -145,13 +152,13 @@ def guard(starter: int, leader: int, grace: float = 30.0) -> None:
         time.sleep(0.5)
     if _members(leader):
         gone = f"its starter (pid {starter})" if os.getppid() != starter else f"pid {leader}"
-        print(f"guard: {gone} is gone; stopping process group {leader}", file=sys.stderr, flush=True)
+        _say(f"guard: {gone} is gone; stopping process group {leader}")
         _signal_group(leader, signal.SIGTERM)  # the learner removes its files on SIGTERM, generators leave
         time.sleep(0.5)
         if leader in _members(leader):
             os.kill(leader, signal.SIGTERM)
         if not _wait(lambda: not _members(leader), grace):
-            print(f"guard: SIGKILL to {_members(leader)} after {grace} s", file=sys.stderr, flush=True)
+            _say(f"guard: SIGKILL to {_members(leader)} after {grace} s")
             _signal_group(leader, signal.SIGKILL)
     # until no process of the group is left, zombies included (remove_stale takes one for a live owner); bounded,
     # for a host whose init does not reap them
@@ -159,6 +166,12 @@ def guard(starter: int, leader: int, grace: float = 30.0) -> None:
     from weights.files import remove_stale
 
     remove_stale()  # the folders and vLLM segments of processes that could not remove their own
+
+
+def _say(message: str) -> None:
+    """A guard's line on stderr, which may be a closed terminal or pipe (a standalone generator's): it still goes on."""
+    with contextlib.suppress(OSError):
+        print(message, file=sys.stderr, flush=True)
 
 
 def _gone(pgid: int) -> bool:
@@ -187,8 +200,8 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     steps = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
     tag = latest.read_text().strip() if latest.exists() else "none"
     state = "finished" if (run_dir / "final").exists() else "not finished"
-    ways = (f"continue it with `pipeline run --resume {run_dir}` (the learner alone: `pipeline learner -c CONFIG "
-            f"--resume {run_dir}`), or start another with `--set run.name=NEW_NAME` (or `--run-dir DIR`)"
+    ways = (f"continue it with `pipeline run --resume {run_dir}` (the learner alone: `pipeline learner --resume "
+            f"{run_dir}`), or start another with `--set run.name=NEW_NAME` (or `--run-dir DIR`)"
             if latest.exists() else
             "it has no checkpoint to resume from: start another with `--set run.name=NEW_NAME` (or `--run-dir DIR`), "
             "or remove the directory")

@@ -7,6 +7,7 @@ still decodes. What a message *says* (token ids in the vocabulary, finite number
 checked by the hub (learner/validation.py).
 
 Control channel (generator DEALER -> hub ROUTER), request -> reply:
+    SpecRequest -> RunSpec | Error       (before registering: the run's config for what a generator serves)
     Register -> Welcome | Error          Heartbeat -> HeartbeatReply      LeaseRequest -> Lease | Wait | RunComplete
     WeightsApplied -> Ack                WeightsFetch -> WeightsChunk     GroupFailed -> Ack      Leave -> Ack
     StatusRequest -> StatusReply (operator)                                SetRequest -> SetReply (operator)
@@ -109,6 +110,7 @@ class GeneratorStatus:
     last_heartbeat_s: float = 0.0
     transport: str = text(16, "")
     draining: bool = False
+    adapter_slots: int = 0  # generator.lora_mode adapter: adapters its engine serves at once (0: merged)
 
 
 # ---- control channel: generator -> hub ----------------------------------------------------------
@@ -126,6 +128,24 @@ class Register(Message):
     tensor_parallel: int = 1  # workers of this generator (ranks of its nccl process group, besides the learner)
     session: str = text(64, "")  # re-registering under the same id: the session its last Welcome gave it
     loaded_run: str = text(256, "")  # the run id of the weights its engine holds ("": the model from disk)
+    spec_digest: str = text(64, "")  # pipeline.runspec.digest of the config it serves: the run's, adopted (RunSpec)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # of the model files on its host (pipeline/fingerprint)
+    adapter_slots: int = 0  # generator.lora_mode adapter: adapters its engine serves at once (vLLM's max_loras)
+
+
+@dataclass
+class SpecRequest(Message):
+    """Before registering (and each time again): the run's config for what a generator serves and scores (RunSpec).
+    `claims`: the values its own config sets explicitly (dotted key -> value); `fingerprints`: of the model files on
+    its host, once it knows them; `problem`: why it cannot serve the run (no such model on its host, an engine that
+    did not start). A claim or fingerprint that differs from the run's, or a problem, is refused (Error.stop), naming
+    the field, and counted (hub counter refused_spec). pipeline/runspec.py."""
+
+    tag: ClassVar[str] = "spec_request"
+    generator_id: str = text(GENERATOR_ID)
+    claims: dict[str, Any] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    problem: str = text(16384, "")
 
 
 @dataclass
@@ -209,6 +229,18 @@ class SetRequest(Message):
 
 
 @dataclass
+class RunSpec(Message):
+    """The run's values of what a generator serves (pipeline.runspec.SERVED: {dotted prefix: value}), the digest a
+    Register must show, and the fingerprints of the learner's model files."""
+
+    tag: ClassVar[str] = "run_spec"
+    run_id: str
+    config: dict[str, Any]
+    digest: str = text(64)
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class Welcome(Message):
     tag: ClassVar[str] = "welcome"
     run_id: str
@@ -255,6 +287,7 @@ class HeartbeatReply(Message):
     tag: ClassVar[str] = "heartbeat_reply"
     version: int  # the learner's
     dead_leases: list[int] = field(default_factory=list)  # leases the generator holds that the hub took back
+    max_staleness: int = -1  # trainer.max_staleness now (`pipeline set`): adapter slots follow it
 
 
 @dataclass

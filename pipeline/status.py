@@ -12,7 +12,7 @@ def render(s) -> str:
              ("muted", "muted"),
              ("quarantined", "quarantined"), ("rejected_prompts", "rejected prompts"),
              ("reward_errors", "reward errors"), ("skipped_steps", "skipped steps"),
-             ("journal_dropped", "journal dropped")]
+             ("journal_dropped", "journal dropped"), ("refused_spec", "refused (config)")]
     lines = [
         f"run {s.run_id}  version {s.version}  max_staleness {s.max_staleness}  batch {s.batch_size}",
         f"buffer {s.buffer}  in flight {s.in_flight}  pending {s.pending}  trained {s.trained}",
@@ -28,6 +28,7 @@ def render(s) -> str:
         lag = "-" if g.lag < 0 else g.lag
         lines.append(f"{g.id:<34} {g.host[:16]:<16} {g.gpus or '-':<6} {g.version:>7} {lag:>4} "
                      f"{g.tokens_per_s:>8.0f} {g.leases:>6} {g.last_heartbeat_s:>8.1f}s"
+                     + (f"  {g.adapter_slots} adapter slots" if g.adapter_slots else "")
                      + ("  draining" if g.draining else ""))
     if not s.generators:
         lines.append("(no generators)")

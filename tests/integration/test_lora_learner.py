@@ -52,7 +52,7 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     assert stats["kl/reference"] > 0  # the adapters moved the policy away from the base, which is the reference
 
     kind = AdapterVersion(engine.module, quantization).kind
-    checkpoint.save(engine, tmp_path, 2, {}, rank=0, kind=kind)
+    checkpoint.save(engine, tmp_path, 2, {}, rank=0, what=checkpoint.meaning(cfg, "f", kind))
     states = torch.load(next((tmp_path / "checkpoints" / "v2").glob("*model_states.pt")), weights_only=False)
     saved = states["module"]
     assert saved and all(".lora_" in n for n in saved)  # the adapter alone, not the base
@@ -78,3 +78,10 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
         with pytest.raises(checkpoint.CheckpointError, match=f"of an? {quantization[0]}-bit base .* but this "
                                                              "config trains a LoRA adapter"):
             checkpoint.load(fresh, tmp_path, "lora")
+    # the adapter is loaded strictly: a checkpoint that lacks one of the model's adapter tensors is refused, where a
+    # non-strict load (a LoRA checkpoint holds no base) would leave that tensor at its initial value unnoticed
+    states_file = next((tmp_path / "checkpoints" / "v2").glob("*model_states.pt"))
+    dropped = sorted(saved)[0]
+    torch.save({**states, "module": {k: v for k, v in saved.items() if k != dropped}}, states_file)
+    with pytest.raises(checkpoint.CheckpointError, match=r"1 missing, e\.g\. \['" + dropped.replace(".", r"\.")):
+        checkpoint.load(build_engine(cfg, path), tmp_path, kind)

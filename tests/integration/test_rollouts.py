@@ -53,6 +53,7 @@ def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(engine_loop):
     from transformers import AutoTokenizer
 
     from generator.calculator import answer
+    from generator.engines import Fixed
     from generator.service import Generator
     from learner.batching import build_rows, collate
     from learner.validation import Expected, RunShape, check_rollout
@@ -66,7 +67,7 @@ def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(engine_loop):
     prompts = ["3 + 4 =", "1 2 - 5 =", "7 =", "9 + 9 ="]
 
     async def scenario():
-        gen = Generator(cfg, engine, tok, "tcp://127.0.0.1:1")
+        gen = Generator(cfg, Fixed(engine, tok), "tcp://127.0.0.1:1")
         gen.welcome, gen.push = SimpleNamespace(group_size=8), Sink()
         items = [P.PromptItem(i, 0, p, {"target": "1"}, P.pack_ints(tok(p, add_special_tokens=False)["input_ids"]))
                  for i, p in enumerate(prompts)]
@@ -113,6 +114,7 @@ class Hub:
 def test_reward_functions_from_trls_documentation_run_unchanged_on_both_formats(engine_loop):
     from transformers import AutoTokenizer
 
+    from generator.engines import Fixed
     from generator.service import Generator
     from learner.prompts import Prompts
     from pipeline.tasks import encode_prompt
@@ -133,7 +135,7 @@ def test_reward_functions_from_trls_documentation_run_unchanged_on_both_formats(
 
     async def rollout(rewards: list[str], it: P.PromptItem):
         gen_cfg = config_from_dict({"sampling": {"max_tokens": 6}, "rewards": [{"fn": r} for r in rewards]})
-        gen = Generator(gen_cfg, engine, tok, "tcp://127.0.0.1:1")
+        gen = Generator(gen_cfg, Fixed(engine, tok), "tcp://127.0.0.1:1")
         gen.welcome, gen.push, gen.client = SimpleNamespace(group_size=4), Sink(), Hub()
         await gen._group(P.Lease(1, 0, [it], P.Sampling(6, 1.0)), it)
         assert gen.client.reports == [], gen.client.reports  # no reward function failed

@@ -24,7 +24,7 @@ def new_hub(run_dir, rows=None, version: int = 0, state=None, eval_rows=None, **
     data = {"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10}, "generator": {"lease_size": 8},
             "hub": {"max_message_mb": 1}}
     for name, values in sections.items():
-        data[name] = {**data.get(name, {}), **values}
+        data[name] = {**data.get(name, {}), **values} if isinstance(values, dict) else values
     hub = Hub(config_from_dict(data), rows or echo_rows(16, 0), run_dir, "test", version, state, encode=encode,
               vocab_size=VOCAB, eval_rows=eval_rows)
     hub.start()
@@ -67,6 +67,13 @@ class Peer:
         return self.raw(P.encode(msg, self.rid), timeout)
 
     def register(self, **fields) -> P.Welcome:
+        """Register, showing the run's spec digest and model fingerprints as a generator that adopted them does
+        (pipeline/runspec.py)."""
+        if "spec_digest" not in fields:
+            spec = self.ask(P.SpecRequest(self.id))
+            if isinstance(spec, P.RunSpec):
+                fields.setdefault("spec_digest", spec.digest)
+                fields.setdefault("fingerprints", spec.fingerprints)
         welcome = self.ask(P.Register(self.id, session=self.session, **fields))
         if isinstance(welcome, P.Welcome):
             self.session = welcome.session

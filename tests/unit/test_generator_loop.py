@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from generator.engine import Completion
+from generator.engines import Fixed
 from generator.service import Generator
 from learner.hub import Hub, HubStopped
 from learner.registry import GeneratorInfo
@@ -90,7 +91,7 @@ async def running(cfg, run_dir, engine, rows=None, version: int = 0, announce: b
     hub.start()
     if announce:
         publish(hub, version)
-    gen = Generator(gen_cfg or cfg, engine, FakeTokenizer(), hub.address)
+    gen = Generator(gen_cfg or cfg, Fixed(engine, FakeTokenizer()), hub.address)
     task = asyncio.create_task(gen.run(handle_signals=False))
     gen.task = task
     try:

@@ -141,3 +141,48 @@ def test_a_rank_stuck_in_a_collective_ends_on_sigterm_and_removes_its_shm_files(
             if r.poll() is None:
                 r.kill()
                 r.wait(10)
+
+
+STANDIN_GENERATOR = """
+import os, signal, subprocess, sys, time
+from pipeline.config import env_flag
+
+engine = subprocess.Popen(["sleep", "600"])  # its engine core, in its process group
+got = []
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda signum, frame: got.append(signum))
+print(f"guarded={env_flag('PIPELINE_GUARDED')}", os.getpid(), engine.pid, flush=True)
+seen = 0
+while seen < 2:  # each signal as it comes
+    time.sleep(0.05)
+    if len(got) > seen:
+        seen = len(got)
+        print(*got, flush=True)
+sys.exit(3)
+"""
+SUPERVISOR = "import sys; from pipeline.supervise import supervise; sys.exit(supervise(sys.argv[1:]))"
+
+
+def test_a_standalone_generators_supervisor_forwards_signals_one_for_one_and_exits_with_its_code():
+    """`pipeline generator` started by hand runs as a supervisor (pipeline/supervise.py) of the real one, which is in
+    a session of its own with a guard: each SIGINT or SIGTERM the supervisor gets (a terminal's Ctrl-C, `kill`) is the
+    real generator's (the first drains it, the second makes it leave), and the supervisor exits with its code."""
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, sys.executable, "-c", STANDIN_GENERATOR],
+                           stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    child = engine = 0
+    try:
+        marker, child, engine = sup.stdout.readline().split()
+        child, engine = int(child), int(engine)
+        assert marker == "guarded=1"  # it knows it is guarded: it does not supervise itself again
+        assert os.getsid(child) == child != sup.pid  # out of reach of the terminal's Ctrl-C
+        sup.send_signal(signal.SIGINT)
+        assert sup.stdout.readline().split() == [str(int(signal.SIGINT))]
+        sup.send_signal(signal.SIGTERM)
+        assert sup.stdout.readline().split() == [str(int(signal.SIGINT)), str(int(signal.SIGTERM))]
+        assert sup.wait(30) == 3
+        assert not running(engine)  # its group ended before the supervisor did
+    finally:
+        for pid in (sup.pid, child, engine):
+            if pid and running(pid):
+                os.kill(pid, signal.SIGKILL)
+        sup.wait(30)

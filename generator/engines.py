@@ -1,0 +1,103 @@
+"""Which engine a generator runs: built for the run's config as the learner's hub gives it (pipeline/runspec.py), and
+built again when a later registration's config asks for another one: a learner resumed on another model, or adapter
+slots that no longer hold the versions `trainer.max_staleness` lets run at once (`pipeline set`).
+
+The generator (generator/service.py) asks `rebuild` before each registration, `fingerprints` before it builds, and
+`build` for the engine and tokenizer. `VllmEngines` builds vLLM engines (generator/engine.py); `Fixed` holds an engine
+built elsewhere (tests and benchmarks), whatever the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from generator.engine import adapter_slots
+from pipeline.config import Config
+from weights.files import own_segments, record_segments, remove_left_segments, shm_segments
+
+log = logging.getLogger(__name__)
+
+
+def engine_key(cfg: Config) -> tuple:
+    """What an engine is built from, the adapter slots aside: another value needs another engine."""
+    m, g = cfg.model, cfg.generator
+    lora_rank = m.lora.r if m.lora is not None and g.lora_mode == "adapter" else 0
+    return (m.path, m.tokenizer, m.dtype, m.quantization, lora_rank, g.lora_mode if m.lora else "", g.max_model_len,
+            g.update_mode)
+
+
+def rebuild(built: Config | None, cfg: Config) -> str:
+    """Why the engine built for `built` cannot serve `cfg` ("" when it can)."""
+    if built is None:
+        return "no engine yet"
+    if engine_key(built) != engine_key(cfg):
+        return "the run's model or engine settings differ from those its engine was built for"
+    if adapter_slots(cfg) > adapter_slots(built):
+        return (f"trainer.max_staleness {cfg.trainer.max_staleness} needs {adapter_slots(cfg)} adapter slots, the "
+                f"engine has {adapter_slots(built)}")
+    return ""
+
+
+class VllmEngines:
+    """vLLM engines on this host, one at a time; the shared-memory segments of each are recorded for clean-up."""
+
+    def __init__(self):
+        self.engine = self.tok = None
+        self.segments: list[str] = []
+
+    def current(self):
+        return self.engine, self.tok
+
+    def fingerprints(self, cfg: Config) -> dict[str, str]:
+        """The fingerprints of the files `cfg` names on this host (FileNotFoundError: not here)."""
+        from pipeline.fingerprint import fingerprints, local_dir
+        from pipeline.tinymodel import resolve_model_path
+
+        model = local_dir(resolve_model_path(cfg.model.path))
+        return fingerprints(model, local_dir(cfg.model.tokenizer) if cfg.model.tokenizer else None)
+
+    async def build(self, cfg: Config):
+        """A new engine (the old one shut down first) and tokenizer for `cfg`; returns both."""
+        from transformers import AutoTokenizer
+
+        from generator.engine import Engine
+        from pipeline.tinymodel import resolve_model_path
+
+        self.close()
+        model_path = resolve_model_path(cfg.model.path)
+        self.tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        before = shm_segments()
+        self.engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, self.tok.eos_token_id)
+        # removed by remove_stale, should this process and engine die
+        self.segments += record_segments(own_segments(before))
+        await self.engine.start(cfg)
+        return self.engine, self.tok
+
+    def close(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            finally:
+                self.engine = None
+                remove_left_segments(self.segments)  # then the record of them, which no later start would find
+                self.segments = []
+
+
+class Fixed:
+    """An engine built elsewhere (tests, benchmarks): it serves whatever the run's config says."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tok = engine, tokenizer
+
+    def current(self):
+        return self.engine, self.tok
+
+    def fingerprints(self, cfg: Config) -> dict[str, str]:
+        return {}
+
+    async def build(self, cfg: Config):
+        return self.engine, self.tok
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,215 @@
+"""One run, one truth, without engines: what a generator adopts and claims (pipeline/runspec.py), what the hub refuses
+(SpecRequest, Register), what a resume may change, and more learner ranks than GPUs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeline import protocol as P
+from pipeline import runspec
+from pipeline.config import apply_runtime_change, config_from_dict, load_config
+from tests.conftest import REPO
+from tests.unit.peers import Peer, new_hub
+
+
+def _own(data: dict, overrides=()) -> tuple:
+    return config_from_dict(data, list(overrides)), runspec.explicit_keys(data, list(overrides))
+
+
+def test_a_generator_adopts_what_the_run_serves_and_keeps_where_and_how_it_runs():
+    run = config_from_dict({"model": {"lora": {"r": 8, "alpha": 16}, "quantization": "4bit"},
+                            "rewards": [{"fn": "pipeline.tasks:reverse_reward"}], "sampling": {"max_tokens": 12},
+                            "trainer": {"group_size": 4, "lr": 1e-4}, "generator": {"lora_mode": "adapter"}})
+    own, explicit = _own({"generator": {"max_num_seqs": 7, "gpu_memory_utilization": 0.3}}, ["model.path=/mnt/x"])
+    assert runspec.claims(own, explicit) == {}  # host fields, and the path (claimed by fingerprint)
+    served = runspec.adopt(own, runspec.spec_of(run), explicit)
+    assert served.model.quantization == "4bit" and served.model.lora.alpha == 16 and served.model.path == "/mnt/x"
+    assert served.rewards[0].fn == "pipeline.tasks:reverse_reward" and served.trainer.group_size == 4
+    assert served.sampling.max_tokens == 12 and served.generator.lora_mode == "adapter"
+    assert (served.generator.max_num_seqs, served.generator.gpu_memory_utilization) == (7, 0.3)
+    assert served.trainer.lr != run.trainer.lr  # the learner's own business, not served
+    assert runspec.digest(served) == runspec.digest(run)
+    # run-time knobs travel with leases and heartbeats: changing them leaves the digest as it was
+    digest = runspec.digest(run)
+    for key, value in (("trainer.max_staleness", 6), ("sampling.temperature", 0.7), ("generator.lease_size", 2)):
+        apply_runtime_change(run, key, value)
+    assert runspec.digest(run) == digest
+    run.sampling.max_tokens = 13
+    assert runspec.digest(run) != digest
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.lora={r: 8}", "model.quantization=8bit"], "model.quantization"),
+    (["model.quantization=null"], "model.quantization"),
+    (["rewards=[{fn: pipeline.tasks:echo_reward}]"], "rewards"),
+    (["model.lora={r: 16}"], "model.lora.r"),
+    (["generator.rollout=generator.calculator:rollout"], "generator.rollout"),
+    (["generator.max_model_len=128"], "generator.max_model_len"),
+])
+def test_what_a_generators_own_config_says_otherwise_is_refused_naming_the_field(tmp_path, overrides, field):
+    hub = new_hub(tmp_path, model={"lora": {"r": 8}, "quantization": "4bit"},
+                  rewards=[{"fn": "pipeline.tasks:reverse_reward"}], sampling={"max_tokens": 12})
+    peer = Peer(hub, "gen-a")
+    try:
+        own, explicit = _own({}, overrides)
+        reply = peer.ask(P.SpecRequest("gen-a", runspec.claims(own, explicit)))
+        assert isinstance(reply, P.Error) and reply.stop and field in reply.message, reply
+        assert hub.counters["refused_spec"] == 1 and not hub.registry.generators
+        # the same values as the run's are no conflict: a generator given the learner's config file; what travels with
+        # every lease anyway (sampling, the group size) is the run's, said in a warning
+        same, explicit = _own({}, ["model.lora={r: 8}", "model.quantization=4bit", "sampling.max_tokens=9",
+                                   "rewards=[{fn: pipeline.tasks:reverse_reward}]", "trainer.lr=0.5",
+                                   "trainer.group_size=8", "generator.max_num_seqs=3"])
+        claims = runspec.claims(same, explicit)
+        assert isinstance(peer.ask(P.SpecRequest("gen-a", claims)), P.RunSpec)
+        assert runspec.overridden(claims, hub.cfg) == ["sampling.max_tokens: 9 -> 12", "trainer.group_size: 8 -> 2"]
+    finally:
+        peer.close()
+        hub.stop()
+
+
+def test_a_register_must_show_the_runs_spec_and_model_files(tmp_path):
+    prints = {"model.path": "a" * 32, "model.tokenizer": "b" * 32}
+    hub = new_hub(tmp_path)
+    hub.fingerprints = prints
+    peer = Peer(hub, "gen-b")
+    try:
+        spec = peer.ask(P.SpecRequest("gen-b"))
+        assert isinstance(spec, P.RunSpec) and spec.fingerprints == prints and spec.digest == hub.spec_digest
+        other = {**prints, "model.path": "c" * 32}
+        reply = peer.ask(P.SpecRequest("gen-b", {}, other))
+        assert isinstance(reply, P.Error) and reply.stop and "model.path" in reply.message
+        for fields, why in (({"fingerprints": prints}, "another config"),  # a generator that never asked for the spec
+                            ({"spec_digest": spec.digest, "fingerprints": other}, "model.path"),
+                            ({"spec_digest": spec.digest}, "model.path")):
+            reply = peer.ask(P.Register("gen-b", **fields))
+            assert isinstance(reply, P.Error) and reply.stop and why in reply.message, (fields, reply)
+        assert hub.counters["refused_spec"] == 4 and not hub.registry.generators
+        reply = peer.ask(P.SpecRequest("gen-b", problem="model.path: /m: no such directory on this host"))
+        assert isinstance(reply, P.Error) and "/m: no such directory" in reply.message
+        welcome = peer.register(spec_digest=spec.digest, fingerprints=prints, adapter_slots=3)
+        assert isinstance(welcome, P.Welcome) and hub.registry.generators["gen-b"].adapter_slots == 3
+        assert [e["event"] for e in _events(tmp_path)].count("spec_refused") == 5
+        # a run-time k reaches the generators with their heartbeats (adapter slots follow it)
+        assert peer.ask(P.Heartbeat("gen-b", 0)).max_staleness == hub.cfg.trainer.max_staleness
+        assert isinstance(peer.ask(P.SetRequest("trainer.max_staleness", 6)), P.SetReply)
+        assert peer.ask(P.Heartbeat("gen-b", 0)).max_staleness == 6
+    finally:
+        peer.close()
+        hub.stop()
+
+
+def _events(run_dir) -> list[dict]:
+    from pipeline.metrics import read_jsonl
+
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def test_a_resume_may_change_only_how_the_run_goes_on():
+    saved = load_config(REPO / "configs" / "demo.yaml", ["model.lora={r: 8, alpha: 16}"])
+    same = load_config(REPO / "configs" / "demo.yaml", [
+        "model.lora={r: 8, alpha: 16}", "trainer.total_steps=500", "trainer.lr=1e-4", "trainer.max_staleness=4",
+        "hub.port=6000", "run.generators=3", "generator.gpu_memory_utilization=0.8", "trainer.micro_batch_tokens=0",
+        "trainer.checkpoint_every=5", "eval.every=10"])
+    assert runspec.resume_conflict(same, saved, "RUN/config.yaml") == ""
+    for override, field in (("model.lora.alpha=64", "model.lora.alpha"), ("model.lora.use_rslora=true",
+                                                                          "model.lora.use_rslora"),
+                            ("model.lora.target_modules=[q_proj]", "model.lora.target_modules"),
+                            ("model.lora=null", "model.lora"), ("model.dtype=bfloat16", "model.dtype"),
+                            ("trainer.loss=tis", "trainer.loss"), ("trainer.batch_size=4", "trainer.batch_size"),
+                            ("data.seed=3", "data.seed"), ("trainer.zero_stage=3", "trainer.zero_stage")):
+        cfg = load_config(REPO / "configs" / "demo.yaml", ["model.lora={r: 8, alpha: 16}", override])
+        why = runspec.resume_conflict(cfg, saved, "RUN/config.yaml")
+        assert why.startswith(f"{field} is ") and "RUN/config.yaml" in why, why
+
+
+def test_more_learner_ranks_than_gpus_given_is_refused_at_start_with_both_numbers(tmp_path):
+    for args in (["learner", "-c", "configs/demo.yaml", "--run-dir", str(tmp_path / "r"), "--gpus", "0",
+                  "--set", "trainer.ranks=2"],
+                 ["run", "--run-dir", str(tmp_path / "r"), "--set", "run.learner_gpus='0,1'", "--set",
+                  "trainer.ranks=3"]):
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                             timeout=120, cwd=REPO)
+        ranks, gpus = args[-1][-1], str(len(args[args.index("--gpus") + 1].split(","))) if "--gpus" in args else "2"
+        assert out.returncode == 2 and f"trainer.ranks: {ranks} learner ranks" in out.stderr, out.stderr
+        assert f"gives {gpus} GPU" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_fingerprint_is_of_the_files_not_of_their_path(tmp_path, model_cache):
+    import json
+    import shutil
+
+    from pipeline.fingerprint import fingerprints
+    from pipeline.tinymodel import resolve_model_path
+
+    tiny = resolve_model_path("builtin:tiny")
+    copy = shutil.copytree(tiny, tmp_path / "elsewhere")
+    want = fingerprints(tiny)
+    assert fingerprints(copy) == want and set(want) == {"model.path", "model.tokenizer"}
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "transformers_version": "0.0"}, indent=4))
+    assert fingerprints(copy) == want  # what a save stamps, and the layout of the JSON, are not the model
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # one bit of the last weight
+    (copy / "model.safetensors").write_bytes(bytes(weights))
+    changed = fingerprints(copy)
+    assert changed["model.path"] != want["model.path"] and changed["model.tokenizer"] == want["model.tokenizer"]
+    (copy / "tokenizer_config.json").write_text(json.dumps({**json.loads((copy / "tokenizer_config.json")
+                                                                        .read_text()), "chat_template": "{{ x }}"}))
+    assert fingerprints(copy)["model.tokenizer"] != want["model.tokenizer"]
+
+
+class CountingEngines:
+    """A generator's engines without vLLM: a fake engine per build, each build's config kept."""
+
+    def __init__(self):
+        self.engine = self.tok = None
+        self.built = []
+
+    def current(self):
+        return self.engine, self.tok
+
+    def fingerprints(self, cfg) -> dict:
+        return {}
+
+    async def build(self, cfg):
+        from tests.unit.test_generator_loop import FakeEngine, FakeTokenizer
+
+        self.built.append(cfg)
+        self.engine, self.tok = FakeEngine(), FakeTokenizer()
+        return self.engine, self.tok
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("run_len, builds", [(256, 1), (128, 2)])
+async def test_a_generator_started_before_its_learner_builds_its_own_model_meanwhile(tmp_path, free_port, run_len,
+                                                                                     builds):
+    """No hub yet: an engine of the model its own config names, meanwhile (an engine's start is long); once the hub
+    answers, the run's spec keeps it, or builds another where the run's engine settings differ (max_model_len)."""
+    import asyncio
+
+    from generator.service import Generator
+    from tests.unit.test_generator_loop import _until
+
+    own, explicit = _own({"model": {"path": "builtin:tiny"}, "hub": {"heartbeat_s": 0.2}})
+    engines = CountingEngines()
+    gen = Generator(own, engines, f"tcp://127.0.0.1:{free_port}", explicit=explicit)
+    task = asyncio.create_task(gen.run(handle_signals=False))
+    hub = None
+    try:
+        await _until(lambda: len(engines.built) == 1, 30)  # before any hub answered
+        hub = new_hub(tmp_path, hub={"port": free_port}, generator={"max_model_len": run_len})
+        await _until(lambda: gen.id in hub.registry.generators, 60)
+        assert len(engines.built) == builds and engines.built[-1].generator.max_model_len == run_len
+    finally:
+        gen.stopping = 2
+        gen.leave_now.set()  # as a second signal: whatever it waits for (weights never published here) ends
+        await asyncio.wait_for(task, 30)
+        if hub is not None:
+            hub.stop()
