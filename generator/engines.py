@@ -51,11 +51,9 @@ class VllmEngines:
 
     def fingerprints(self, cfg: Config) -> dict[str, str]:
         """The fingerprints of the files `cfg` names on this host (FileNotFoundError: not here)."""
-        from pipeline.fingerprint import fingerprints, local_dir
-        from pipeline.tinymodel import resolve_model_path
+        from pipeline.fingerprint import of_model
 
-        model = local_dir(resolve_model_path(cfg.model.path))
-        return fingerprints(model, local_dir(cfg.model.tokenizer) if cfg.model.tokenizer else None)
+        return of_model(cfg.model)
 
     async def build(self, cfg: Config):
         """A new engine (the old one shut down first) and tokenizer for `cfg`; returns both."""

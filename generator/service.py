@@ -1,7 +1,7 @@
 """The generator service: register with the hub, take leases, generate groups, push rollouts.
 
     spec     -> RunSpec (the run's config for what a generator serves: adopted, the engine built for it; again before
-                each registration: a config its engine cannot serve builds the engine again, generator/engines.py)
+                each registration: a config its engine cannot serve builds the engine again; generator/spec.py)
     register -> Welcome (run id, version, transport, endpoints, session)
     tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists leases the hub took back
              weights     WeightsReady, pushed by the hub on the control channel (the one route a version takes;
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import os
 import signal
@@ -37,15 +36,13 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from generator.engine import adapter_slots
-from generator.engines import rebuild
 from generator.rollout import Context, group_message
+from generator.spec import CannotServe, Spec
 from pipeline import protocol as P
-from pipeline import runspec
 from pipeline.client import HubClient
 from pipeline.config import Config, env_flag
 from pipeline.security import client_keys, secure_client
-from pipeline.tasks import RewardError, encode_prompt, load_callable, load_reward_fns
+from pipeline.tasks import RewardError, encode_prompt
 from weights import VersionGone, receiver
 from weights.files import host_identity, remove_receiver_dir, remove_stale
 
@@ -92,21 +89,15 @@ class Rebuild(Exception):
 
 class Generator:
     def __init__(self, cfg: Config, engines, address: str, gpus: str = "", explicit: frozenset | set = frozenset()):
-        """`cfg`: its own config, where and how it runs; what it serves comes from the run (`_adopt`), and what `cfg`
-        sets of that explicitly (`explicit`, dotted keys) it claims. `engines`: generator.engines.VllmEngines (or
-        Fixed: an engine built elsewhere)."""
-        self.own, self.cfg, self.engines, self.address = cfg, cfg, engines, address
-        self.engine, self.tok = engines.current()
-        self.explicit, self.claims = explicit, runspec.claims(cfg, explicit)
-        self.built = copy.deepcopy(cfg) if self.engine is not None else None  # the config its engine was built for
-        self.digest, self.fingerprints = runspec.digest(cfg), {}
+        """`cfg`: its own config, where and how it runs; what it serves comes from the run (generator/spec.py), and
+        what `cfg` sets of that explicitly (`explicit`, dotted keys) it claims. `engines`:
+        generator.engines.VllmEngines (or Fixed: an engine built elsewhere)."""
+        self.address = address
         self.gpus = gpus or env_flag("CUDA_VISIBLE_DEVICES")  # reported: `auto` picks nccl for GPUs
         host, boot = host_identity()
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        # an engine built elsewhere (Fixed: tests, benchmarks) serves `cfg` as given until a run's spec comes
-        self.rewards = load_reward_fns(cfg.rewards) if self.engine is not None else []
-        self.rollout = load_callable(cfg.generator.rollout, "generator.rollout") if self.engine is not None else None
+        self.spec = Spec(cfg, engines, explicit, self.id)  # the run's config and the engine built for it
         self.keys = client_keys(cfg.auth.keys, cfg.auth.identity)
         self.ctx = zmq.asyncio.Context()
         self.stopping = 0  # 1: draining, 2: leave now
@@ -122,6 +113,13 @@ class Generator:
         self.exit_code = 0
         self.tokens = 0
         self.started = time.monotonic()
+
+    # what it serves: the run's config, its engine and tokenizer, its reward and rollout functions (generator/spec.py)
+    cfg = property(lambda self: self.spec.cfg)
+    engine = property(lambda self: self.spec.engine)
+    tok = property(lambda self: self.spec.tok)
+    rewards = property(lambda self: self.spec.rewards)
+    rollout = property(lambda self: self.spec.rollout)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -144,7 +142,7 @@ class Generator:
                 log.info("generator %s: %s; its engine is built again", self.id, e)
                 backoff = 0.5
                 continue
-            except (EngineDied, Refused, P.SchemaMismatch) as e:
+            except (EngineDied, Refused, CannotServe, P.SchemaMismatch) as e:
                 log.error("generator %s: %s", self.id, e)
                 return 1
             except (P.PeerLost, Reregister, P.ProtocolError) as e:
@@ -188,11 +186,12 @@ class Generator:
         client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s), keys=self.keys)
         self.client = client
         try:
-            await self._unless_leaving(self._adopt())
+            if why := await self._unless_leaving(self.spec.adopt(self._ask)):
+                raise NotRegistered(f"the run's spec refused: {why}")
             welcome = await self._unless_leaving(self._ask(P.Register(
                 self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
                 self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", ""),
-                self.digest, self.fingerprints, adapter_slots(self.built)), timeout=10.0))
+                self.spec.digest, self.spec.fingerprints, self.spec.adapter_slots), timeout=10.0))
             if not isinstance(welcome, P.Welcome):
                 raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
             self.refusals, self.welcomed = 0, True
@@ -238,66 +237,6 @@ class Generator:
             client.close()
             if hasattr(self, "push"):
                 self.push.close(linger=2000)
-
-    async def _adopt(self) -> None:
-        """Take the run's config for what this generator serves (RunSpec), and build the engine for it where the one
-        it has cannot serve it. Whatever stops it from serving the run is told to the hub, which refuses it (Refused):
-        its own explicit values differ, the model files on its host differ or are missing, the engine fails."""
-        early = self.engine is None and "model.path" in self.explicit
-        try:
-            spec = await self._ask(P.SpecRequest(self.id, self.claims), timeout=5.0 if early else 10.0)
-        except P.PeerLost:
-            if early:  # no hub yet (a learner still starting): its own model meanwhile, as its engine's start is long
-                await self._prebuild()
-            raise
-        if not isinstance(spec, P.RunSpec):
-            raise NotRegistered(f"the run's spec refused: {getattr(spec, 'message', spec)}")
-        try:
-            cfg = runspec.adopt(self.own, spec.config, self.explicit)
-            if changed := runspec.overridden(self.claims, cfg):  # the learner's anyway (they travel with leases)
-                log.warning("generator %s: the run's values replace its own config's: %s", self.id,
-                            "; ".join(changed))
-            rewards = load_reward_fns(cfg.rewards)
-            rollout = load_callable(cfg.generator.rollout, "generator.rollout")
-        except Exception as e:  # the run's reward or rollout functions cannot be imported here
-            await self._cannot_serve(f"{type(e).__name__}: {e}")
-        if why := rebuild(self.built, cfg):
-            await self._build(cfg, why)
-        self.cfg, self.rewards, self.rollout, self.digest = cfg, rewards, rollout, runspec.digest(cfg)
-
-    async def _prebuild(self) -> None:
-        """The engine its own config names, built while the hub does not answer yet; the run's spec, once the hub
-        answers, keeps it or builds another (`rebuild`); its Register shows the fingerprints, which the hub checks."""
-        try:
-            await self._build(self.own, "the hub does not answer yet: from its own config meanwhile", ask=False)
-        except Exception as e:  # said to the hub once it answers, on the usual path
-            log.warning("generator %s: no engine from its own config (%s: %s)", self.id, type(e).__name__, e)
-
-    async def _build(self, cfg: Config, why: str, ask: bool = True) -> None:
-        try:
-            fingerprints = await asyncio.to_thread(self.engines.fingerprints, cfg)
-        except Exception as e:  # no such model directory or tokenizer on this host
-            if not ask:
-                raise
-            await self._cannot_serve(f"model.path: {e}")
-        if ask:  # the hub compares them with the learner's: another model is refused before an engine is built for it
-            await self._ask(P.SpecRequest(self.id, self.claims, fingerprints), timeout=10.0)
-        log.info("generator %s: building its engine for model.path %s (%s)", self.id, cfg.model.path, why)
-        self.built = None
-        try:
-            self.engine, self.tok = await self.engines.build(cfg)
-        except Exception as e:
-            log.exception("generator %s: the engine did not start", self.id)
-            if not ask:
-                raise
-            await self._cannot_serve(f"the engine did not start for model.path {cfg.model.path} "
-                                     f"({type(e).__name__}: {e})")
-        self.built, self.fingerprints = copy.deepcopy(cfg), fingerprints
-
-    async def _cannot_serve(self, problem: str) -> None:
-        """Tell the hub why this generator cannot serve the run: it refuses it (counted); this raises Refused."""
-        reply = await self._ask(P.SpecRequest(self.id, self.claims, problem=problem[:16000]), timeout=10.0)
-        raise Refused(f"it cannot serve the run: {problem} ({getattr(reply, 'message', reply)})")
 
     async def _unless_leaving(self, aw, until: asyncio.Event | None = None):
         """Await `aw`, unless `until` is set first (default leave_now: a second signal): then it is cancelled and
@@ -363,7 +302,8 @@ class Generator:
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
-                self._follow_staleness(reply.max_staleness)
+                if why := self.spec.follow_staleness(reply.max_staleness):
+                    raise Rebuild(why)
                 dead = set(reply.dead_leases)
                 for lease_id in dead:
                     self.held.pop(lease_id, None)
@@ -378,14 +318,6 @@ class Generator:
             else:  # a drain is reported at once
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
-
-    def _follow_staleness(self, k: int) -> None:
-        """`pipeline set trainer.max_staleness`: the adapter slots must hold a version per lag (Rebuild if not)."""
-        if k < 0 or k == self.cfg.trainer.max_staleness:
-            return
-        self.cfg.trainer.max_staleness = k
-        if self.built is not None and (why := rebuild(self.built, self.cfg)):
-            raise Rebuild(why)
 
     async def _pushed(self) -> None:
         """Weight announcements: the hub pushes them on the control channel, in order with its replies."""

@@ -90,14 +90,14 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
 
     saved, changes = run_dir / "config.yaml", []
     if saved.exists():
-        if why := resume_conflict(cfg, load_config(saved), str(saved)):
+        first = load_config(saved)
+        if why := resume_conflict(cfg, first, str(saved)):
             raise CheckpointError(f"--resume {run_dir}: {why}")
-        changes = resumed_changes(cfg, load_config(saved))
+        changes = resumed_changes(cfg, first)
     tag, recorded = _recorded(run_dir)
-    from pipeline.fingerprint import local_dir, weights_fingerprint
-    from pipeline.tinymodel import resolve_model_path
+    from pipeline.fingerprint import of_model
 
-    fingerprint = weights_fingerprint(local_dir(resolve_model_path(cfg.model.path))) if "model.path" in recorded else ""
+    fingerprint = of_model(cfg.model)["model.path"] if "model.path" in recorded else ""
     ours = meaning(cfg, fingerprint, run_kind(cfg))
     for key, value in recorded.items():  # a checkpoint written before a field was recorded is not held to it
         if key != "kind" and ours.get(key) != value:
@@ -110,10 +110,13 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
 
 
 def run_kind(cfg) -> str:
-    """The kind of weights a config trains (as learner/versions.py names it)."""
-    if cfg.model.lora is None:
-        return "full"
-    return "lora" if cfg.model.quantization is None else f"lora-{cfg.model.quantization}"
+    """The kind of weights a config trains (KINDS; learner/versions.py's version kinds carry these names)."""
+    return "full" if cfg.model.lora is None else adapter_kind(cfg.model.quantization)
+
+
+def adapter_kind(quantization: str | None) -> str:
+    """An adapter's kind: `lora`, or on a quantized base `lora-4bit` / `lora-8bit`."""
+    return "lora" if quantization is None else f"lora-{quantization}"
 
 
 def _recorded(run_dir: Path) -> tuple[str, dict]:

@@ -38,7 +38,7 @@ from learner.step import train_step
 from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
-from pipeline.fingerprint import fingerprints, local_dir
+from pipeline.fingerprint import of_model
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
@@ -87,8 +87,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
                 log.info("removed %s, left by a process that no longer runs", stale)
             save_config(cfg, run_dir / "config.yaml")
             # what every generator's files must be, and what a checkpoint's weights mean
-            tokenizer_dir = local_dir(cfg.model.tokenizer) if cfg.model.tokenizer else None
-            prints = fingerprints(local_dir(model_path), tokenizer_dir)
+            prints = of_model(cfg.model)
             what = checkpoint.meaning(cfg, prints["model.path"], kind)
             hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
                       encode=lambda text: encode_prompt(tokenizer, cfg.data, text),

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from learner.adapters import version_name
+from learner.checkpoint import adapter_kind
 from learner.model import gathered_weights, run_dtype, save_hf
 
 
@@ -41,7 +42,7 @@ class AdapterVersion:
     named as the module docstring says."""
 
     def __init__(self, module, quantization: str | None = None):
-        self.kind = "lora" if quantization is None else f"lora-{quantization}"  # a checkpoint's, learner/checkpoint.py
+        self.kind = adapter_kind(quantization)  # a checkpoint's (learner/checkpoint.py)
         self.module = module
         self.entries = []  # (version name, parameter, scale of lora_B or None)
         for name, p in module.named_parameters():

@@ -38,6 +38,15 @@ def fingerprints(model_dir: str | Path, tokenizer_dir: str | Path | None = None)
             "model.tokenizer": tokenizer_fingerprint(Path(tokenizer_dir or model_dir))}
 
 
+def of_model(model) -> dict[str, str]:
+    """The fingerprints of the files a `model` config section names on this host (`builtin:` models built, hub names
+    downloaded as the loaders would); FileNotFoundError where they are not."""
+    from pipeline.tinymodel import resolve_model_path
+
+    tokenizer = local_dir(model.tokenizer) if model.tokenizer else None
+    return fingerprints(local_dir(resolve_model_path(model.path)), tokenizer)
+
+
 def local_dir(path: str) -> Path:
     """A model's directory on this host: `path` itself, or a hub name's snapshot (downloaded if it is not cached,
     as the loaders would). FileNotFoundError names what is missing."""
@@ -95,11 +104,11 @@ def _file_digests(files: list[Path]) -> list[str]:
     except (OSError, ValueError):
         cache = {}
     keys = [_stat_key(f) for f in files]
-    todo = [f for f, k in zip(files, keys, strict=True) if k not in cache]
+    todo = [(f, k) for f, k in zip(files, keys, strict=True) if k not in cache]
     if todo:
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            for f, digest in zip(todo, [_hash_file(f, pool) for f in todo], strict=True):
-                cache[_stat_key(f)] = digest
+            for f, key in todo:
+                cache[key] = _hash_file(f, pool)
         with contextlib.suppress(OSError):  # a cache that cannot be written costs a rehash next time, no more
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=".fingerprints-")

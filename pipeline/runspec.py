@@ -106,19 +106,9 @@ def _set(data: dict, key: str, value: Any) -> None:
 def explicit_keys(file_data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> set[str]:
     """The dotted keys a config file (its YAML mapping) and `--set` overrides set: every leaf, and a mapping left
     empty (`model.lora: {}`, LoRA with its defaults) as one."""
-    keys: set[str] = set()
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict) and node:
-            for k, v in node.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k))
-        elif prefix:
-            keys.add(prefix)
-
-    walk(file_data or {}, "")
+    keys = set(_leaves(file_data or {}))
     for item in overrides:
-        key, value = parse_override(item)
-        walk(value, key)
+        keys |= set(_leaves(dict([parse_override(item)])))
     return keys
 
 
@@ -139,9 +129,8 @@ def conflict(claimed: dict[str, Any], run: Config) -> str:
             return f"{str(key)[:80]!r} is not a field a generator may state (what it serves: {', '.join(SERVED)})"
         if _under(key, REFUSED) and value_at(run, key) != value:
             return (f"{key} is {_show(value)} in the generator's config but {_describe(run, key)} in the run's: a "
-                    "generator "
-                    "serves the learner's config; drop the field from the generator's config or --set (or give the "
-                    "run's value), or start it with --learner alone")
+                    "generator serves the learner's config; drop the field from the generator's config or --set (or "
+                    "give the run's value), or start it with --learner alone")
     return ""
 
 
@@ -163,12 +152,8 @@ def fingerprint_conflict(theirs: dict[str, str], ours: dict[str, str]) -> str:
 def resume_conflict(cfg: Config, saved: Config, where: str) -> str:
     """Why `cfg` cannot resume the run whose config is `saved` (read from `where`), "" when it can: the first field
     outside RESUMABLE and the run-time knobs that differs."""
-    runtime = set(runtime_keys())
-    new, old = _leaves(_plain(cfg.to_dict())), _leaves(_plain(saved.to_dict()))
-    for key in sorted(new.keys() | old.keys()):
-        if key in runtime or _under(key, RESUMABLE):
-            continue
-        if new.get(key, MISSING) != old.get(key, MISSING):
+    for key in _differing(cfg, saved):
+        if not _under(key, RESUMABLE):
             key = _shared_parent(key, cfg, saved)
             return (f"{key} is {_describe(cfg, key)} here but {_describe(saved, key)} in {where}: a "
                     "resume continues the run it resumes. Resume with the run's own config (`--resume RUN_DIR` "
@@ -179,13 +164,19 @@ def resume_conflict(cfg: Config, saved: Config, where: str) -> str:
 def resumed_changes(cfg: Config, saved: Config) -> list[str]:
     """What a resume changes that it may (RESUMABLE, the run-time knobs aside): `key: old -> new`, said at start, so
     that a restart with another file than the run's drops no --set of the first start unseen."""
+    new, old = _leaves(_plain(cfg.to_dict())), _leaves(_plain(saved.to_dict()))
+    return [f"{k}: {_show(old.get(k, MISSING))} -> {_show(new.get(k, MISSING))}" for k in _differing(cfg, saved)]
+
+
+def _differing(cfg: Config, saved: Config) -> list[str]:
+    """The leaf keys whose values differ between two configs, the run-time knobs aside, sorted."""
     runtime = set(runtime_keys())
     new, old = _leaves(_plain(cfg.to_dict())), _leaves(_plain(saved.to_dict()))
-    keys = sorted(k for k in new.keys() | old.keys() if k not in runtime and new.get(k, MISSING) != old.get(k, MISSING))
-    return [f"{k}: {_show(old.get(k, MISSING))} -> {_show(new.get(k, MISSING))}" for k in keys]
+    return sorted(k for k in new.keys() | old.keys() if k not in runtime and new.get(k, MISSING) != old.get(k, MISSING))
 
 
 def _leaves(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of nested mappings; a mapping left empty is a leaf."""
     out = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else k
