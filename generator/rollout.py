@@ -47,18 +47,22 @@ async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Traje
                        o.last_version, o.gen_ms) for o in outs]
 
 
-def group_message(outs: list[Trajectory], ctx: Context, lease: P.Lease, prompt_ids: list[int], rewards,
-                  generator_id: str, session: str, total_steps: int) -> bytes:
-    """The group scored by the reward functions and encoded for the hub (RolloutGroup)."""
+def score_group(outs: list[Trajectory], ctx: Context, rewards, total_steps: int) -> tuple[list, list]:
+    """The group's rewards by the reward functions of the run: (totals, each function's) per sample."""
     tok, item = ctx.tokenizer, ctx.item
     texts = [o.text if o.text is not None else tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
     state = TrainerState(min(o.first_version for o in outs), total_steps, item.epoch)
-    totals, per_fn = score(rewards, item.messages or item.prompt, texts, [o.token_ids for o in outs], item.columns,
-                           state)
+    return score(rewards, item.messages or item.prompt, texts, [o.token_ids for o in outs], item.columns, state)
+
+
+def encode_group(outs: list[Trajectory], ctx: Context, lease: P.Lease, prompt_ids: list[int], scores: tuple,
+                 generator_id: str, session: str) -> bytes:
+    """The scored group encoded for the hub (RolloutGroup); `scores`: score_group's."""
+    totals, per_fn = scores
     samples = [
         P.Sample(P.pack_ints(o.token_ids), P.pack_floats(o.logprobs), totals[i], per_fn[i], o.finish_reason,
                  o.first_version, o.last_version, o.gen_ms, b"" if all(o.mask) else P.pack_mask(o.mask))
         for i, o in enumerate(outs)
     ]
-    return P.encode(P.RolloutGroup(lease.lease_id, generator_id, item.prompt_id, item.epoch, P.pack_ints(prompt_ids),
-                                   samples, lease.sampling.temperature, session))
+    return P.encode(P.RolloutGroup(lease.lease_id, generator_id, ctx.item.prompt_id, ctx.item.epoch,
+                                   P.pack_ints(prompt_ids), samples, lease.sampling.temperature, session))

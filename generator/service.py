@@ -32,13 +32,15 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-from generator.rollout import Context, group_message
+from generator.rollout import Context, encode_group, score_group
 from generator.spec import CannotServe, Spec
 from pipeline import protocol as P
+from pipeline import trace
 from pipeline.client import HubClient
 from pipeline.config import Config, env_flag
 from pipeline.security import client_keys, secure_client
@@ -113,6 +115,10 @@ class Generator:
         self.exit_code = 0
         self.tokens = 0
         self.started = time.monotonic()
+        self.stages = trace.Sums()  # seconds per stage (protocol.STAGES), reported in heartbeats
+        self.generating = 0  # groups in their rollout now: the engine has work while any is
+        self.generating_since = 0.0
+        self.lanes: set[int] = set()  # the trace's group lanes in use
 
     # what it serves: the run's config, its engine and tokenizer, its reward and rollout functions (generator/spec.py)
     cfg = property(lambda self: self.spec.cfg)
@@ -277,6 +283,8 @@ class Generator:
         leases = asyncio.create_task(self._leases())
         tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._pushed(),
                                                               self._watch_engine())]
+        if trace.on():
+            tasks.append(asyncio.create_task(self._loop_lag()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -298,7 +306,7 @@ class Generator:
                 self.tokens / max(1e-6, time.monotonic() - self.started), len(self.groups), sorted(self.held),
                 draining, self.pushed,
                 # progress, which the hub watches (a count that stops moving while it holds leases: a hung engine)
-                self.tokens + getattr(self.engine, "tokens_in_flight", lambda: 0)()))
+                self.tokens + getattr(self.engine, "tokens_in_flight", lambda: 0)(), self.stage_s()))
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
@@ -318,6 +326,29 @@ class Generator:
             else:  # a drain is reported at once
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
+
+    def stage_s(self) -> dict[str, float]:
+        """Seconds per stage since it started; `generating`: with a group in its rollout, `idle`: with none."""
+        now = time.monotonic()
+        generating = self.stages.get("generating", 0.0) + (now - self.generating_since if self.generating else 0.0)
+        return {**self.stages, "generating": generating, "idle": max(0.0, now - self.started - generating)}
+
+    def _rollouts(self, change: int) -> None:
+        """A group's rollout starts (+1) or ends (-1): the time with any running is time the engine had work."""
+        now = time.monotonic()
+        if self.generating and change < 0 and self.generating == 1:
+            self.stages.add("generating", now - self.generating_since)
+        elif not self.generating:
+            self.generating_since = now
+        self.generating += change
+        trace.counter("groups generating", groups=self.generating)
+
+    async def _loop_lag(self, every_s: float = 0.05) -> None:
+        """Profiled: how late the event loop wakes (vLLM's outputs, our Python and collections hold it)."""
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(every_s)
+            trace.counter("event loop lag", ms=(time.monotonic() - start - every_s) * 1000)
 
     async def _pushed(self) -> None:
         """Weight announcements: the hub pushes them on the control channel, in order with its replies."""
@@ -362,6 +393,10 @@ class Generator:
                 "engine's traceback, if it printed one, is above in this log")
 
     async def _apply(self, ready: P.WeightsReady) -> None:
+        with trace.span("weights", "weights", self.stages, version=ready.version) as span:
+            await self._load(ready, span)
+
+    async def _load(self, ready: P.WeightsReady, span: dict) -> None:
         start = time.perf_counter()
         try:
             stopped_ms = await self.receiver.apply(ready, self.engine)  # a file is verified before the engine stops
@@ -381,6 +416,7 @@ class Generator:
         self.load_failures = 0
         total_ms = (time.perf_counter() - start) * 1000
         swap = self.engine.last_swap_ms
+        span.update(stopped_ms=stopped_ms, **swap)
         log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; %spausing took "
                  "%.0f ms, the load call %.0f ms, of which %.0f ms in the workers", ready.version, total_ms, stopped_ms,
                  (time.time() - ready.published_at) * 1000 if ready.published_at else 0,
@@ -405,7 +441,9 @@ class Generator:
             # With no room it still asks, for none, every heartbeat period: the answer says whether the run is over,
             # which it would otherwise hear only once a group finishes (minutes for long completions), while the
             # learner waits 15 s for its generators to leave
-            reply = await self._ask(P.LeaseRequest(self.id, max(0, cap - len(self.groups))))
+            with trace.span("lease", "leases", self.stages, asked=max(0, cap - len(self.groups))) as span:
+                reply = await self._ask(P.LeaseRequest(self.id, max(0, cap - len(self.groups))))
+                span["granted"] = len(getattr(reply, "groups", ()))
             if isinstance(reply, P.RunComplete):
                 log.info("generator %s: the run is complete at version %d", self.id, reply.version)
                 self.stopping = max(self.stopping, 1)
@@ -414,7 +452,8 @@ class Generator:
                 await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
                 break
             if isinstance(reply, P.Wait):
-                await asyncio.sleep(reply.retry_s)
+                with trace.span("wait_room", "leases", self.stages, why=reply.reason):
+                    await asyncio.sleep(reply.retry_s)
                 continue
             if isinstance(reply, P.Error):
                 raise P.ProtocolError(f"lease refused: {reply.message}")
@@ -422,7 +461,9 @@ class Generator:
             # k = 0: generate only on the newest weights; always on weights of this run. A lease that cannot start
             # (the hub took it back, or a drain began: a draining nccl/ipc generator receives no more versions) is
             # not started; a drain returns it with the Leave
-            if not await self._wait_version(reply.min_version, reply.lease_id) or self.draining.is_set():
+            with trace.span("wait_version", "leases", self.stages, version=reply.min_version):
+                started = await self._wait_version(reply.min_version, reply.lease_id)
+            if not started or self.draining.is_set():
                 continue
             for item in reply.groups:
                 task = asyncio.create_task(self._group(reply, item))
@@ -467,18 +508,35 @@ class Generator:
     # ---- one prompt group -----------------------------------------------------------------------
 
     async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
+        lane = min(set(range(len(self.lanes) + 1)) - self.lanes)  # the trace's lane of this group
+        self.lanes.add(lane)
+        try:
+            await self._generate(lease, item, f"group {lane}")
+        finally:
+            self.lanes.discard(lane)
+
+    async def _generate(self, lease: P.Lease, item: P.PromptItem, lane: str) -> None:
         try:
             prompt_ids = (P.unpack_ints(item.prompt_ids).tolist() if item.prompt_ids
                           else encode_prompt(self.tok, self.cfg.data, item.messages or item.prompt))
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
             ctx = Context(lease.group_size or self.welcome.group_size, lease.sampling, self.tok, item)
-            outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
-            # decode, score and encode off the event loop, which keeps feeding the engine meanwhile
-            data = await asyncio.to_thread(group_message, outs, ctx, lease, prompt_ids, self.rewards, self.id,
-                                           self.session, self.cfg.trainer.total_steps)
+            self._rollouts(+1)
+            try:
+                with trace.span("generate", lane, prompt=item.prompt_id) as span:
+                    outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
+                    span["tokens"] = sum(len(o.token_ids) for o in outs)
+            finally:
+                self._rollouts(-1)
+            # score and encode off the event loop, which keeps feeding the engine meanwhile
+            data, stamps = await asyncio.to_thread(self._score_and_encode, outs, ctx, lease, prompt_ids)
+            for name, start, end in stamps:
+                self.stages.add(name, end - start)
+                trace.complete(name, lane, start, end)
             self.tokens += sum(sum(o.mask) for o in outs)
-            await self.push.send(data, copy=False)
+            with trace.span("send", lane, self.stages):
+                await self.push.send(data, copy=False)
             self.pushed += 1
         except asyncio.CancelledError:
             raise
@@ -492,6 +550,14 @@ class Generator:
             log.log(logging.WARNING if kind == "prompt" else logging.ERROR, "group for prompt %d failed (%s: %s); "
                     "reported to the hub (%s)", item.prompt_id, type(e).__name__, e, kind, exc_info=kind == "engine")
             await self._report(lease, item, kind, f"{type(e).__name__}: {e}")
+
+    def _score_and_encode(self, outs, ctx: Context, lease: P.Lease, prompt_ids: list[int]):
+        """In a thread: the group's rewards and its RolloutGroup message, with when each began and ended."""
+        t0 = time.time()
+        scores = score_group(outs, ctx, self.rewards, self.cfg.trainer.total_steps)
+        t1 = time.time()
+        data = encode_group(outs, ctx, lease, prompt_ids, scores, self.id, self.session)
+        return data, [("score", t0, t1), ("encode", t1, time.time())]
 
     async def _report(self, lease: P.Lease, item: P.PromptItem, kind: str, reason: str) -> None:
         try:
@@ -512,9 +578,14 @@ def _on_host_of(endpoint: str, address: str) -> str:
     return f"{address.rsplit(':', 1)[0]}:{endpoint.rsplit(':', 1)[1]}"
 
 
-async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | frozenset = frozenset()) -> int:
-    """`cfg`: this generator's own config; `explicit`: the dotted keys its file and --set gave (what it claims)."""
+async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | frozenset = frozenset(),
+               profile: Path | None = None) -> int:
+    """`cfg`: this generator's own config; `explicit`: the dotted keys its file and --set gave (what it claims);
+    `profile`: write its timeline there (pipeline/trace.py)."""
     from generator.engines import VllmEngines
+
+    if profile is not None:
+        trace.start(profile, "generator")
 
     for stale in remove_stale():  # what a process killed with SIGKILL left in /dev/shm and the temp folder
         log.info("removed %s, left by a process that no longer runs", stale)

@@ -43,7 +43,7 @@ from learner.ledger import PromptLedger
 from learner.prompts import Prompts
 from learner.registry import GENERATOR_ID, GeneratorInfo, Registry
 from learner.server import Server
-from learner.validation import Expected, Rejected, RunShape, check_rollout
+from learner.validation import Expected, Rejected, RunShape, check_rollout, check_stages
 from pipeline import protocol as P
 from pipeline import runspec
 from pipeline.config import Config, runtime_values
@@ -261,7 +261,9 @@ class Hub:
     def _on_heartbeat(self, msg: P.Heartbeat, gen: GeneratorInfo) -> P.Message:
         if why := self._unpublished(msg.version, -1):  # -1: it holds no weights of this run yet
             return self._refuse(f"Heartbeat from {gen.generator_id}: version {why}")
-        gen.version, gen.tokens_per_s = msg.version, msg.tokens_per_s
+        if why := check_stages(msg.stage_s):
+            return self._refuse(f"Heartbeat from {gen.generator_id}: {why}")
+        gen.version, gen.tokens_per_s, gen.stage_s = msg.version, msg.tokens_per_s, msg.stage_s
         if msg.generated != gen.generated:  # its engine generated tokens (or finished a group) since the last one
             gen.generated = msg.generated
             self.registry.progressed(gen)
@@ -492,6 +494,11 @@ class Hub:
             self.lock.wait_for(lambda: not self.evaluation.busy() or self.server.stopped
                                or not self.registry.generators, wait_s)
             return self.evaluation.done()
+
+    def generator_stages(self) -> dict[str, dict]:
+        """Each registered generator's seconds per stage since it started (its last heartbeat's)."""
+        with self.lock:
+            return {g.generator_id: dict(g.stage_s) for g in self.registry.generators.values()}
 
     def wait_generators_gone(self, timeout: float) -> bool:
         with self.lock:

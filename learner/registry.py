@@ -46,6 +46,7 @@ class GeneratorInfo:
     applied: int = -1  # the last version it said it loaded (WeightsApplied): only a new one is journaled
     generated: int = 0  # its last Heartbeat.generated: a count that moves is progress
     adapter_slots: int = 0  # generator.lora_mode adapter: adapters its engine serves at once (Register)
+    stage_s: dict = field(default_factory=dict)  # its last Heartbeat.stage_s: seconds per stage since it started
     progress_at: float = field(default_factory=time.monotonic)  # tokens, a group, a failed group, a weights load
     stalled: bool = False  # its leases were taken back for want of progress: one group a lease until it progresses
     leaving: tuple[int, float, str] | None = None  # it said Leave with rollouts still on their way: (rollouts it

@@ -20,6 +20,7 @@ from collections import deque
 import zmq
 
 from pipeline import protocol as P
+from pipeline import trace
 from pipeline.security import ServerAuth, user_of
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Server:
         tick() (every TICK_S to 100 ms) and failed(why); `counters["muted"]` counts what was dropped."""
         self.host, self.auth, self.rollout_limits, self.handler = host, auth, rollout_limits, handler
         self.counters = counters
+        self.busy = trace.Sums()  # seconds this thread spent decoding and handling, by message (the learner's record)
         self._outbox: deque[tuple[bytes, bytes]] = deque()  # (ROUTER identity, message)
         self._sending: dict[bytes, list] = {}  # ROUTER identity -> trackers of weight chunks not yet sent
         self._strikes: dict[bytes | str, list] = {}  # source -> [second, bad messages]
@@ -172,13 +174,16 @@ class Server:
             return
         ident, data = frames[0].bytes, frames[1]
         try:
-            msg, rid = P.decode(data.buffer, limits=P.FROM_PEER)
+            with trace.span("decode", "hub", self.busy):
+                msg, rid = P.decode(data.buffer, limits=P.FROM_PEER)
         except P.ProtocolError as e:
             self.handler.malformed(f"control: {e}", False)
             self.reply(ident, P.Error(f"bad message: {e}", stop=isinstance(e, P.SchemaMismatch)),
                        getattr(e, "rid", 0))
             return
-        self.reply(ident, self.handler.control(msg, ident, user), rid)
+        with trace.span(msg.tag, "hub", self.busy):  # lease_request: admission; heartbeat, weights_applied, ...
+            reply = self.handler.control(msg, ident, user)
+        self.reply(ident, reply, rid)
 
     def _on_rollout(self, frames: list[zmq.Frame]) -> None:
         user = user_of(frames[-1]) if self.auth else ""
@@ -187,13 +192,15 @@ class Server:
         try:
             if len(frames) != 1:
                 raise P.ProtocolError(f"expected 1 frame, got {len(frames)}")
-            msg, _ = P.decode(frames[0].buffer, limits=self.rollout_limits)
+            with trace.span("decode", "hub", self.busy):
+                msg, _ = P.decode(frames[0].buffer, limits=self.rollout_limits)
             if not isinstance(msg, P.RolloutGroup):
                 raise P.ProtocolError(f"unexpected {type(msg).__name__} on the rollouts channel")
         except P.ProtocolError as e:
             self.handler.malformed(str(e), True)
             return
-        self.handler.rollout(msg, user)
+        with trace.span("rollout", "hub", self.busy):  # validate, then buffer (or score: an evaluation's)
+            self.handler.rollout(msg, user)
 
     def reply(self, ident: bytes, msg: P.Message, rid: int) -> None:
         data = P.encode(msg, rid)

@@ -35,8 +35,10 @@ from learner.publisher import WeightPublisher
 from learner.ranks import Roster
 from learner.staleness import behaviour_version
 from learner.step import train_step
+from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
+from pipeline import trace
 from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
 from pipeline.fingerprint import of_model
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
@@ -53,13 +55,16 @@ class NotFinite(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient."""
 
 
-def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> Path:
-    """`token`: `pipeline run`'s, written in hub.json so that it takes this learner's address and no other."""
+def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", profile: bool = False) -> Path:
+    """`token`: `pipeline run`'s, written in hub.json so that it takes this learner's address and no other.
+    `profile`: the timeline of each rank (and of its hub) goes to RUN_DIR/trace/, merged into RUN_DIR/trace.json."""
     signal.signal(signal.SIGTERM, _terminate)  # finally blocks run: the hub stops, shm files are removed
     signal.signal(signal.SIGINT, _terminate)
     model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
     # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
     rank, world = init_distributed(cfg.trainer.rank_timeout_s)
+    if profile:
+        trace.start(trace.trace_dir(run_dir), f"learner-rank{rank}")
     run_id, roster = f"{run_dir.name}-{secrets.token_hex(3)}", None
     if world > 1:
         roster = Roster(rank, world)
@@ -122,6 +127,9 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "") -> P
         if hub is not None:
             hub.stop()
             remove_shm(run_id)
+        if profile and rank == 0:  # what every process wrote so far; `pipeline run` merges again once all are gone
+            trace.TRACE.flush()
+            trace.merge(run_dir)
         if roster is not None:
             roster.close()
     return run_dir
@@ -169,55 +177,61 @@ def _write_hub_json(run_dir: Path, hub: dict) -> None:
 
 def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id, what=None) -> int:
     """Train from `version` to trainer.total_steps (or until the dataset is exhausted); returns the last version.
-    `what`: what the weights mean, recorded with each checkpoint (rank 0's)."""
+    `what`: what the weights mean, recorded with each checkpoint (rank 0's). Each step's phases are timed
+    (learner/timeline.py): its record says where its time went, and a profiled run's trace shows it."""
     last_tokens, last_time, start = (hub.counters["tokens"] if hub else 0), time.perf_counter(), time.perf_counter()
     step, skipped = version, 0
+    times = StepTimes(hub)
 
     def save(version: int) -> None:
         checkpoint.save(engine, run_dir, version, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints,
                         what)
 
     while step < cfg.trainer.total_steps:
-        t0 = time.perf_counter()
-        groups, drop_stats, knobs, end = next_batch(hub, step, cfg, rank, world, engine.device)
+        with times.phase("wait"):
+            groups, drop_stats, knobs, end = next_batch(hub, step, cfg, rank, world, engine.device)
         if end:
             log.warning("%s", end)
             break
-        waited = time.perf_counter() - t0
-        stats = train_step(engine, groups, cfg, step, pad_id, knobs)
+        with times.phase("train"):
+            stats = train_step(engine, groups, cfg, step, pad_id, knobs)
         if stats["skipped"]:
             skipped += 1
+            times.end(step, skipped=True)
             _skipped(hub, step, stats, len(groups), skipped, cfg.trainer.max_skipped_steps)
             continue
         skipped = 0
         step_end = time.time()
-        trained_at = time.perf_counter()
-        sync_ms = publisher.publish(step + 1, step_end)
-        step += 1
-        if hub is not None:
-            hub.finish_step(step)  # its groups are trained; admission moves on
+        with times.phase("publish"):
+            sync_ms = publisher.publish(step + 1, step_end)
+            step += 1
+            if hub is not None:
+                hub.finish_step(step)  # its groups are trained; admission moves on
         if rank == 0:  # the step's record before its checkpoint: a crash between them loses no record
-            now = time.perf_counter()
-            tokens = hub.counters["tokens"]
-            record = {
-                "step": step - 1, "version": step, **stats, **drop_stats, "time/wait_s": waited,
-                "time/step_s": trained_at - t0 - waited, "sync/weights_ms": sync_ms, "time/elapsed_s": now - start,
-                **publisher.metrics(),
-                "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
-                "generators": len(hub.registry.generators), "max_staleness": knobs["trainer.max_staleness"],
-                "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
-                "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
-                **{f"hub/{k}": v for k, v in dict(hub.counters).items()},  # a copy: the hub's thread adds keys
-            }
-            for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
-                record.update({"eval/version": done["version"],
-                               **{k: v for k, v in done.items() if k.startswith("eval/")}})
-            last_tokens, last_time = tokens, now
-            metrics.write(record)
+            with times.phase("record"):
+                now = time.perf_counter()
+                tokens = hub.counters["tokens"]
+                record = {
+                    "step": step - 1, "version": step, **stats, **drop_stats, **times.record(),
+                    "sync/weights_ms": sync_ms, "time/elapsed_s": now - start, **publisher.metrics(),
+                    "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
+                    "generators": len(hub.registry.generators), "max_staleness": knobs["trainer.max_staleness"],
+                    "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
+                    "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+                    **{f"hub/{k}": v for k, v in dict(hub.counters).items()},  # a copy: the hub's thread adds keys
+                }
+                for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
+                    record.update({"eval/version": done["version"],
+                                   **{k: v for k, v in done.items() if k.startswith("eval/")}})
+                last_tokens, last_time = tokens, now
+                metrics.write(record)
         every = cfg.trainer.checkpoint_every
         if every and step % every == 0 and step < cfg.trainer.total_steps:
-            save(step)
-    save(step)
+            with times.phase("checkpoint"):
+                save(step)
+        times.end(step - 1)
+    with trace.span("final checkpoint", "learner"):
+        save(step)
     return step
 
 

@@ -113,3 +113,15 @@ def check_prompt_ids(ids: np.ndarray, vocab_size: int) -> None:
     """The hub's own tokenisation of a leased prompt (a tokenizer larger than the model's embedding)."""
     if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
         raise Rejected("token_id", f"the tokenizer gives ids outside the model's vocabulary [0, {vocab_size})")
+
+
+def check_stages(stage_s: dict) -> str:
+    """Why a heartbeat's stage_s (seconds per generator stage, pipeline/trace.py) cannot be kept ("" when it can):
+    a name outside protocol.STAGES, or seconds that are not a finite number >= 0."""
+    for name, seconds in stage_s.items():
+        if name not in P.STAGES:
+            return f"stage_s: {name!r} is not one of {', '.join(P.STAGES)}"
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or seconds < 0:
+            return f"stage_s[{name!r}]: {seconds!r}; seconds must be a finite number >= 0"
+    return ""

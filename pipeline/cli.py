@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         return s
 
     run = service("run", "learner + generators on this machine (no config: the embedded default)", False)
+    run.add_argument("--profile", action="store_true",
+                     help="write RUN_DIR/trace.json: where every second of every process went (ui.perfetto.dev)")
     run.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
     run.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                      help="continue RUN_DIR's run from its newest checkpoint (config: RUN_DIR/config.yaml unless -c)")
@@ -35,10 +37,14 @@ def _parser() -> argparse.ArgumentParser:
     lrn.add_argument("--run-dir", type=Path, default=None, help="run directory (default: run.dir/run.name)")
     lrn.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                      help="continue RUN_DIR's run from its newest checkpoint (config: RUN_DIR/config.yaml unless -c)")
+    lrn.add_argument("--profile", action="store_true", help="write the learner's and hub's timeline to RUN_DIR/trace/, "
+                     "merged into RUN_DIR/trace.json at the end (give generators --profile RUN_DIR/trace)")
     lrn.add_argument("--launch-token", default="", help=argparse.SUPPRESS)  # `pipeline run`'s, echoed in hub.json
     gen = service("generator", "a generator service (vLLM): it serves the run's model and config, which it takes from "
                   "the learner; -c/--set say where and how it runs (GPUs, engine memory, keys)", False)
     gen.add_argument("--learner", required=True, help="hub address, e.g. tcp://127.0.0.1:5555")
+    gen.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                     help="write this generator's timeline to DIR (the learner's RUN_DIR/trace on its host)")
     st = sub.add_parser("status", help="the learner's version, buffer and generators")
     st.add_argument("--watch", action="store_true")
     se = sub.add_parser("set", help="change run-time knobs of a running learner")
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from pipeline.launcher import launch
 
-        return launch(cfg, run_dir, resume=resume is not None)
+        return launch(cfg, run_dir, resume=resume is not None, profile=args.profile)
     if args.command == "learner":
         from learner.launch import end_with_parent, run_ranks, world_size
 
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         from learner.service import main as learner_main
 
         try:
-            learner_main(cfg, run_dir, resume=resume is not None, token=args.launch_token)
+            learner_main(cfg, run_dir, resume=resume is not None, token=args.launch_token, profile=args.profile)
         except (HubStopped, NotFinite, CheckpointError, RankLost) as e:  # the run cannot go on: why, no traceback
             logging.getLogger("pipeline").error("the run failed: %s", e)
             return 1
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.runspec import explicit_keys
 
     explicit = explicit_keys(read_yaml(args.config) if args.config else {}, args.overrides)  # what it claims
-    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit))
+    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit, args.profile))
 
 
 def _keys(args) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pipeline.config import Config, save_config
 from pipeline.metrics import read_metrics
+from pipeline.trace import merge, trace_dir
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # guards run `-m pipeline.launcher` from here
 # what a learner writes into its run directory (launch.yaml and logs/ are the launcher's, written before it starts)
@@ -209,9 +210,10 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
                       f"run does not write into another run's directory. Either {ways}")
 
 
-def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
+def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = False) -> int:
     """Run a learner (resumed from RUN_DIR's newest checkpoint when `resume`) and the generators until the learner
-    ends; returns the exit code. `run_dir` was checked by `check_run_dir`."""
+    ends; returns the exit code. `run_dir` was checked by `check_run_dir`. `profile`: every process writes its
+    timeline to RUN_DIR/trace/, merged into RUN_DIR/trace.json once they are all gone (pipeline/trace.py)."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     received: list[int] = []  # signals: counted, never raised (see the module's docstring)
     for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the run like Ctrl-C: children stopped, files removed
@@ -222,6 +224,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     cli = [sys.executable, "-m", "pipeline.cli"]
     argv = cli + ["learner", "-c", str(resolved), "--run-dir", str(run_dir), "--launch-token", token]
     argv += (["--resume", str(run_dir)] if resume else []) + _gpus(cfg.run.learner_gpus)
+    argv += ["--profile"] if profile else []
     children: list[Child] = []
     rc = 1
     try:
@@ -234,6 +237,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
         for i in range(cfg.run.generators):
             mine = gpus[i % len(gpus)] if gpus else None
             argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
+            argv += ["--profile", str(trace_dir(run_dir))] if profile else []
             # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (or a
             # machine, without --gpus) start one after another, or two would count the same free memory
             _wait_registered(run_dir, started.get(mine, []), learner, received=received)
@@ -252,6 +256,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False) -> int:
     from weights.files import remove_stale
 
     remove_stale()
+    if profile and (merged := merge(run_dir)):
+        print(f"timeline: {merged} (open it in ui.perfetto.dev)")
     if rc == 0:
         records = read_metrics(run_dir)
         first, last = records[0]["reward/mean"], records[-1]["reward/mean"]

@@ -161,6 +161,14 @@ class Heartbeat(Message):
     # tokens its engine generated so far (finished groups and requests still running): a count that stops moving
     # while it holds leases is a hung engine, and the hub takes them back (hub.progress_timeout_s)
     generated: int = 0
+    # seconds spent in each of STAGES since it started (pipeline/trace.py): metrics.jsonl records what they gained
+    # during each learner step (gen/<stage>_s)
+    stage_s: dict = field(default_factory=dict)
+
+
+# a generator's stages (Heartbeat.stage_s): lease round trips, waits for room in the window and for a lease's
+# weights version, time with groups generating and with none, scoring, encoding, sending, loading weights
+STAGES = ("lease", "wait_room", "wait_version", "generating", "idle", "score", "encode", "send", "weights")
 
 
 @dataclass

@@ -576,3 +576,31 @@ async def test_the_runs_end_reaches_a_generator_with_no_room_for_more(tmp_path):
         hub.finish_run()
         assert await asyncio.wait_for(gen.task, 10) == 0
         assert gen.id not in hub.registry.generators
+
+
+async def test_profiling_changes_no_number_a_generator_sends(tmp_path):
+    """The same prompts give the same groups (tokens, rewards, versions) with the trace on and off; traced, the
+    generator's file holds its leases and each group's generate, score, encode and send."""
+    from pipeline import trace
+
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 1, "total_steps": 3},
+                            "hub": {"heartbeat_s": 0.2}})
+    sent = []
+    for traced in (False, True):
+        if traced:
+            trace.start(tmp_path / "trace", "generator")
+        try:
+            (run_dir := tmp_path / f"run-{traced}").mkdir()
+            async with running(cfg, run_dir, FakeEngine()) as (hub, gen):
+                await _until(lambda: len(hub.ledger.buffer) >= 8)
+                with hub.lock:
+                    groups = {(g.epoch, g.prompt_id): [(s.token_ids, s.reward, s.rewards, s.first_version)
+                                                       for s in g.samples] for g, *_ in hub.ledger.buffer}
+                await _until(lambda: hub.generator_stages().get(gen.id, {}).get("score", 0) > 0)
+                sent.append(groups)
+        finally:
+            trace.TRACE.flush()
+            trace.TRACE.path = None
+    assert sent[0] == sent[1] and len(sent[0]) >= 8
+    names = {json.loads(line)["name"] for f in (tmp_path / "trace").glob("*.jsonl") for line in f.open()}
+    assert {"lease", "wait_version", "generate", "score", "encode", "send", "weights", "groups generating"} <= names

@@ -545,3 +545,21 @@ def test_a_staleness_change_holds_from_the_step_its_reply_names(make_hub):
     assert knobs["trainer.max_staleness"] == 0
     assert [g.samples[0].first_version for g in batch] == [1, 1]
     peer.close()
+
+
+def test_a_heartbeat_reports_its_stages_and_one_that_lies_is_refused_naming_the_field(make_hub):
+    """Heartbeat.stage_s (seconds per generator stage, pipeline/trace.py) is kept for the learner's record; a name
+    outside protocol.STAGES, or seconds that are negative or not finite, are refused, counted, and named."""
+    hub = make_hub()
+    peer = Peer(hub)
+    peer.register()
+    assert isinstance(peer.ask(P.Heartbeat("gen-t", 0, stage_s={"generating": 1.5, "score": 0.25})), P.HeartbeatReply)
+    assert hub.generator_stages() == {"gen-t": {"generating": 1.5, "score": 0.25}}
+    for stages, named in (({"mining": 1.0}, "'mining' is not one of"), ({"score": -1.0}, "stage_s['score']: -1.0"),
+                          ({"send": float("nan")}, "stage_s['send']: nan"), ({"idle": "1"}, "stage_s['idle']: '1'")):
+        refused = hub.counters["refused"]
+        reply = peer.ask(P.Heartbeat("gen-t", 0, stage_s=stages))
+        assert isinstance(reply, P.Error) and named in reply.message, reply
+        assert hub.counters["refused"] == refused + 1
+    assert hub.generator_stages() == {"gen-t": {"generating": 1.5, "score": 0.25}}  # the last true report stays
+    peer.close()

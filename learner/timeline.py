@@ -1,0 +1,61 @@
+"""Where each learner step's time went, for its metrics.jsonl record and the trace (pipeline/trace.py).
+
+A step is its phases, one after another, each a span on the learner's track and a number in the record:
+
+    wait       for a batch of rollouts (time/wait_s)
+    train      the step itself (time/step_s)
+    publish    the new weights version sent on its way (time/publish_s)
+    record     the step's metrics record
+    checkpoint when one is due
+
+and the step's own span (`step`) covers them all, so they add up to its wall time. The record also gets what the
+hub's thread spent since the last record (time/hub/<message>_s: decode, rollout, lease_request, ...) and what the
+generators' stages gained (gen/<stage>_s, summed over generators, from their heartbeats).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pipeline import trace
+
+
+class StepTimes:
+    def __init__(self, hub):
+        """`hub`: rank 0's (its thread's busy seconds and its generators' stages), None on other ranks."""
+        self.hub = hub
+        self.hub_before: dict = dict(hub.server.busy) if hub is not None else {}
+        self.gen_before: dict[str, dict] = {}
+        self.begin()
+
+    def begin(self) -> None:
+        self.start = time.time()
+        self.sums = trace.Sums()
+
+    def phase(self, name: str):
+        """A context manager: the time inside it is phase `name` of this step."""
+        return trace.span(name, "learner", self.sums)
+
+    def end(self, step: int, skipped: bool = False) -> None:
+        """The step's span, around its phases; the next step begins now."""
+        trace.complete("step (skipped)" if skipped else "step", "learner", self.start, time.time(), step=step)
+        self.begin()
+
+    def record(self) -> dict:
+        """The step's phases so far, and the hub's and the generators' seconds since the last record."""
+        s = self.sums
+        out = {"time/wait_s": s.get("wait", 0.0), "time/step_s": s.get("train", 0.0),
+               "time/publish_s": s.get("publish", 0.0)}
+        if self.hub is None:
+            return out
+        busy = dict(self.hub.server.busy)
+        out.update({f"time/hub/{k}_s": v for k, v in trace.Sums(busy).since(self.hub_before).items()})
+        self.hub_before = busy
+        stages = self.hub.generator_stages()
+        gained: dict[str, float] = {}
+        for gen_id, now in stages.items():
+            for k, v in trace.Sums(now).since(self.gen_before.get(gen_id, {})).items():
+                gained[k] = gained.get(k, 0.0) + max(0.0, v)
+        out.update({f"gen/{k}_s": v for k, v in sorted(gained.items())})
+        self.gen_before = stages
+        return out
