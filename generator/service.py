@@ -451,9 +451,12 @@ class Generator:
                     t.cancel()
                 await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
                 break
-            if isinstance(reply, P.Wait):
+            if isinstance(reply, P.Wait):  # asked again after retry_s, or as soon as the engine loads a new version:
+                # the step that published it made room in the window (the hub opens it as it publishes)
                 with trace.span("wait_room", "leases", self.stages, why=reply.reason):
-                    await asyncio.sleep(reply.retry_s)
+                    async with self.version_changed:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self.version_changed.wait(), reply.retry_s)
                 continue
             if isinstance(reply, P.Error):
                 raise P.ProtocolError(f"lease refused: {reply.message}")

@@ -1,0 +1,104 @@
+"""Where a profiled run's time went: the summary of RUN_DIR/trace.json and metrics.jsonl (`pipeline run --profile`).
+
+    python -m bench.timeline RUN_DIR [--launched UNIX_TIME] [--skip 5]
+
+Steps before --skip are left out of the rates (start-up, first compilations). It prints one JSON object:
+    learner    steps/min, median step, train and wait; the share of step time spent waiting; the longest step after
+               the skipped ones against the median; launch to the first training step (with --launched)
+    generators completion tokens/s delivered over the steady steps and while any group was generating; the share
+               of time with none generating; lease round trips, waits for room and for versions, weights loads,
+               score, encode and send (medians and totals); the event loop's lag
+    hub        seconds per message kind over the steady steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from pipeline import trace
+from pipeline.metrics import read_jsonl
+
+
+def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
+    events = trace.read(Path(run_dir) / "trace.json")
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    for e in spans:
+        e["track"] = tracks.get((e["pid"], e["tid"]), "")
+    steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
+    steady = [e for e in steps if e["args"]["step"] >= skip] or steps
+    t0, t1 = steady[0]["ts"], steady[-1]["ts"] + steady[-1]["dur"]
+    inside = [e for e in spans if t0 <= e["ts"] < t1]
+
+    def named(name: str, track: str | None = None, among=inside) -> list[float]:
+        return [e["dur"] / 1e6 for e in among if e["name"] == name and (track is None or e["track"] == track)]
+
+    step_s = [e["dur"] / 1e6 for e in steady]
+    wait, train = named("wait", "learner"), named("train", "learner")
+    first_train = min((e["ts"] / 1e6 for e in spans if e["track"] == "learner" and e["name"] == "train"), default=None)
+    out = {"learner": {
+        "steps": len(steps), "steady_steps": len(steady), "steps_per_min": 60 * len(steady) / ((t1 - t0) / 1e6),
+        "median_step_s": statistics.median(step_s), "median_train_s": _median(train), "median_wait_s": _median(wait),
+        "wait_share": sum(wait) / sum(step_s), "longest_step_over_median": max(step_s) / statistics.median(step_s),
+        "launch_to_first_step_s": first_train - launched if launched and first_train else None}}
+    generate = [e for e in inside if e["name"] == "generate"]
+    tokens = sum(e["args"].get("tokens", 0) for e in generate)
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in generate], t0, t1) / 1e6
+    lags = [e["args"]["ms"] for e in events if e["ph"] == "C" and e["name"] == "event loop lag" and t0 <= e["ts"] < t1]
+    out["generators"] = {
+        "tokens_per_s": tokens / ((t1 - t0) / 1e6), "tokens_per_s_generating": tokens / busy if busy else None,
+        "none_generating_share": 1 - busy / ((t1 - t0) / 1e6), "groups": len(generate),
+        **{f"{n}_s": _stats(named(n)) for n in ("lease", "wait_room", "wait_version", "weights", "score", "encode",
+                                                  "send", "generate")},
+        "loop_lag_ms": {"p50": _pct(lags, 50), "p99": _pct(lags, 99), "max": max(lags, default=None)}}
+    hub = {}
+    for e in inside:
+        if e["track"] == "hub":
+            hub[e["name"]] = hub.get(e["name"], 0.0) + e["dur"] / 1e6
+    out["hub"] = {k: round(v, 4) for k, v in sorted(hub.items())}
+    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["step"] >= skip]
+    out["metrics"] = {k: sum(r.get(k, 0) for r in records) for k in sorted({k for r in records for k in r})
+                      if k.startswith(("gen/", "time/hub/"))}
+    return out
+
+
+def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of the intervals, clipped to [lo, hi]."""
+    total, end = 0.0, lo
+    for a, b in sorted(intervals):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"n": len(xs), "median": _median(xs), "total": sum(xs)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--launched", type=float, default=None, help="time.time() at launch")
+    p.add_argument("--skip", type=int, default=5)
+    a = p.parse_args()
+    print(json.dumps(summary(a.run_dir, a.launched, a.skip), indent=1))
+
+
+if __name__ == "__main__":
+    main()
