@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pipeline.config import Config, save_config
 from pipeline.metrics import read_metrics
+from pipeline.netutil import free_port
 from pipeline.trace import merge, trace_dir
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # guards run `-m pipeline.launcher` from here
@@ -218,6 +219,9 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     received: list[int] = []  # signals: counted, never raised (see the module's docstring)
     for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the run like Ctrl-C: children stopped, files removed
         signal.signal(sig, lambda signum, frame: received.append(signum))
+    if cfg.hub.port == 0 or resume:  # known before the learner starts: generators on GPUs of their own start beside
+        cfg.hub.port = free_port(cfg.hub.host)  # it (a resumed run's old port may be taken; run.yaml records the new)
+    address = f"tcp://{'127.0.0.1' if cfg.hub.host in ('0.0.0.0', '*') else cfg.hub.host}:{cfg.hub.port}"
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)
     token = secrets.token_hex(8)  # the learner writes it in hub.json: its address, not a stale one, is used
@@ -231,20 +235,34 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         learner = Child("learner", argv, run_dir / "logs" / "learner.log")
         children.append(learner)
         print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
-        address = _wait_for_hub(run_dir, learner, token, received)
         gpus = cfg.run.generator_gpus
         started: dict[str | None, list[Child]] = {}  # GPU set -> its generators so far
-        for i in range(cfg.run.generators):
-            mine = gpus[i % len(gpus)] if gpus else None
+
+        def start(i: int, mine: str | None, when: str) -> None:
             argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
             argv += ["--profile", str(trace_dir(run_dir))] if profile else []
-            # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (or a
-            # machine, without --gpus) start one after another, or two would count the same free memory
-            _wait_registered(run_dir, started.get(mine, []), learner, received=received)
             child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log")
             started.setdefault(mine, []).append(child)
             children.append(child)
-        rc = _follow(cfg, run_dir, learner, children[1:], received)
+            print(f"generator-{i} pid {child.pid}{f' on GPUs {mine}' if mine else ''}, {when}", flush=True)
+
+        # the first generator on each GPU set that no learner rank uses starts now: it builds its engine from
+        # launch.yaml while the learner starts (generator/spec.py), and registers once the hub answers
+        later = []
+        for i in range(cfg.run.generators):
+            mine = gpus[i % len(gpus)] if gpus else None
+            if mine is not None and mine not in started and not _shares_gpu(mine, cfg.run.learner_gpus):
+                start(i, mine, "beside the learner")
+            else:
+                later.append((i, mine))
+        _wait_for_hub(run_dir, learner, token, received)
+        for i, mine in later:
+            # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (the learner's, or
+            # a machine without --gpus) start one after another, once the learner's hub is up, or two would count
+            # the same free memory
+            _wait_registered(run_dir, started.get(mine, []), learner, received=received)
+            start(i, mine, "once the hub is up")
+        rc = _follow(cfg, run_dir, learner, [c for c in children if c is not learner], received)
     except KeyboardInterrupt:
         print("\nstopping (Ctrl-C; again to kill the children now)...", flush=True)
         rc = 130
@@ -265,6 +283,13 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
               f"{records[-1]['time/elapsed_s']:.0f} s of training")
         print(f"run directory: {run_dir}  (metrics.jsonl, reward.png, final/)")
     return rc
+
+
+def _shares_gpu(gpus: str, learner_gpus: str | None) -> bool:
+    """Whether the GPU set `gpus` ("2,3") and the learner's overlap (no learner GPUs given: it may use any)."""
+    if not learner_gpus:
+        return True
+    return bool(set(gpus.split(",")) & set(str(learner_gpus).split(",")))
 
 
 def _stopped(received: list[int]) -> None:
