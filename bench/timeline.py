@@ -1,6 +1,7 @@
 """Where a profiled run's time went: the summary of RUN_DIR/trace.json and metrics.jsonl (`pipeline run --profile`).
 
     python -m bench.timeline RUN_DIR [--launched UNIX_TIME] [--skip 5]
+    python -m bench.timeline RUN_DIR --plot FIRST LAST OUT.png      (a picture of steps FIRST..LAST)
 
 Steps before --skip are left out of the rates (start-up, first compilations). It prints one JSON object:
     learner    steps/min, median step, train and wait; the share of step time spent waiting; the longest step after
@@ -96,8 +97,49 @@ def main() -> None:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--launched", type=float, default=None, help="time.time() at launch")
     p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--plot", nargs=3, metavar=("FIRST", "LAST", "PNG"), help="draw steps FIRST..LAST into PNG")
     a = p.parse_args()
+    if a.plot:
+        print(plot(a.run_dir, int(a.plot[0]), int(a.plot[1]), Path(a.plot[2])))
+        return
     print(json.dumps(summary(a.run_dir, a.launched, a.skip), indent=1))
+
+
+def plot(run_dir: Path, first: int, last: int, out: Path, lanes: int = 12) -> Path:
+    """A picture of steps first..last from RUN_DIR/trace.json: the learner's phases, the generator's leases, waits
+    and weights loads, and its first `lanes` group lanes (generate, score, encode, send), against seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = trace.read(Path(run_dir) / "trace.json")
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [dict(e, track=tracks.get((e["pid"], e["tid"]), "")) for e in events if e["ph"] == "X"]
+    steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step" and first <= e["args"]["step"] <= last]
+    t0, t1 = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    rows = ["learner", "leases", "weights"] + [f"group {i}" for i in range(lanes)]
+    colours = {"wait": "#d62728", "train": "#2ca02c", "publish": "#9467bd", "record": "#8c564b",
+               "checkpoint": "#7f7f7f",
+               "lease": "#1f77b4", "wait_room": "#ff9896", "wait_version": "#ffbb78", "weights": "#9467bd",
+               "generate": "#17becf", "score": "#bcbd22", "encode": "#e377c2", "send": "#7f7f7f"}
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.2))
+    for y, row in enumerate(rows):
+        for e in spans:
+            if e["track"] == row and e["name"] in colours and e["ts"] < t1 and e["ts"] + e["dur"] > t0:
+                ax.broken_barh([((e["ts"] - t0) / 1e6, max(e["dur"], 500) / 1e6)], (y - 0.4, 0.8),
+                               color=colours[e["name"]])
+    ax.set_xlim(0, (t1 - t0) / 1e6)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.legend(handles=[matplotlib.patches.Patch(color=c, label=n) for n, c in colours.items()], ncol=7, fontsize=7,
+              loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.set_title(f"{Path(run_dir).name}: steps {first}-{last}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import logging
 import os
 
 from generator.engine import adapter_slots
+from pipeline import trace
 from pipeline.config import Config
 from weights.files import own_segments, record_segments, remove_left_segments, shm_segments
 
@@ -46,6 +47,14 @@ class VllmEngines:
         self.engine = self.tok = None
         self.segments: list[str] = []
 
+    def warm(self) -> None:
+        """Import vLLM now, before the generator asks the hub for the run's spec: 15-24 s on an H200 host, in which a
+        learner started at the same time (`pipeline run`) brings its hub up, so the spec is there when it asks and
+        nobody waits generator.spec's 5 s for a hub that is not up yet. In this thread: transformers, which vLLM
+        imports, is a lazy module that another thread's `from transformers import ...` finds half made."""
+        with trace.span("import vllm", "engine"):
+            import vllm.v1.engine.async_llm  # noqa: F401
+
     def current(self):
         return self.engine, self.tok
 
@@ -63,13 +72,14 @@ class VllmEngines:
         from pipeline.tinymodel import resolve_model_path
 
         self.close()
-        model_path = resolve_model_path(cfg.model.path)
-        self.tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
-        before = shm_segments()
-        self.engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, self.tok.eos_token_id)
-        # removed by remove_stale, should this process and engine die
-        self.segments += record_segments(own_segments(before))
-        await self.engine.start(cfg)
+        with trace.span("build engine", "engine", model=cfg.model.path):
+            model_path = resolve_model_path(cfg.model.path)
+            self.tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+            before = shm_segments()
+            self.engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, self.tok.eos_token_id)
+            # removed by remove_stale, should this process and engine die
+            self.segments += record_segments(own_segments(before))
+            await self.engine.start(cfg)
         return self.engine, self.tok
 
     def close(self) -> None:

@@ -593,6 +593,7 @@ async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | f
     for stale in remove_stale():  # what a process killed with SIGKILL left in /dev/shm and the temp folder
         log.info("removed %s, left by a process that no longer runs", stale)
     engines = VllmEngines()
+    engines.warm()  # vLLM's imports first: a learner started with this generator brings its hub up meanwhile
     try:
         return await Generator(cfg, engines, address, gpus, explicit).run()
     finally:

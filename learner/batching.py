@@ -5,6 +5,11 @@ One row per sample: prompt + completion tokens, the behaviour log-probs of the c
 group advantage and the temperature it was sampled at. The loss covers the masked-in completion tokens only,
 never the prompt. Groups with zero reward variance are skipped (counted). Rows are packed into micro-batches by
 a token budget (rows x padded length).
+
+A micro-batch is padded past its longest row to the next multiple of PAD_TO: every length the compiled layers see
+(trainer.compile) is then a multiple of 8 with at least one padded position, which is what their compiled variants
+are guarded on (the length's alignment; an attention mask that is None where no row is padded). Unpadded, a run
+compiled each layer again for each new combination, 2-9 s a time, in its first steps (docs/figures.md).
 """
 
 from __future__ import annotations
@@ -76,16 +81,25 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) 
     return penalty * min(1.0, (length - (max_tokens - buffer)) / buffer)
 
 
+PAD_TO = 8  # a micro-batch's length: its longest row's, rounded up past the next multiple of this
+
+
+def padded(length: int) -> int:
+    """The length of a micro-batch whose longest row has `length` tokens: a multiple of PAD_TO, with one padded
+    position at least."""
+    return (length // PAD_TO + 1) * PAD_TO
+
+
 def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
-    """Greedy packing of length-sorted rows so that rows x longest <= token_budget (at least one row each)."""
+    """Greedy packing of length-sorted rows so that rows x padded longest <= token_budget (at least one row each)."""
     out: list[list[Row]] = []
     current: list[Row] = []
     longest = 0
     for row in sorted(rows, key=lambda r: r.length):
-        new_longest = max(longest, row.length)
+        new_longest = max(longest, padded(row.length))
         if current and (len(current) + 1) * new_longest > token_budget:
             out.append(current)
-            current, new_longest = [], row.length
+            current, new_longest = [], padded(row.length)
         current.append(row)
         longest = new_longest
     if current:
@@ -94,8 +108,8 @@ def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
 
 
 def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; position t of mask, mu, adv and prox describes token t+1."""
-    L = max(r.length for r in rows)
+    """Right-padded tensors (to `padded` length); position t of mask, mu, adv and prox describes token t+1."""
+    L = padded(max(r.length for r in rows))
     n = len(rows)
     ids = torch.full((n, L), pad_id, dtype=torch.long)
     attn = torch.zeros((n, L), dtype=torch.long)

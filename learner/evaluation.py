@@ -1,11 +1,13 @@
 """Evaluation during training (eval.every > 0): the held-out prompts, sampled by the generators at a version.
 
 When the step that makes version v ends with v a multiple of eval.every, a round starts: each held-out prompt
-is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission. Lease
-requests take turns between the round and training, training first (learner/leases.py), so the round runs in the
-engines beside the training leases: neither the learner nor training waits for it (version 0's round included,
-which before this held the first step until every held-out prompt was generated). What comes back is checked like a
-training rollout, then scored here, not trained:
+is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission, in the
+time the engines have no training to do (learner/leases.py): a generator gets a round's prompts when the staleness
+window has no room for it, at most generator.lease_size of them in flight at once while training goes on, so they
+share its engine with a batch only that much (a round of 128 prompts x 4 samples of 256 tokens beside the first batch
+made it take 3.7 s where 1.4 s was the engine's own time: docs/figures.md, "Every GPU busy"). A round that is
+overdue (the next round has started) takes turns with training instead, so none falls behind for good. What comes back
+is checked like a training rollout, then scored here, not trained:
 
     eval/reward_mean   the mean reward over every sample (avg@k)
     eval/pass@k        the fraction of prompts with a sample whose reward reaches eval.pass_threshold
@@ -67,16 +69,25 @@ class Evaluation:
         self.rounds: list[Round] = []
         self.leases: dict[int, EvalLease] = {}
         self.finished: list[dict] = []  # rounds done, not yet reported with a step
-        self.turn = False  # the next lease request tries a round's prompts first (learner/leases.py: turns)
+        self.turn = False  # an overdue round's next lease request tries its prompts first (learner/leases.py)
 
     def start(self, version: int) -> None:
         if self.cfg.every and version % self.cfg.every == 0 and len(self.prompts):
             self.rounds.append(Round(version, list(range(min(self.cfg.max_prompts, len(self.prompts))))))
 
+    def overdue(self, version: int) -> bool:
+        """Whether the oldest round with prompts left is eval.every versions old or more (the next one has started)."""
+        rnd = next((r for r in self.rounds if r.pending), None)
+        return rnd is not None and version - rnd.version >= self.cfg.every
+
+    def held(self, generator_id: str) -> int:
+        """Prompts of evaluation leases `generator_id` holds."""
+        return sum(len(lease.items) for lease in self.leases.values() if lease.generator_id == generator_id)
+
     def lease(self, lease_id: int, generator_id: str, n: int) -> P.Lease | None:
         """Up to n prompts of the oldest round with prompts left, or None."""
         rnd = next((r for r in self.rounds if r.pending), None)
-        if rnd is None:
+        if rnd is None or n <= 0:
             return None
         items = {}
         while rnd.pending and len(items) < n:

@@ -1,15 +1,15 @@
 """The lease desk, on the hub's state under its lock: which prompts a generator may take now, and for how long.
 
-While an evaluation round has prompts left (learner/evaluation.py: outside admission), lease requests get a
-training lease and an evaluation lease in turns, training first, so a round never holds training; otherwise up to
-`room` prompts of the training ledger (learner/staleness.py: admission and the lease's minimum version), each
-tokenised here (learner/prompts.py: a prompt no engine can take is rejected without asking one). No principal
-(a key, or an id without keys) may take the room that every other registered one needs for a lease of its own
-(`share`), so one peer cannot hold the whole window. A lease goes back to the queue when it is not returned
-within hub.lease_timeout_s, when its generator shows no progress for hub.progress_timeout_s (no tokens, no
-groups: a hung engine behind a live heartbeat), or when its generator leaves it out of two heartbeats in a row
-(a lease the generator holds but the hub does not is named in the reply, and dropped there); its late rollouts
-are dropped as unknown.
+Training's prompts come first: up to `room` prompts of the training ledger (learner/staleness.py: admission and the
+lease's minimum version), each tokenised here (learner/prompts.py: a prompt no engine can take is rejected without
+asking one). No principal (a key, or an id without keys) may take the room that every other registered one needs for
+a lease of its own (`share`), so one peer cannot hold the whole window. An evaluation round's prompts
+(learner/evaluation.py: outside admission) go to a generator when training has none for it, at most
+generator.lease_size in flight per generator while training goes on; an overdue round takes turns with training,
+training first. A lease goes back to the queue when it is not returned within hub.lease_timeout_s, when its
+generator shows no progress for hub.progress_timeout_s (no tokens, no groups: a hung engine behind a live
+heartbeat), or when its generator leaves it out of two heartbeats in a row (a lease the generator holds but the hub
+does not is named in the reply, and dropped there); its late rollouts are dropped as unknown.
 """
 
 from __future__ import annotations
@@ -27,23 +27,32 @@ log = logging.getLogger(__name__)
 
 
 def request(hub, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
-    """A training lease and an evaluation lease take turns while an evaluation round has prompts left, training
-    first: a round (version 0's included) runs beside the training leases, neither holds the other. Whatever one
-    cannot grant (no room in the window, no round), the other may."""
+    """Training's prompts first; an evaluation round's in the time the window leaves (`evaluation_lease`). An overdue
+    round takes turns with training, training first."""
     if hub.complete:
         return P.RunComplete(hub.version)
     n = min(msg.max_groups, hub.cfg.generator.lease_size)
     if gen.stalled:  # its last leases were taken back for want of progress: it shows it runs with one group
         n = min(n, 1)
     evaluation = hub.evaluation
-    if evaluation.turn and (lease := evaluation.lease(next(hub.lease_ids), gen.generator_id, n)) is not None:
+    overdue = evaluation.overdue(hub.version)
+    if overdue and evaluation.turn and (lease := evaluation_lease(hub, gen, n, overdue)) is not None:
         evaluation.turn = False
         return lease
     reply = _training(hub, gen, n)
     if isinstance(reply, P.Lease):
         evaluation.turn = True
         return reply
-    return evaluation.lease(next(hub.lease_ids), gen.generator_id, n) or reply
+    return evaluation_lease(hub, gen, n, overdue) or reply
+
+
+def evaluation_lease(hub, gen: GeneratorInfo, n: int, overdue: bool) -> P.Lease | None:
+    """Up to n prompts of the oldest round; while training goes on and the round is not overdue, no more than
+    generator.lease_size in flight for `gen`, so a round shares an engine with a batch only that much."""
+    evaluation = hub.evaluation
+    if not overdue and hub.version < hub.cfg.trainer.total_steps:
+        n = min(n, hub.cfg.generator.lease_size - evaluation.held(gen.generator_id))
+    return evaluation.lease(next(hub.lease_ids), gen.generator_id, n)
 
 
 def _training(hub, gen: GeneratorInfo, n: int) -> P.Message:

@@ -75,11 +75,13 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
         (run_dir / "hub.json").unlink(missing_ok=True)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+    with trace.span("tokenizer", "startup"):  # the learner's start, on a track of its own (--profile)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if resume:
         reapply_changes(cfg, run_dir)
-    engine = build_engine(cfg, model_path)
+    with trace.span("build engine", "startup"):
+        engine = build_engine(cfg, model_path)
     kind = version_kind(cfg, engine.module).kind  # a checkpoint of the other kind is refused
     version, hub_state = checkpoint.load(engine, run_dir, kind) if resume else (0, None)
     if resume and rank == 0:
@@ -91,19 +93,22 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
             for stale in remove_stale():
                 log.info("removed %s, left by a process that no longer runs", stale)
             save_config(cfg, run_dir / "config.yaml")
-            # what every generator's files must be, and what a checkpoint's weights mean
-            prints = of_model(cfg.model)
-            what = checkpoint.meaning(cfg, prints["model.path"], kind)
-            hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
-                      encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
-                      vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg), fingerprints=prints)
-            hub.start()
+            with trace.span("start the hub", "startup"):  # the model's fingerprints, the dataset, the sockets
+                # what every generator's files must be, and what a checkpoint's weights mean
+                prints = of_model(cfg.model)
+                what = checkpoint.meaning(cfg, prints["model.path"], kind)
+                hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
+                          encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
+                          vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg),
+                          fingerprints=prints)
+                hub.start()
             _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": run_id,
                                       "rollouts": hub.rollouts_address, "token": token})
             print(f"learner: hub listening on {hub.address}  (pipeline generator --learner {hub.address})",
                   flush=True)
         publisher = WeightPublisher(cfg, engine, hub, rank)
-        publisher.publish(version)
+        with trace.span("publish the first version", "startup"):
+            publisher.publish(version)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
         try:
             version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id, what)

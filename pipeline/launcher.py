@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pipeline.config import Config, save_config
 from pipeline.metrics import read_metrics
-from pipeline.netutil import free_port
+from pipeline.netutil import free_port, port_free
 from pipeline.trace import merge, trace_dir
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # guards run `-m pipeline.launcher` from here
@@ -219,8 +219,10 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     received: list[int] = []  # signals: counted, never raised (see the module's docstring)
     for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the run like Ctrl-C: children stopped, files removed
         signal.signal(sig, lambda signum, frame: received.append(signum))
-    if cfg.hub.port == 0 or resume:  # known before the learner starts: generators on GPUs of their own start beside
-        cfg.hub.port = free_port(cfg.hub.host)  # it (a resumed run's old port may be taken; run.yaml records the new)
+    # the hub's port, known before the learner starts: generators on GPUs of their own start beside it. The run's
+    # config.yaml records it; a resumed run keeps it where it is still free
+    if cfg.hub.port == 0 or (resume and not port_free(cfg.hub.host, cfg.hub.port)):
+        cfg.hub.port = free_port(cfg.hub.host)
     address = f"tcp://{'127.0.0.1' if cfg.hub.host in ('0.0.0.0', '*') else cfg.hub.host}:{cfg.hub.port}"
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)

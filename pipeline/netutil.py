@@ -10,3 +10,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("0.0.0.0" if host == "*" else host, 0))
         return s.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether TCP `port` can be bound on `host` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0" if host == "*" else host, port))
+        except OSError:
+            return False
+        return True

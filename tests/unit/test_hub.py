@@ -370,9 +370,9 @@ def test_dynamic_sampling_filters_groups_without_signal_as_they_arrive(make_hub)
         peer.close()
 
 
-def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained(tmp_path):
-    """eval.every: at version 0 and every 2 versions, the held-out prompts are leased in turns with training prompts
-    (training first), outside admission, with eval.samples samples each; what comes back is scored (eval.jsonl and
+def test_an_evaluation_round_takes_the_room_training_leaves_is_scored_and_not_trained(tmp_path):
+    """eval.every: at version 0 and every 2 versions, the held-out prompts are leased once training has no room for a
+    generator, outside admission, with eval.samples samples each; what comes back is scored (eval.jsonl and
     `evaluations`), never buffered; a lease lost with its generator goes back to its round; heartbeats keep eval
     leases alive."""
     from pipeline.tasks import echo_rows
@@ -383,8 +383,8 @@ def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained
     try:
         peer = Peer(hub)
         peer.register()
-        training = peer.lease(2)
-        assert not training.eval and training.sampling.temperature == 1.0  # training first
+        training = peer.lease(4)
+        assert not training.eval and training.sampling.temperature == 1.0  # training first: the whole window
         first = peer.lease(2)
         assert first.eval and first.group_size == 3 and first.sampling.temperature == 0.7 and len(first.groups) == 2
         assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 0, [first.lease_id])).dead_leases == []
@@ -393,7 +393,7 @@ def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained
             hub._drop_generator(peer.id, "left")  # its leases go back: the eval one to its round
         peer = Peer(hub, "gen-u")
         peer.register()
-        assert not peer.lease(2).eval
+        assert not peer.lease(4).eval
         lease = peer.lease(8)
         assert lease.eval and len(lease.groups) == 3
         other = Peer(hub, "gen-v")  # another generator cannot take a prompt out of this generator's eval lease
@@ -421,9 +421,39 @@ def test_an_evaluation_round_takes_turns_with_training_is_scored_and_not_trained
         assert done["eval/pass@1"] == pytest.approx(4 / 9)
         assert not hub.ledger.buffer and len(hub.ledger.leases) == 1  # nothing of it buffered for training
         assert json.loads((tmp_path / "eval.jsonl").read_text())["eval/pass@3"] == pytest.approx(2 / 3)
-        assert not peer.lease(2).eval  # version 1: no round
+        assert not getattr(peer.lease(2), "eval", False)  # version 1: no round
         hub.finish_step(2)
         assert any(getattr(peer.lease(2), "eval", False) for _ in range(2))  # version 2: the next round, in turn
+        peer.close()
+    finally:
+        hub.stop()
+
+
+def test_a_round_shares_an_engine_with_training_only_a_lease_at_a_time_unless_it_is_overdue(tmp_path):
+    """While training goes on, a generator holds at most generator.lease_size of a round's prompts, and gets them
+    only when the window has no room for it; a round still out when the next one starts (overdue) is not capped (and
+    takes turns with training)."""
+    from pipeline.tasks import echo_rows
+    from tests.unit.peers import new_hub
+
+    hub = new_hub(tmp_path, eval_rows=echo_rows(12, 1), eval={"every": 1, "samples": 2, "max_prompts": 12},
+                  generator={"lease_size": 3})
+    try:
+        peer = Peer(hub)
+        peer.register()
+        assert not peer.lease(8).eval and not peer.lease(8).eval  # the window (2 x 2 groups) in leases of 3 and 1
+        first = peer.lease(8)
+        assert first.eval and len(first.groups) == 3  # no room for training: a lease's worth of the round
+        assert isinstance(peer.lease(8), P.Wait)  # 3 in flight: no more until some come back
+        for item in first.groups[:2]:
+            peer.send(peer.group(first, item, group_size=2))
+        wait_until(lambda: hub.evaluation.held(peer.id) == 1)
+        assert len(peer.lease(8).groups) == 2  # room for 2 of the round again
+        hub.finish_step(1)  # the next round starts: version 0's, with prompts left, is overdue
+        with hub.lock:
+            assert hub.evaluation.overdue(1)
+        overdue = peer.lease(8)  # 3 of the round in flight, but it is overdue: no cap, a lease's worth more
+        assert overdue.eval and len(overdue.groups) == 3 and overdue.min_version == 0
         peer.close()
     finally:
         hub.stop()

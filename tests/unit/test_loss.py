@@ -94,10 +94,12 @@ def test_rows_skip_zero_variance_groups_and_align_tokens():
     assert stats["staleness/max_lag"] == 3 and stats["staleness/min_behaviour_version"] == 0
     batch = collate(rows, pad_id=0, device="cpu")
     r = [i for i, row in enumerate(rows) if len(row.completion) == 2][0]
-    # prompt [3, 4], completion [5, 6]: tokens 5 and 6 are predicted at positions 1 and 2
-    assert batch["mask"][r].tolist() == [0, 1, 1]
-    assert batch["mu"][r].tolist() == [0, -1, -2]
-    assert batch["adv"][r].tolist() == [0, 0.5, 0.5]
+    # prompt [3, 4], completion [5, 6]: tokens 5 and 6 are predicted at positions 1 and 2; the micro-batch is padded
+    # to 8 tokens (a multiple of 8, one padded position at least: learner.batching.padded), the padding masked out
+    assert batch["input_ids"].shape == (2, 8) and batch["attention_mask"][r].tolist() == [1] * 4 + [0] * 4
+    assert batch["mask"][r].tolist() == [0, 1, 1] + [0] * 4
+    assert batch["mu"][r].tolist() == [0, -1, -2] + [0] * 4
+    assert batch["adv"][r].tolist() == [0, 0.5, 0.5] + [0] * 4
 
 
 def test_the_loss_covers_the_models_tokens_only_not_the_environments():
@@ -109,8 +111,9 @@ def test_the_loss_covers_the_models_tokens_only_not_the_environments():
     rows, _ = build_rows([group], step=0, scale_rewards=False)
     batch = collate(rows, pad_id=0, device="cpu")
     r = [i for i, row in enumerate(rows) if len(row.completion) == 4][0]
-    assert batch["mask"][r].tolist() == [0, 1, 0, 0, 1]  # predicting 5 and 6 is trained; the tool's tokens are not
-    assert batch["mu"][r].tolist() == [0, -1, 0, 0, -2]
+    # predicting 5 and 6 is trained; the tool's tokens are not, nor the padding to 8 tokens
+    assert batch["mask"][r].tolist() == [0, 1, 0, 0, 1, 0, 0]
+    assert batch["mu"][r].tolist() == [0, -1, 0, 0, -2, 0, 0]
     sample.mask = P.pack_mask([1, 0, 1])  # not one per token
     with pytest.raises(P.ProtocolError, match="mask: 3 bytes for 4 tokens"):
         P.check_rollout(group, 2)
