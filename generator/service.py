@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from generator.rollout import Context, encode_group, score_group
 from generator.spec import CannotServe, Spec
+from generator.stages import Stages
 from pipeline import protocol as P
 from pipeline import trace
 from pipeline.client import HubClient
@@ -115,10 +116,7 @@ class Generator:
         self.exit_code = 0
         self.tokens = 0
         self.started = time.monotonic()
-        self.stages = trace.Sums()  # seconds per stage (protocol.STAGES), reported in heartbeats
-        self.generating = 0  # groups in their rollout now: the engine has work while any is
-        self.generating_since = 0.0
-        self.lanes: set[int] = set()  # the trace's group lanes in use
+        self.stages = Stages()  # where its time goes, reported in heartbeats (generator/stages.py)
 
     # what it serves: the run's config, its engine and tokenizer, its reward and rollout functions (generator/spec.py)
     cfg = property(lambda self: self.spec.cfg)
@@ -284,7 +282,7 @@ class Generator:
         tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._pushed(),
                                                               self._watch_engine())]
         if trace.on():
-            tasks.append(asyncio.create_task(self._loop_lag()))
+            tasks.append(asyncio.create_task(self.stages.loop_lag()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -306,7 +304,7 @@ class Generator:
                 self.tokens / max(1e-6, time.monotonic() - self.started), len(self.groups), sorted(self.held),
                 draining, self.pushed,
                 # progress, which the hub watches (a count that stops moving while it holds leases: a hung engine)
-                self.tokens + getattr(self.engine, "tokens_in_flight", lambda: 0)(), self.stage_s()))
+                self.tokens + getattr(self.engine, "tokens_in_flight", lambda: 0)(), self.stages.report()))
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
@@ -326,29 +324,6 @@ class Generator:
             else:  # a drain is reported at once
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
-
-    def stage_s(self) -> dict[str, float]:
-        """Seconds per stage since it started; `generating`: with a group in its rollout, `idle`: with none."""
-        now = time.monotonic()
-        generating = self.stages.get("generating", 0.0) + (now - self.generating_since if self.generating else 0.0)
-        return {**self.stages, "generating": generating, "idle": max(0.0, now - self.started - generating)}
-
-    def _rollouts(self, change: int) -> None:
-        """A group's rollout starts (+1) or ends (-1): the time with any running is time the engine had work."""
-        now = time.monotonic()
-        if self.generating and change < 0 and self.generating == 1:
-            self.stages.add("generating", now - self.generating_since)
-        elif not self.generating:
-            self.generating_since = now
-        self.generating += change
-        trace.counter("groups generating", groups=self.generating)
-
-    async def _loop_lag(self, every_s: float = 0.05) -> None:
-        """Profiled: how late the event loop wakes (vLLM's outputs, our Python and collections hold it)."""
-        while True:
-            start = time.monotonic()
-            await asyncio.sleep(every_s)
-            trace.counter("event loop lag", ms=(time.monotonic() - start - every_s) * 1000)
 
     async def _pushed(self) -> None:
         """Weight announcements: the hub pushes them on the control channel, in order with its replies."""
@@ -393,7 +368,7 @@ class Generator:
                 "engine's traceback, if it printed one, is above in this log")
 
     async def _apply(self, ready: P.WeightsReady) -> None:
-        with trace.span("weights", "weights", self.stages, version=ready.version) as span:
+        with self.stages.span("weights", "weights", version=ready.version) as span:
             await self._load(ready, span)
 
     async def _load(self, ready: P.WeightsReady, span: dict) -> None:
@@ -441,8 +416,9 @@ class Generator:
             # With no room it still asks, for none, every heartbeat period: the answer says whether the run is over,
             # which it would otherwise hear only once a group finishes (minutes for long completions), while the
             # learner waits 15 s for its generators to leave
-            with trace.span("lease", "leases", self.stages, asked=max(0, cap - len(self.groups))) as span:
-                reply = await self._ask(P.LeaseRequest(self.id, max(0, cap - len(self.groups))))
+            asked = max(0, cap - len(self.groups))
+            with self.stages.span("lease", "leases", asked=asked) as span:
+                reply = await self._ask(P.LeaseRequest(self.id, asked))
                 span["granted"] = len(getattr(reply, "groups", ()))
             if isinstance(reply, P.RunComplete):
                 log.info("generator %s: the run is complete at version %d", self.id, reply.version)
@@ -453,7 +429,7 @@ class Generator:
                 break
             if isinstance(reply, P.Wait):  # asked again after retry_s, or as soon as the engine loads a new version:
                 # the step that published it made room in the window (the hub opens it as it publishes)
-                with trace.span("wait_room", "leases", self.stages, why=reply.reason):
+                with self.stages.span("wait_room", "leases", why=reply.reason):
                     async with self.version_changed:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self.version_changed.wait(), reply.retry_s)
@@ -464,7 +440,7 @@ class Generator:
             # k = 0: generate only on the newest weights; always on weights of this run. A lease that cannot start
             # (the hub took it back, or a drain began: a draining nccl/ipc generator receives no more versions) is
             # not started; a drain returns it with the Leave
-            with trace.span("wait_version", "leases", self.stages, version=reply.min_version):
+            with self.stages.span("wait_version", "leases", version=reply.min_version):
                 started = await self._wait_version(reply.min_version, reply.lease_id)
             if not started or self.draining.is_set():
                 continue
@@ -511,12 +487,8 @@ class Generator:
     # ---- one prompt group -----------------------------------------------------------------------
 
     async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
-        lane = min(set(range(len(self.lanes) + 1)) - self.lanes)  # the trace's lane of this group
-        self.lanes.add(lane)
-        try:
-            await self._generate(lease, item, f"group {lane}")
-        finally:
-            self.lanes.discard(lane)
+        with self.stages.lane() as lane:  # its track of the timeline
+            await self._generate(lease, item, lane)
 
     async def _generate(self, lease: P.Lease, item: P.PromptItem, lane: str) -> None:
         try:
@@ -525,20 +497,19 @@ class Generator:
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
             ctx = Context(lease.group_size or self.welcome.group_size, lease.sampling, self.tok, item)
-            self._rollouts(+1)
+            self.stages.rollouts(+1)
             try:
                 with trace.span("generate", lane, prompt=item.prompt_id) as span:
                     outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
                     span["tokens"] = sum(len(o.token_ids) for o in outs)
             finally:
-                self._rollouts(-1)
+                self.stages.rollouts(-1)
             # score and encode off the event loop, which keeps feeding the engine meanwhile
             data, stamps = await asyncio.to_thread(self._score_and_encode, outs, ctx, lease, prompt_ids)
             for name, start, end in stamps:
-                self.stages.add(name, end - start)
-                trace.complete(name, lane, start, end)
+                self.stages.add(name, start, end, lane)
             self.tokens += sum(sum(o.mask) for o in outs)
-            with trace.span("send", lane, self.stages):
+            with self.stages.span("send", lane):
                 await self.push.send(data, copy=False)
             self.pushed += 1
         except asyncio.CancelledError:

@@ -75,9 +75,13 @@ class Evaluation:
         if self.cfg.every and version % self.cfg.every == 0 and len(self.prompts):
             self.rounds.append(Round(version, list(range(min(self.cfg.max_prompts, len(self.prompts))))))
 
+    def _oldest(self) -> Round | None:
+        """The oldest round with prompts left."""
+        return next((r for r in self.rounds if r.pending), None)
+
     def overdue(self, version: int) -> bool:
         """Whether the oldest round with prompts left is eval.every versions old or more (the next one has started)."""
-        rnd = next((r for r in self.rounds if r.pending), None)
+        rnd = self._oldest()
         return rnd is not None and version - rnd.version >= self.cfg.every
 
     def held(self, generator_id: str) -> int:
@@ -86,7 +90,7 @@ class Evaluation:
 
     def lease(self, lease_id: int, generator_id: str, n: int) -> P.Lease | None:
         """Up to n prompts of the oldest round with prompts left, or None."""
-        rnd = next((r for r in self.rounds if r.pending), None)
+        rnd = self._oldest()
         if rnd is None or n <= 0:
             return None
         items = {}

@@ -21,6 +21,7 @@ import zmq
 
 from pipeline import protocol as P
 from pipeline import trace
+from pipeline.netutil import local_address
 from pipeline.security import ServerAuth, user_of
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,7 @@ class Server:
 
     @property
     def address(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "*") else self.host
-        return f"tcp://{host}:{self.port}"
+        return local_address(self.host, self.port)
 
     def endpoint(self, port: int) -> str:
         return self.address.rsplit(":", 1)[0] + f":{port}"

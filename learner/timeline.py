@@ -49,12 +49,12 @@ class StepTimes:
         if self.hub is None:
             return out
         busy = dict(self.hub.server.busy)
-        out.update({f"time/hub/{k}_s": v for k, v in trace.Sums(busy).since(self.hub_before).items()})
+        out.update({f"time/hub/{k}_s": v for k, v in trace.gained(busy, self.hub_before).items()})
         self.hub_before = busy
         stages = self.hub.generator_stages()
         gained: dict[str, float] = {}
         for gen_id, now in stages.items():
-            for k, v in trace.Sums(now).since(self.gen_before.get(gen_id, {})).items():
+            for k, v in trace.gained(now, self.gen_before.get(gen_id, {})).items():
                 gained[k] = gained.get(k, 0.0) + max(0.0, v)
         out.update({f"gen/{k}_s": v for k, v in sorted(gained.items())})
         self.gen_before = stages

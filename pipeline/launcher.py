@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pipeline.config import Config, save_config
 from pipeline.metrics import read_metrics
-from pipeline.netutil import free_port, port_free
+from pipeline.netutil import free_port, local_address, port_free
 from pipeline.trace import merge, trace_dir
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # guards run `-m pipeline.launcher` from here
@@ -223,7 +223,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     # config.yaml records it; a resumed run keeps it where it is still free
     if cfg.hub.port == 0 or (resume and not port_free(cfg.hub.host, cfg.hub.port)):
         cfg.hub.port = free_port(cfg.hub.host)
-    address = f"tcp://{'127.0.0.1' if cfg.hub.host in ('0.0.0.0', '*') else cfg.hub.host}:{cfg.hub.port}"
+    address = local_address(cfg.hub.host, cfg.hub.port)
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)
     token = secrets.token_hex(8)  # the learner writes it in hub.json: its address, not a stale one, is used

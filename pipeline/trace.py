@@ -35,9 +35,10 @@ class Sums(dict):
     def add(self, name: str, seconds: float) -> None:
         self[name] = self.get(name, 0.0) + seconds
 
-    def since(self, before: dict) -> dict[str, float]:
-        """What each name gained since `before` (an earlier copy)."""
-        return {k: v - before.get(k, 0.0) for k, v in self.items()}
+
+def gained(now: dict, before: dict) -> dict[str, float]:
+    """What each name of a tally gained since `before` (an earlier copy of it)."""
+    return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
 
 class Trace:
