@@ -25,10 +25,7 @@ from pipeline.metrics import read_jsonl
 
 def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
     events = trace.read(Path(run_dir) / "trace.json")
-    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    spans = [e for e in events if e["ph"] == "X"]
-    for e in spans:
-        e["track"] = tracks.get((e["pid"], e["tid"]), "")
+    spans = trace.spans(events)
     steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
     steady = [e for e in steps if e["args"]["step"] >= skip] or steps
     t0, t1 = steady[0]["ts"], steady[-1]["ts"] + steady[-1]["dur"]
@@ -113,9 +110,7 @@ def plot(run_dir: Path, first: int, last: int, out: Path, lanes: int = 12) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    events = trace.read(Path(run_dir) / "trace.json")
-    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    spans = [dict(e, track=tracks.get((e["pid"], e["tid"]), "")) for e in events if e["ph"] == "X"]
+    spans = trace.spans(trace.read(Path(run_dir) / "trace.json"))
     steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step" and first <= e["args"]["step"] <= last]
     t0, t1 = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
     rows = ["learner", "leases", "weights"] + [f"group {i}" for i in range(lanes)]

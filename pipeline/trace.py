@@ -155,3 +155,9 @@ def merge(run_dir: Path) -> Path | None:
 def read(path: Path) -> list[dict]:
     """The events of a trace.json."""
     return json.loads(Path(path).read_text())["traceEvents"]
+
+
+def spans(events: list[dict]) -> list[dict]:
+    """The spans among `events`, each with the name of its track ("track"; "" where none was named)."""
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    return [dict(e, track=tracks.get((e["pid"], e["tid"]), "")) for e in events if e["ph"] == "X"]

@@ -13,10 +13,6 @@ from pipeline.metrics import read_jsonl
 pytestmark = pytest.mark.integration
 
 
-def _tracks(events: list[dict]) -> dict[tuple[int, int], str]:
-    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-
-
 def test_a_profiled_run_accounts_for_every_second_of_each_step(procs, tmp_path, model_cache):
     run_dir = tmp_path / "run"
     steps = 6
@@ -25,16 +21,15 @@ def test_a_profiled_run_accounts_for_every_second_of_each_step(procs, tmp_path, 
     assert run.wait(600) == 0, run.tail()
     events = trace.read(run_dir / "trace.json")
     json.dumps(events)  # plain JSON: what ui.perfetto.dev and chrome://tracing read
-    tracks = _tracks(events)
-    spans = [e for e in events if e["ph"] == "X"]
-    on = {(tracks[(e["pid"], e["tid"])], e["name"]) for e in spans}
+    spans = trace.spans(events)
+    on = {(e["track"], e["name"]) for e in spans}
     assert {("learner", n) for n in ("wait", "train", "publish", "record", "step")} <= on
     assert {("hub", "decode"), ("hub", "rollout"), ("hub", "lease_request"), ("leases", "lease"),
             ("weights", "weights"), ("group 0", "generate"), ("group 0", "score"), ("group 0", "send")} <= on
     assert any(e["ph"] == "C" and e["name"] == "groups generating" for e in events)
     assert sum(1 for e in spans if e["name"] == "send") >= steps * 16  # every trained group was sent, and traced
 
-    learner = [e for e in spans if tracks[(e["pid"], e["tid"])] == "learner"]
+    learner = [e for e in spans if e["track"] == "learner"]
     step_spans = [e for e in learner if e["name"] == "step"]
     assert [e["args"]["step"] for e in step_spans] == list(range(steps))
     records = read_jsonl(run_dir / "metrics.jsonl")
