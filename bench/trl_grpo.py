@@ -11,9 +11,10 @@ reward is bench.common.parity_reward, as on our side.
 (--reward), the batch (--batch-size prompts x --group-size completions per optimizer step: TRL's default micro-batch
 of 8 completions, gradient accumulation over the rest, one generation per step), --max-tokens, the sampling
 temperature, the learning rate, held constant as ours is (`--lr-schedule linear` for TRL's own default), vLLM
-colocated. A callback evaluates the held-out rows (--eval-data) at step 0, every --eval-every steps and at the last:
---eval-samples samples per prompt at --eval-temperature with the trainer's colocated vLLM engine (its weights synced
-first, as TRL's next generation would), scored by the same reward through pipeline.tasks.score as our hub scores
+colocated (`--mode server`: a `trl vllm-serve` the caller started). A callback evaluates the held-out rows
+(--eval-data) at step 0, every --eval-every steps and at the last: --eval-samples samples per prompt at
+--eval-temperature with the trainer's vLLM engine, colocated or the server (its weights synced first, as TRL's next
+generation would), scored by the same reward through pipeline.tasks.score as our hub scores
 them; pass@1 is the share of samples whose reward reaches --pass-threshold. Each round is appended to --eval-out
 as it ends (unix time when the weights were made, the evaluation's seconds), so a run cut short keeps its curve.
 
@@ -159,8 +160,9 @@ def arith_config(args, cuda: bool, GRPOConfig):
     why = {"max_steps": "the run's length", "learning_rate": "ours", "lr_scheduler_type": "ours is constant",
            "num_generations": "group size", "gradient_accumulation_steps": "batch: prompts x group per optimizer "
            "step, one generation per step", "per_device_train_batch_size": "TRL's default unless the batch is no "
-           "multiple of it", "max_completion_length": "ours", "temperature": "ours", "use_vllm": "colocated vLLM",
-           "vllm_mode": "colocate", "save_strategy": "no checkpoints (ours saves one at the end)",
+           "multiple of it", "max_completion_length": "ours", "temperature": "ours", "use_vllm": "vLLM generates",
+           "vllm_mode": "--mode", "vllm_server_port": "the trl vllm-serve started beside it",
+           "save_strategy": "no checkpoints (ours saves one at the end)",
            "report_to": "no trackers"}
     return config, {"task": "arith", "mode": args.mode, "set": {k: _plain(v) for k, v in set_.items()},
                     "why": {k: why.get(k, "") for k in set_}, "prompts_per_step": args.batch_size,
@@ -290,13 +292,16 @@ class HeldOut:
         a, trainer = self.args, self.trainer
         if a.mode == "none":
             return self._generate_hf()
-        if a.mode != "colocate":
-            raise SystemExit("--task arith evaluates with the colocated engine: --mode colocate (or none)")
-        from vllm import SamplingParams
-
         if step and trainer._last_loaded_step != step:  # the engine holds the weights of the step's generation
             trainer.vllm_generation.sync_weights()
             trainer._last_loaded_step = step  # the next generation need not sync again
+        if a.mode == "server":  # the trl vllm-serve that generates its batches, through TRL's own client
+            ids = trainer.vllm_generation.vllm_client.generate(
+                self.prompt_ids, n=a.eval_samples, temperature=a.eval_temperature, max_tokens=a.max_tokens,
+                logprobs=None)["completion_ids"]
+            return [ids[i * a.eval_samples:(i + 1) * a.eval_samples] for i in range(len(self.prompt_ids))]
+        from vllm import SamplingParams
+
         params = SamplingParams(n=a.eval_samples, temperature=a.eval_temperature, max_tokens=a.max_tokens, top_p=1.0)
         outs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": ids} for ids in self.prompt_ids],
                                                     sampling_params=params, use_tqdm=False)

@@ -9,7 +9,8 @@
             reward, batch (batch_size x group_size per optimizer step), max_tokens, temperature and learning rate; the
             rest at TRL's defaults (the result holds them, and what was set); the same held-out prompts evaluated the
             same way (eval.samples at eval.temperature, sampling.max_tokens, pass@1 by the reward) every eval.every
-            steps with TRL's colocated vLLM engine.
+            steps with TRL's colocated vLLM engine (`--trl-mode server --trl-gpus 2,3`: the trainer on GPU 2, a
+            `trl vllm-serve` on GPU 3 with the config's max_model_len and TRL's defaults, evaluating through it).
     engine  the engine alone: vLLM's offline LLM with the config's generator settings generating a step's batch
             (batch_size prompts x group_size samples) from training prompts, --engine-rounds times: seconds a batch,
             completion tokens/s. What a step needs beyond it is the loop's own (bench/curves.py, step_breakdown).
@@ -24,6 +25,7 @@ comparison, vs_trl_arith_MODEL_MACHINE.json, and its plot in docs/.
 
     python -m bench.vs_trl --task arith --sides trl --steps 150 --timeout 560
     python -m bench.vs_trl --task arith --sides ours,engine --ks 0 --steps 150 --timeout 480
+    python -m bench.vs_trl --task arith --sides trl --trl-mode server --trl-gpus 2,3 --steps 50
     python -m bench.vs_trl --task arith --merge RESULT.json ...
 """
 
@@ -40,6 +42,7 @@ from pathlib import Path
 from bench import curves
 from bench.common import ROOT, RUNS, machine_key, memory_peak, start_child, write_result
 from pipeline.metrics import read_jsonl
+from pipeline.netutil import free_port
 
 TARGET = 1 / 3  # our wall time to TRL's final held-out accuracy, over TRL's
 
@@ -53,7 +56,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a further override of the config, for both sides (listed as a difference from it)")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
-    p.add_argument("--trl-mode", choices=["colocate", "none"], default="colocate", help="none: no vLLM (CPU smoke)")
+    p.add_argument("--trl-mode", choices=["colocate", "server", "none"], default="colocate",
+                   help="server: `trl vllm-serve` on the second of --trl-gpus; none: no vLLM (CPU smoke)")
+    p.add_argument("--trl-gpus", default=None, metavar="TRAINER[,SERVER]",
+                   help="CUDA_VISIBLE_DEVICES of TRL's trainer and of its server (default: the caller's; server: 0,1)")
     p.add_argument("--trl-lr-schedule", default="constant", help="constant, as ours; linear: TRL's default")
     p.add_argument("--trl-gpu-memory", type=float, default=None, help="vllm_gpu_memory_utilization (TRL's default)")
     p.add_argument("--engine-rounds", type=int, default=5)
@@ -132,7 +138,21 @@ def run_trl(args, cfg) -> dict:
             "--eval-every", str(e.every), "--eval-samples", str(e.samples), "--eval-temperature", str(e.temperature),
             "--pass-threshold", str(e.pass_threshold), "--mode", args.trl_mode, "--seed", str(t.seed),
             *(["--gpu-memory", str(args.trl_gpu_memory)] if args.trl_gpu_memory is not None else [])]
-    code, wall, peak, child = supervised("trl-grpo", argv, d / "trl-grpo.log", args.timeout)
+    gpus = (args.trl_gpus or ("0,1" if args.trl_mode == "server" else "")).split(",")
+    server = None
+    if args.trl_mode == "server":
+        port = free_port()
+        argv += ["--server-port", str(port)]
+        server = start_child("trl-vllm-serve", [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model",
+                                                resolve_model_path(cfg.model.path), "--port", str(port),
+                                                "--max_model_len", str(cfg.generator.max_model_len)],
+                             d / "trl-vllm-serve.log", env={"CUDA_VISIBLE_DEVICES": gpus[1]})
+    try:
+        code, wall, peak, child = supervised("trl-grpo", argv, d / "trl-grpo.log", args.timeout,
+                                             {"CUDA_VISIBLE_DEVICES": gpus[0]} if gpus[0] else None)
+    finally:
+        if server is not None:
+            server.stop(grace=10)
     result = json.loads(out.read_text()) if out.exists() else {}
     rounds = result.get("eval") or read_jsonl(evals)  # a cut run: the rounds it finished
     if not rounds:
@@ -201,13 +221,14 @@ def run_engine(args) -> dict:
     return {"side": "engine", "returncode": code, "gpu_memory_peak_gib": peak} | json.loads(out.read_text())
 
 
-def supervised(name: str, argv: list[str], log: Path, timeout: float):
+def supervised(name: str, argv: list[str], log: Path, timeout: float, env: dict | None = None):
     """Run a child to its end or `timeout` (then stopped; returncode None), its GPU memory peak (NVML) alongside:
     (returncode, (launch, end) unix times, peak GiB, child)."""
     stop, peak = threading.Event(), [0]
-    threading.Thread(target=memory_peak, args=(stop, peak), daemon=True).start()
+    gpu = int((env or {}).get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    threading.Thread(target=memory_peak, args=(stop, peak, gpu), daemon=True).start()
     launched = time.time()
-    child = start_child(name, argv, log)
+    child = start_child(name, argv, log, env)
     try:
         code = child.proc.wait(timeout)
     except subprocess.TimeoutExpired:
