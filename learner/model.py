@@ -133,14 +133,19 @@ def compile_layers(model) -> int:
     """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`), with dynamic
     shapes: one graph for every layer and micro-batch size. In place, so parameter names stay as they are; lazy, so
     the cast to bf16 comes first. The lm_head stays eager; on a GPU the log-prob passes are Triton kernels
-    of their own (learner/kernels.py). Returns the number of layers compiled."""
+    of their own (learner/kernels.py). Inductor's mix-order reductions are off: whether to fuse them depends on the
+    micro-batch's rows x length (at least 5 Mi elements), a guard that compiled every layer again when a micro-batch
+    crossed it mid-run (docs/figures.md). Returns the number of layers compiled."""
+    from torch._inductor import config as inductor
+
+    options = {"triton.mix_order_reduction": False} if hasattr(inductor.triton, "mix_order_reduction") else None
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
         raise ValueError(f"trainer.compile: {type(model).__name__} names no decoder layers (_no_split_modules) to "
                          "compile")
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=options)
     return len(layers)
 
 

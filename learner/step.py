@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.batching import Row, build_rows, collate, micro_batches
+from learner.batching import Row, build_rows, collate, micro_batches, padded
 from learner.health import StepHealth
 from learner.logprobs import forward_logprobs
 from learner.loss import masked_sum, token_loss
@@ -148,15 +148,19 @@ def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[R
 
 def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
     """This rank's micro-batches of `rows` as (tensors, rows), padded with empty ones to the count every rank runs
-    (rows None: a padding micro-batch, mask all 0)."""
+    (rows None: a padding micro-batch, mask all 0). A micro-batch of one row gets a masked copy of it beside it where
+    two fit the budget: trainer.compile's layers are compiled for two rows and more, and a lone row (size 1, which
+    torch specialises) compiled them all again in the middle of a run (docs/figures.md)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     batches = micro_batches(rows, budget)
     mine = batches[rank::world]
     for i in range(max(1, -(-len(batches) // world))):
         mb = mine[i] if i < len(mine) else None
-        batch = collate(mb or [_empty_row(all_rows, groups)], pad_id, device)
-        if mb is None:
-            batch["mask"].zero_()
+        part = mb or [_empty_row(all_rows, groups)]
+        if len(part) == 1 and 2 * padded(part[0].length) <= budget:
+            part = [*part, _empty_row(part, groups)]
+        batch = collate(part, pad_id, device)
+        batch["mask"][len(mb or []):].zero_()  # the copies and padding micro-batches train nothing
         yield batch, mb
 
 

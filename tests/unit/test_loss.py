@@ -164,6 +164,45 @@ def test_micro_batches_respect_the_token_budget():
     assert all(len(b) * max(r.length for r in b) <= 20 for b in batches)
 
 
+def test_a_lone_row_is_trained_beside_a_masked_copy_where_two_fit():
+    """trainer.compile's layers are compiled for two rows and more: a micro-batch of one row gets a copy of it with
+    its mask off (nothing trained twice), unless two rows would pass the budget."""
+    from learner.step import _micro_batches
+
+    def row(n):
+        return Row(np.arange(n, dtype=np.int32), np.ones(3, np.int32), np.zeros(3, np.float32), np.ones(3, np.uint8),
+                   1.0, 1.0, 1)
+
+    rows = [row(4), row(4), row(20)]  # 24 tokens pad to 32: the long row is alone in every budget below 64
+    got = [(b["input_ids"].shape[0], b["mask"].sum(1).tolist(), b["lag"].tolist(), [len(r.prompt) for r in mb])
+           for b, mb in _micro_batches(rows, 64, 0, rows, [], "cpu")]
+    assert got == [(2, [3.0, 3.0], [1, 1], [4, 4]), (2, [3.0, 0.0], [1, 0], [20])]
+    alone = [(b["input_ids"].shape[0], b["mask"].sum().item()) for b, _ in _micro_batches(rows, 40, 0, rows, [], "cpu")]
+    assert alone == [(2, 6.0), (1, 3.0)]  # two long rows (64 tokens) do not fit 40: the lone row stays alone
+
+
+def test_compiled_layers_are_not_guarded_on_rows_times_length():
+    """Inductor fuses mix-order reductions only past 5 Mi elements of rows x length, a guard that compiled every layer
+    again when a micro-batch crossed it mid-run: trainer.compile turns them off."""
+    from learner.model import compile_layers
+
+    class Layer(torch.nn.Linear):
+        pass
+
+    class Model(torch.nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Layer(2, 2), Layer(2, 2)
+
+    model, seen = Model(), []
+    for layer in (model.a, model.b):
+        layer.compile = lambda **kw: seen.append(kw)
+    assert compile_layers(model) == 2
+    assert seen == [{"dynamic": True, "options": {"triton.mix_order_reduction": False}}] * 2
+
+
 def test_masked_leaves_tokens_outside_the_bounds_out_instead_of_truncating():
     """IcePop: a token whose behaviour weight exp(prox - mu) is outside [0.5, 2] gets no gradient at all; inside,
     the weight is applied untruncated."""
