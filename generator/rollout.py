@@ -20,6 +20,11 @@ from pipeline import protocol as P
 from pipeline.tasks import TrainerState, score
 
 
+class AgentFailed(Exception):
+    """An agent hung or failed under generator.agent_failure requeue (generator/agent.py): the prompt is leased
+    again (GroupFailed kind agent)."""
+
+
 @dataclass
 class Context:
     n: int  # samples in the group
@@ -39,6 +44,10 @@ class Trajectory:
     gen_ms: float = 0.0
     text: str | None = None  # the completion reward functions see (None: the tokens decoded)
     extra: dict = field(default_factory=dict)
+    # an agent's (generator/agent.py): a trajectory split where its context stopped extending what came before
+    prompt_ids: list[int] | None = None  # the context these tokens were sampled from, where it is not the prompt's
+    trajectory: int = -1  # which of the group's n trajectories this is part of; -1: its index in the list
+    turns: list[tuple[int, int]] = field(default_factory=list)  # (start in token_ids, version) of each model turn
 
 
 async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
@@ -48,11 +57,23 @@ async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Traje
 
 
 def score_group(outs: list[Trajectory], ctx: Context, rewards, total_steps: int) -> tuple[list, list]:
-    """The group's rewards by the reward functions of the run: (totals, each function's) per sample."""
+    """The group's rewards by the reward functions of the run: (totals, each function's) per sample. The samples a
+    trajectory was split into share its reward, scored once from its first sample (an agent's answer is its text)."""
     tok, item = ctx.tokenizer, ctx.item
-    texts = [o.text if o.text is not None else tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    owner = [o.trajectory if o.trajectory >= 0 else i for i, o in enumerate(outs)]
+    first = {t: i for i, t in reversed(list(enumerate(owner)))}
+    heads = [outs[first[t]] for t in sorted(first)]
+    texts = [o.text if o.text is not None else tok.decode(o.token_ids, skip_special_tokens=True) for o in heads]
     state = TrainerState(min(o.first_version for o in outs), total_steps, item.epoch)
-    return score(rewards, item.messages or item.prompt, texts, [o.token_ids for o in outs], item.columns, state)
+    totals, per_fn = score(rewards, item.messages or item.prompt, texts, [o.token_ids for o in heads], item.columns,
+                           state)
+    for k, o in enumerate(heads):  # an agent that failed (generator/agent.py, agent_failure zero): reward 0
+        if o.finish_reason.startswith("agent_"):
+            totals[k], per_fn[k] = 0.0, [0.0] * len(per_fn[k])
+    if len(heads) == len(outs):
+        return totals, per_fn
+    at = {t: k for k, t in enumerate(sorted(first))}
+    return [totals[at[t]] for t in owner], [per_fn[at[t]] for t in owner]
 
 
 def encode_group(outs: list[Trajectory], ctx: Context, lease: P.Lease, prompt_ids: list[int], scores: tuple,
@@ -61,7 +82,9 @@ def encode_group(outs: list[Trajectory], ctx: Context, lease: P.Lease, prompt_id
     totals, per_fn = scores
     samples = [
         P.Sample(P.pack_ints(o.token_ids), P.pack_floats(o.logprobs), totals[i], per_fn[i], o.finish_reason,
-                 o.first_version, o.last_version, o.gen_ms, b"" if all(o.mask) else P.pack_mask(o.mask))
+                 o.first_version, o.last_version, o.gen_ms, b"" if all(o.mask) else P.pack_mask(o.mask),
+                 P.pack_ints(o.prompt_ids) if o.prompt_ids is not None else b"", o.trajectory,
+                 P.pack_ints([x for turn in o.turns for x in turn]) if o.turns else b"")
         for i, o in enumerate(outs)
     ]
     return P.encode(P.RolloutGroup(lease.lease_id, generator_id, ctx.item.prompt_id, ctx.item.epoch,

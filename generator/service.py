@@ -37,7 +37,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from generator.rollout import Context, encode_group, score_group
+from generator.rollout import AgentFailed, Context, encode_group, score_group
 from generator.spec import CannotServe, Spec
 from generator.stages import Stages
 from pipeline import protocol as P
@@ -130,6 +130,12 @@ class Generator:
     async def run(self, handle_signals: bool = True) -> int:
         """Returns the exit code: 0 when it drained or the run completed, 1 when its engine died or the hub
         refused it."""
+        try:
+            return await self._run(handle_signals)
+        finally:
+            await self.spec.close()  # what the rollout strategy runs: an agent's endpoint
+
+    async def _run(self, handle_signals: bool) -> int:
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, self._on_signal)
@@ -514,6 +520,8 @@ class Generator:
             self.pushed += 1
         except asyncio.CancelledError:
             raise
+        except AgentFailed as e:  # generator.agent_failure requeue: the prompt is leased again
+            await self._report(lease, item, "agent", str(e))
         except RewardError as e:  # the user's function: an error of the run, reported with its traceback
             log.error("group for prompt %d: %s", item.prompt_id, e)
             await self._report(lease, item, "reward", str(e))

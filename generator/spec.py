@@ -30,6 +30,15 @@ log = logging.getLogger("generator.service")  # its lines are the generator's
 EARLY_S = 5.0  # seconds: no answer from the hub this long, and its own config names a model: build that meanwhile
 
 
+def load_rollout(cfg: Config):
+    """generator.rollout's strategy: `agent` (generator/agent.py, with its endpoint), else the function it names."""
+    if cfg.generator.rollout == "agent":
+        from generator.agent import AgentRollout
+
+        return AgentRollout(cfg)
+    return load_callable(cfg.generator.rollout, "generator.rollout")
+
+
 class CannotServe(Exception):
     """This generator cannot serve the run: the hub was told why (and refuses it)."""
 
@@ -47,11 +56,16 @@ class Spec:
         self.fingerprints: dict[str, str] = {}
         self.digest = ""
         self.rewards = load_reward_fns(own.rewards) if self.engine is not None else []
-        self.rollout = load_callable(own.generator.rollout, "generator.rollout") if self.engine is not None else None
+        self.rollout = load_rollout(own) if self.engine is not None else None
 
     @property
     def adapter_slots(self) -> int:
         return adapter_slots(self.built)
+
+    async def close(self) -> None:
+        """Stop what the rollout strategy runs (an agent's endpoint)."""
+        if hasattr(self.rollout, "aclose"):
+            await self.rollout.aclose()
 
     async def adopt(self, ask) -> str:
         """Take the run's config for what this generator serves, and build the engine for it where the one it has
@@ -71,11 +85,12 @@ class Spec:
                 log.warning("generator %s: the run's values replace its own config's: %s", self.id,
                             "; ".join(changed))
             rewards = load_reward_fns(cfg.rewards)
-            rollout = load_callable(cfg.generator.rollout, "generator.rollout")
+            rollout = load_rollout(cfg)
         except Exception as e:  # the run's reward or rollout functions cannot be imported here
             await self._cannot_serve(ask, f"{type(e).__name__}: {e}")
         if why := rebuild(self.built, cfg):
             await self._build(cfg, why, ask)
+        await self.close()  # the strategy replaced (an agent's endpoint stops)
         self.cfg, self.rewards, self.rollout, self.digest = cfg, rewards, rollout, runspec.digest(cfg)
         return ""
 

@@ -44,22 +44,30 @@ class Row:
 def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool,
                overlong: tuple[int, int, float] = (0, 0, 0.0)) -> tuple[list[Row], dict]:
     """`overlong`: (max_tokens, buffer, penalty) of DAPO's soft overlong punishment (buffer 0: off)."""
-    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float64)
-    penalty = torch.tensor([[overlong_penalty(len(s.token_ids) // 4, *overlong) for s in g.samples] for g in groups],
-                           dtype=torch.float64)
+    # a group's advantages are over its trajectories; an agent's trajectory split into several samples (each with the
+    # context it was sampled from) gives each of them its advantage
+    owners = [P.trajectory_of(g.samples) for g in groups]
+    rewards = torch.tensor([P.trajectory_rewards(g.samples) for g in groups], dtype=torch.float64)
+    sizes = [[0] * len(r) for r in rewards]  # tokens of each trajectory
+    for gi, g in enumerate(groups):
+        for t, s in zip(owners[gi], g.samples, strict=True):
+            sizes[gi][t] += len(s.token_ids) // 4
+    penalty = torch.tensor([[overlong_penalty(n, *overlong) for n in row] for row in sizes], dtype=torch.float64)
     adv, zero = group_advantages(rewards - penalty, scale=scale_rewards)
     rows = []
     for gi, g in enumerate(groups):
         if zero[gi]:
             continue
         prompt = P.unpack_ints(g.prompt_ids)
-        for si, s in enumerate(g.samples):
+        for t, s in zip(owners[gi], g.samples, strict=True):
             tokens = P.unpack_ints(s.token_ids)
             if len(tokens):
-                rows.append(Row(prompt, tokens, P.unpack_floats(s.logprobs), P.unpack_mask(s.mask, len(tokens)),
-                                float(adv[gi, si]), g.temperature, lag(g, step)))
+                rows.append(Row(P.unpack_ints(s.prompt_ids) if s.prompt_ids else prompt, tokens,
+                                P.unpack_floats(s.logprobs), P.unpack_mask(s.mask, len(tokens)), float(adv[gi, t]),
+                                g.temperature, lag(g, step)))
     lags = [lag(g, step) for g in groups]
     samples = [s for g in groups for s in g.samples]
+    turns = [P.unpack_ints(s.turns)[1::2] for s in samples if s.turns]
     lengths = [len(s.token_ids) // 4 for s in samples]
     stats = {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
@@ -71,6 +79,11 @@ def build_rows(groups: list[P.RolloutGroup], step: int, scale_rewards: bool,
         "tokens/completion_mean": float(np.mean(lengths)), "tokens/completion_max": max(lengths),
         "samples/truncated": float(np.mean([s.finish_reason == "length" for s in samples])),
     }
+    if any(s.turns or s.trajectory >= 0 for s in samples):  # an agent's
+        stats |= {"agent/splits": len(samples) - sum(len(r) for r in rewards),
+                  "agent/turns": sum(len(v) for v in turns),
+                  "agent/version_changes": sum(int((np.diff(v) != 0).sum()) for v in turns),
+                  "agent/failed": sum(s.finish_reason.startswith("agent_") for s in samples)}
     return rows, stats
 
 

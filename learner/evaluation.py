@@ -127,7 +127,7 @@ class Evaluation:
         except Rejected:
             lease.round.pending.append(msg.prompt_id)  # asked again
             raise
-        lease.round.rewards[msg.prompt_id] = [s.reward for s in msg.samples]
+        lease.round.rewards[msg.prompt_id] = P.trajectory_rewards(msg.samples)
         lease.round.versions.append(min(s.first_version for s in msg.samples))
         lease.round.newest = max(lease.round.newest, *(s.last_version for s in msg.samples))
         lease.round.mixed += sum(s.first_version != s.last_version for s in msg.samples)

@@ -32,6 +32,10 @@ class Faults:
         key = (msg.epoch, msg.prompt_id)
         attempts, tried = self.ledger.failed(key, principal)
         confirmed = self.registry.confirmed(tried)
+        if msg.kind == "agent":  # generator.agent_failure requeue: leased again, as an engine's failure is
+            self.counters["agent/requeued"] = self.counters.get("agent/requeued", 0) + 1
+            self.journal.event("agent_failed", principal, generator=msg.generator_id, prompt_id=msg.prompt_id,
+                               reason=msg.reason[:500])
         if msg.kind == "reward":
             self._reward_error(key, msg, confirmed)
         elif confirmed and (msg.kind == "prompt" or attempts >= MAX_ATTEMPTS):

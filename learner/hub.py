@@ -89,9 +89,13 @@ class Hub:
         self.shape = RunShape(vocab_size, t.group_size, cfg.sampling.max_tokens, cfg.generator.max_model_len,
                               len(cfg.rewards))
         # a rollout holds group_size x max_tokens x 8 bytes of arrays, plus rewards, strings and the prompt
-        limits = P.Limits(bytes=min(cfg.hub.max_message_mb * 2**20, 2 * t.group_size * (
-            8 * cfg.sampling.max_tokens + 64 * len(cfg.rewards) + 512) + 4 * cfg.generator.max_model_len + 2**16),
-            containers=2 * t.group_size + 16)  # the group, its samples list, each sample and its rewards
+        # (an agent's trajectory may be split into P.MAX_PARTS samples, each with its context: generator/agent.py)
+        parts = P.MAX_PARTS if cfg.generator.rollout == "agent" else 1
+        sample = 8 * cfg.sampling.max_tokens + 64 * len(cfg.rewards) + 512
+        sample += 4 * cfg.generator.max_model_len if parts > 1 else 0
+        limits = P.Limits(bytes=min(cfg.hub.max_message_mb * 2**20, 2 * t.group_size * parts * sample
+                                    + 4 * cfg.generator.max_model_len + 2**16),
+                          containers=2 * t.group_size * parts + 16)  # the group, its samples list, each sample, rewards
         # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
         self.lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
         if state:
@@ -368,7 +372,12 @@ class Hub:
             self._count_against(gen, f"{e.reason}: {e.detail}")
             self.lock.notify_all()
             return
-        filtered = self.cfg.trainer.dynamic_sampling and len({s.reward for s in msg.samples}) == 1
+        for s in msg.samples:  # an agent that hung or raised: its sample scored as generator.agent_failure says
+            if s.finish_reason.startswith("agent_"):
+                self.counters[f"agent/{s.finish_reason}"] = self.counters.get(f"agent/{s.finish_reason}", 0) + 1
+                self.journal.event("agent_failed", gen.principal, generator=gen.generator_id, prompt_id=msg.prompt_id,
+                                   reason=s.finish_reason)
+        filtered = self.cfg.trainer.dynamic_sampling and len(set(P.trajectory_rewards(msg.samples))) == 1
         if filtered:
             self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
         else:
@@ -396,8 +405,8 @@ class Hub:
         lease = self.ledger.leases.get(msg.lease_id)
         if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
             return P.Ack(known=False)
-        if msg.kind not in ("engine", "prompt", "reward"):
-            return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt or reward")
+        if msg.kind not in ("engine", "prompt", "reward", "agent"):
+            return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward or agent")
         self.ledger.settle(msg.lease_id, key)
         self.registry.progressed(gen)
         self.faults.group_failed(msg, gen.principal)

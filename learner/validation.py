@@ -56,10 +56,12 @@ def check_rollout(group: P.RolloutGroup, expected: Expected, version: int, shape
         raise Rejected("temperature", f"{where}.temperature: {group.temperature!r}, the lease said "
                                       f"{expected.temperature!r}")
     prompt_len = len(group.prompt_ids) // 4
-    if _clean(group.samples, prompt_len, expected.min_version, version, shape):
+    plain = not any(s.prompt_ids or s.turns or s.trajectory >= 0 for s in group.samples)
+    if plain and _clean(group.samples, prompt_len, expected.min_version, version, shape):
         return
-    for i, s in enumerate(group.samples):  # something is wrong: which sample, and what
+    for i, s in enumerate(group.samples):  # something is wrong, or an agent's samples: which sample, and what
         _check_sample(s, f"{where}.samples[{i}]", prompt_len, expected.min_version, version, shape)
+    _check_trajectories(group.samples, where)
 
 
 def _clean(samples: list[P.Sample], prompt_len: int, min_version: int, version: int, shape: RunShape) -> bool:
@@ -84,6 +86,12 @@ def _clean(samples: list[P.Sample], prompt_len: int, min_version: int, version: 
 
 
 def _check_sample(s: P.Sample, where: str, prompt_len: int, min_version: int, version: int, shape: RunShape) -> None:
+    if s.prompt_ids:  # an agent's sample with a context of its own
+        own = P.unpack_ints(s.prompt_ids)
+        if own.min() < 0 or own.max() >= shape.vocab_size:
+            raise Rejected("token_id", f"{where}.prompt_ids: {int(own[(own < 0) | (own >= shape.vocab_size)][0])} "
+                                       f"lies outside the vocabulary [0, {shape.vocab_size})")
+        prompt_len = len(own)
     tokens = P.unpack_ints(s.token_ids)
     if len(tokens) > shape.max_tokens:
         raise Rejected("length", f"{where}: {len(tokens)} completion tokens, sampling.max_tokens is {shape.max_tokens}")
@@ -107,6 +115,21 @@ def _check_sample(s: P.Sample, where: str, prompt_len: int, min_version: int, ve
                                   f"[{min_version}, {version}] (the lease's minimum, the learner's current)")
     if not np.isfinite(s.gen_ms):
         raise Rejected("structure", f"{where}.gen_ms: {s.gen_ms!r} is not finite")
+    turns = P.unpack_ints(s.turns).reshape(-1, 2)
+    if len(turns) and not ((np.diff(turns[:, 0]) > 0).all() and turns[0, 0] >= 0 and turns[-1, 0] < len(tokens)
+                           and (turns[:, 1] >= s.first_version).all() and (turns[:, 1] <= s.last_version).all()):
+        raise Rejected("version", f"{where}.turns: {turns.tolist()[:8]}; each model turn's start must rise within "
+                                  f"the {len(tokens)} tokens, its version lie in {s.first_version}..{s.last_version}")
+
+
+def _check_trajectories(samples: list[P.Sample], where: str) -> None:
+    """The samples a trajectory was split into carry its one reward."""
+    seen: dict[int, P.Sample] = {}
+    for i, (t, s) in enumerate(zip(P.trajectory_of(samples), samples, strict=True)):
+        first = seen.setdefault(t, s)
+        if s.reward != first.reward or not np.array_equal(s.rewards, first.rewards, equal_nan=True):
+            raise Rejected("reward", f"{where}.samples[{i}]: reward {s.reward!r}, another sample of trajectory {t} "
+                                     f"has {first.reward!r}; the samples of a trajectory share its reward")
 
 
 def check_prompt_ids(ids: np.ndarray, vocab_size: int) -> None:

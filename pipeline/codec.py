@@ -25,7 +25,7 @@ import numpy as np
 # 3: typed replies, sampling and announcements (WeightsReady.file), RunComplete, one route; 4: the nccl join
 # handshake (each worker announces itself on the group's store before the group is built), Heartbeat.generated;
 # 5: the run's spec (SpecRequest -> RunSpec) before registering, which a Register must show (spec_digest, fingerprints)
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,22 @@ class GeneratorConfig:
     room for); a generator also keeps this many groups waiting beside those its engine runs."""
     rollout: str = "generator.rollout:single_turn"
     """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py); e.g.
-    `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss)."""
+    `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss).
+    `agent`: your agent program, unchanged, talking to this generator's OpenAI-compatible endpoint (generator/agent.py,
+    generator.agent or generator.agent_command)."""
+    agent: str = ""
+    """With rollout `agent`: `module:function` of `async def agent(client, item) -> str`, called once per sample with
+    an `openai.AsyncOpenAI` client bound to the sample's session and the prompt (item.messages or item.prompt, and
+    item.columns); it returns the answer the reward functions score."""
+    agent_command: list[str] = field(default_factory=list)
+    """With rollout `agent`: a command run once per sample, with OPENAI_BASE_URL and OPENAI_API_KEY set to its session
+    and the prompt as JSON on stdin ({"prompt" or "messages", "columns"}); what it prints is the answer."""
+    agent_timeout_s: float = 300.0
+    """An agent (callable or command) still running after this many seconds is stopped: its sample fails."""
+    agent_failure: Literal["zero", "requeue"] = "zero"
+    """A sample whose agent hung, raised or exited non-zero: `zero` trains the group with that sample's reward 0 (what
+    it generated is kept, out of nothing else), `requeue` leases the prompt again. Either way it is counted
+    (agent/agent_timeout, agent/agent_error) and named in events.jsonl."""
     max_inflight_groups: int = 0
     """Groups a generator keeps in its engine at once. 0: what its engine runs at once (`max_num_seqs`, fewer when
     the KV cache holds fewer sequences of `max_model_len`) over the group size, plus one lease waiting, so the

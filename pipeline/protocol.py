@@ -43,6 +43,7 @@ from pipeline.codec import (  # noqa: F401  (the codec is used through this modu
 )
 
 MAX_CONTROL_BYTES = FROM_PEER.bytes
+MAX_PARTS = 16  # samples one trajectory may be split into (an agent's re-rendered histories: generator/agent.py)
 GENERATOR_ID = 128  # characters of a generator id
 
 
@@ -74,6 +75,11 @@ class Sample:
     last_version: int = 0  # weights version that produced the last token
     gen_ms: float = 0.0
     mask: bytes = b""  # uint8 per token: 1 sampled by the model (trained), 0 put there by the environment; "": all 1
+    # an agent's samples (generator/agent.py): a trajectory whose context stopped extending what came before (its
+    # history re-rendered or edited) goes on as another sample of the same trajectory, with the context it came from
+    prompt_ids: bytes = b""  # int32: this sample's own context; "": the group's prompt
+    trajectory: int = -1  # the group's trajectory it belongs to (whose reward it carries); -1: its own index
+    turns: bytes = b""  # int32 pairs: where each model turn starts in token_ids, the weights version that sampled it
 
 
 @dataclass
@@ -191,7 +197,8 @@ class WeightsApplied(Message):
 class GroupFailed(Message):
     """A leased prompt's group could not be generated; `kind` says whose fault: "engine" (lease it again),
     "prompt" (vLLM refused the prompt itself), "reward" (a reward function raised: `reason` holds the function
-    and its traceback; an error of the run, not of the prompt)."""
+    and its traceback; an error of the run, not of the prompt), "agent" (an agent hung or failed under
+    generator.agent_failure requeue: lease it again)."""
 
     tag: ClassVar[str] = "group_failed"
     generator_id: str = text(GENERATOR_ID)
@@ -408,13 +415,29 @@ class WeightsReady(Message):
     ipc: IpcHandles | None = None  # ipc: the buffers holding this version
 
 
+def trajectory_of(samples: list[Sample]) -> list[int]:
+    """Each sample's trajectory in its group (an agent's trajectory may be split into several samples)."""
+    return [s.trajectory if s.trajectory >= 0 else i for i, s in enumerate(samples)]
+
+
+def trajectory_rewards(samples: list[Sample]) -> list[float]:
+    """The reward of each trajectory of a group, in order (its samples share it)."""
+    first = {}
+    for t, s in zip(trajectory_of(samples), samples, strict=True):
+        first.setdefault(t, s.reward)
+    return [first[t] for t in sorted(first)]
+
+
 def check_rollout(group: RolloutGroup, group_size: int) -> None:
     """Validate array sizes of a decoded RolloutGroup (types are already checked by `decode`)."""
     where = f"RolloutGroup(prompt_id={group.prompt_id})"
     if len(group.prompt_ids) % 4 or not group.prompt_ids:
         raise ProtocolError(f"{where}.prompt_ids: {len(group.prompt_ids)} bytes is not a non-empty int32 array")
-    if len(group.samples) != group_size:
-        raise ProtocolError(f"{where}.samples: {len(group.samples)} samples, the run's group size is {group_size}")
+    owners = trajectory_of(group.samples)
+    if sorted(set(owners)) != list(range(group_size)) or len(owners) > group_size * MAX_PARTS:
+        raise ProtocolError(f"{where}.samples: {len(group.samples)} samples of trajectories {sorted(set(owners))[:8]}, "
+                            f"the run's group size is {group_size} (each trajectory 0..{group_size - 1}, at most "
+                            f"{MAX_PARTS} samples each)")
     for i, s in enumerate(group.samples):
         if len(s.token_ids) % 4 or len(s.token_ids) != len(s.logprobs):
             raise ProtocolError(
@@ -427,3 +450,6 @@ def check_rollout(group: RolloutGroup, group_size: int) -> None:
         if s.first_version > s.last_version:
             raise ProtocolError(
                 f"{where}.samples[{i}]: first_version {s.first_version} > last_version {s.last_version}")
+        if len(s.prompt_ids) % 4 or len(s.turns) % 8:
+            raise ProtocolError(f"{where}.samples[{i}]: prompt_ids ({len(s.prompt_ids)} bytes) must be an int32 array, "
+                                f"turns ({len(s.turns)} bytes) int32 pairs")

@@ -68,7 +68,7 @@ RANGES = {
     "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": TEMPERATURE,
     "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
     "hub.progress_timeout_s": POSITIVE, "hub.max_generators_per_key": POSITIVE, "hub.journal_kib_per_minute": POSITIVE,
-    "generator.hub_lost_s": POSITIVE,
+    "generator.hub_lost_s": POSITIVE, "generator.agent_timeout_s": POSITIVE,
     "model.lora.r": Range(1, 1024), "model.lora.alpha": POSITIVE, "model.lora.dropout": Range(0, 1, hi_closed=False),
 }
 
@@ -186,8 +186,18 @@ def check_config(cfg) -> None:
         check_quantization(cfg)
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
-    if ":" not in cfg.generator.rollout:
-        raise ConfigError(f"generator.rollout: expected 'module:function', got {cfg.generator.rollout!r}")
+    g = cfg.generator
+    if ":" not in g.rollout and g.rollout != "agent":
+        raise ConfigError(f"generator.rollout: expected 'module:function' or agent, got {g.rollout!r}")
+    if g.rollout == "agent" and bool(g.agent) == bool(g.agent_command):
+        raise ConfigError("generator.rollout agent: set one of generator.agent ('module:function' of an async "
+                          "agent(client, item)) and generator.agent_command (a command line), not "
+                          + ("both" if g.agent else "neither"))
+    if (g.agent or g.agent_command) and g.rollout != "agent":
+        raise ConfigError(f"generator.agent / agent_command: set, but generator.rollout is {g.rollout!r}; use "
+                          "generator.rollout: agent")
+    if g.agent and ":" not in g.agent:
+        raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     for i, r in enumerate(cfg.rewards):
         if ":" not in r.fn:
             raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")

@@ -53,6 +53,17 @@ INVALID = [
     ("too many samples", dict(group_size=3), "samples"),
     ("another prompt", dict(prompt_ids=P.pack_ints([4, 4, 4])), "prompt"),
     ("token ids and log-probs of two lengths", dict(logprobs=(-1.0,)), "structure"),
+    # an agent's samples (generator/agent.py): their own contexts, turns and trajectories are checked too
+    ("an own context outside the vocabulary", _sample(prompt_ids=P.pack_ints([4, 16])), "token_id"),
+    ("an own context past max_model_len", _sample(prompt_ids=P.pack_ints([4] * 11)), "length"),
+    ("a turn past its sample's tokens", _sample(turns=P.pack_ints([2, 0])), "version"),
+    ("a turn of a version its sample was not sampled at", _sample(turns=P.pack_ints([0, 1])), "version"),
+    ("every sample claiming trajectory 0", _sample(trajectory=0), "samples"),
+    ("a split trajectory with two rewards", dict(samples=[
+        P.Sample(P.pack_ints((4, 5)), P.pack_floats((-1.0, -1.0)), float(r), [float(r)], "stop", trajectory=t,
+                 prompt_ids=P.pack_ints([4, 4]) if k == 2 else b"")
+        for k, (t, r) in enumerate([(0, 0), (1, 1), (1, 0)])]),
+     "reward"),
 ]
 
 
@@ -73,6 +84,21 @@ def test_an_invalid_rollout_is_rejected_by_reason_and_its_prompt_leased_again(hu
     peer.send(peer.group(again, again.groups[0]))  # the same prompt, generated correctly this time
     wait_until(lambda: len(hub.ledger.buffer) == 1)
     assert render(hub.status()).count(f"{reason} 1") == 1  # `pipeline status` names the reason
+    peer.close()
+
+
+def test_an_agents_split_trajectory_with_its_turns_is_accepted(hubs):
+    """Three samples of two trajectories: the second split, with the context it was sampled from; turns in range."""
+    hub = hubs(generator={"max_model_len": 12})
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(1)
+    samples = [P.Sample(P.pack_ints((4, 5)), P.pack_floats((-1.0, -1.0)), float(r), [float(r)], "stop", trajectory=t,
+                        prompt_ids=P.pack_ints([4, 4, 5]) if k == 2 else b"", turns=P.pack_ints([0, 0, 1, 0]))
+               for k, (t, r) in enumerate([(0, 0), (1, 1), (1, 1)])]
+    peer.send(peer.group(lease, lease.groups[0], samples=samples))
+    wait_until(lambda: len(hub.ledger.buffer) == 1)
+    assert hub.counters["rejected_rollouts"] == 0
     peer.close()
 
 

