@@ -135,14 +135,18 @@ class Endpoint:
         self.server = None
         self.port = 0
         self._task: asyncio.Task | None = None
+        self._starting = asyncio.Lock()
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     async def start(self) -> None:
-        if self._task is not None:
-            return
+        async with self._starting:  # the groups of a lease start at once: one starts the server, all wait for it
+            if self._task is None:
+                await self._start()
+
+    async def _start(self) -> None:
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=0, log_level="warning",

