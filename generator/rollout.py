@@ -9,7 +9,10 @@ the model sampled (trained), 0 for a token the environment put into the context 
 it, the loss leaves it out; its log-prob is 0). The learner trains on the mask (learner/batching.py). The
 default, `single_turn`, is one completion per sample; generator/calculator.py is a two-turn example with a tool.
 Rewards are computed afterwards from each trajectory's text (`text`, else its tokens decoded), by the reward
-functions of the config, as TRL calls them (pipeline/tasks.py).
+functions of the config, as TRL calls them (pipeline/tasks.py). `agent` (generator/agent.py) runs the user's agent
+program against the generator's OpenAI-compatible endpoint; where an agent's history stopped extending what was
+sampled, its trajectory is split into several `Trajectory` objects (`trajectory`: which one of the n they belong to,
+`prompt_ids`: the context each was sampled from), which share the trajectory's reward.
 """
 
 from __future__ import annotations

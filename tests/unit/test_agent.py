@@ -265,3 +265,25 @@ def _encoded(outs, ctx, prompt, cfg) -> P.RolloutGroup:
     group, _ = P.decode(encode_group(outs, ctx, lease, prompt, scores, "g", "s"))
     P.check_rollout(group, ctx.n)
     return group
+
+
+async def test_the_shipped_calculator_agent_puts_the_tools_result_in_the_context_out_of_the_loss(tok):
+    """generator/calculator_agent.py (configs/gpu-smollm2-agent.yaml) on a builtin:arith row: the model's sum is
+    wrong, the calculator's reply corrects it, the final answer is scored."""
+    from pipeline.tasks import arith_rows
+
+    row = arith_rows(1, 0)[0]  # What is 5 + 2?
+    cfg = _cfg(agent="generator.calculator_agent:agent")
+    ctx = Context(1, P.Sampling(256, 1.0), tok, P.PromptItem(0, 0, "", columns={"answer": row["answer"]},
+                                                               messages=row["prompt"]))
+    engine = ScriptedEngine(tok, ["5 + 2 = 8\n#### 8", "#### 7"])
+    rollout = AgentRollout(cfg)
+    try:
+        (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+    finally:
+        await rollout.aclose()
+    tool = tok.decode([t for t, m in zip(traj.token_ids, traj.mask, strict=True) if not m])
+    assert "Calculator: 5 + 2 = 7" in tool and traj.text == "#### 7" and len(traj.turns) == 2
+    math = config_from_dict({"rewards": [{"fn": "pipeline.tasks:math_answer"}]}).rewards
+    scores = score_group([traj], ctx, load_reward_fns(math), 10)
+    assert scores[0] == [1.0]
