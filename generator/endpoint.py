@@ -200,6 +200,21 @@ class Endpoint:
         async def refused(request: Request, e: Refused):
             return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=e.status)
 
+        @app.exception_handler(Exception)
+        async def failed(request: Request, e: Exception):  # the engine's (a prompt past max_model_len, ...), named
+            log.warning("agent endpoint: %s %s failed: %s: %s", request.method, request.url.path, type(e).__name__, e)
+            return JSONResponse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
+                                status_code=500)
+
+        async def body_of(request: Request) -> dict:
+            try:
+                body = await request.json()
+            except ValueError as e:
+                raise Refused(400, f"the request body is not JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise Refused(400, "the request body must be a JSON object")
+            return body
+
         @app.get("/v1/models")
         async def models(request: Request):
             self.session(request.headers.get("authorization"))
@@ -208,13 +223,17 @@ class Endpoint:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             session = self.session(request.headers.get("authorization"))
-            body = await request.json()
+            body = await body_of(request)
             _check_params(body, session.sampling)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise Refused(400, "messages: a non-empty list of {role, content} is needed")
-            text = session.tok.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True,
-                                                   tokenize=False)
+            try:
+                text = session.tok.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True,
+                                                       tokenize=False)
+            except Exception as e:
+                raise Refused(400, f"messages: the model's chat template cannot render them ({type(e).__name__}: "
+                                   f"{e})") from None
             out = await session.complete(session.extend(text), _max_tokens(body))
             reply = session.tok.decode(out.token_ids, skip_special_tokens=True)
             return _response("chat.completion", body, out, len(session.parts[-1].prompt_ids),
@@ -224,7 +243,7 @@ class Endpoint:
         @app.post("/v1/completions")
         async def completions(request: Request):
             session = self.session(request.headers.get("authorization"))
-            body = await request.json()
+            body = await body_of(request)
             _check_params(body, session.sampling)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -248,10 +248,17 @@ async def test_the_endpoint_refuses_calls_without_the_session_key_and_after_the_
         with pytest.raises(openai.APIStatusError) as e:  # its own key, after the session ended
             await client.chat.completions.create(model="policy", messages=list(ctx.item.messages))
         assert e.value.status_code == 410
+        session = rollout.endpoint.open(ScriptedEngine(tok, []), tok, ctx.sampling)
+        bound = openai.AsyncOpenAI(base_url=rollout.endpoint.base_url, api_key=session.key, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="temperature"):  # not the run's sampling
-            session = rollout.endpoint.open(ScriptedEngine(tok, []), tok, ctx.sampling)
-            bound = openai.AsyncOpenAI(base_url=rollout.endpoint.base_url, api_key=session.key, max_retries=0)
             await bound.chat.completions.create(model="policy", messages=list(ctx.item.messages), temperature=0.2)
+        import httpx
+
+        async with httpx.AsyncClient() as http:  # not JSON: refused, named
+            r = await http.post(f"{rollout.endpoint.base_url}/chat/completions", content=b"{not json",
+                                headers={"Authorization": f"Bearer {session.key}"})
+        assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+        assert session.calls == 0 and not session.parts  # nothing recorded
     finally:
         await rollout.aclose()
 
