@@ -47,7 +47,12 @@ class AgentRollout:
 
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
         await self.endpoint.start()
-        runs = await asyncio.gather(*(self._sample(engine, ctx) for _ in range(ctx.n)))
+        try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._sample(engine, ctx)) for _ in range(ctx.n)]
+        except* AgentFailed as failed:
+            raise failed.exceptions[0] from None
+        runs = [t.result() for t in tasks]
         out = []
         for t, (session, answer, failed) in enumerate(runs):
             out += trajectory(session.parts, prompt_ids, t, answer, failed, engine.version)

@@ -98,6 +98,16 @@ async def hanging_agent(client, item):
     await asyncio.sleep(3600)
 
 
+STARTED = itertools.count()
+
+
+async def one_raises(client, item):
+    """The first sample's agent raises at once; the others would run for an hour."""
+    if next(STARTED) == 0:
+        raise RuntimeError("the tool crashed")
+    await asyncio.sleep(3600)
+
+
 KEPT = []  # what refusing_agent saw
 
 
@@ -196,9 +206,21 @@ async def test_a_hanging_agent_ends_at_its_timeout_and_its_sample_scores_zero(to
         assert [s.reward for s in group.samples] == [0.0, 1.0]
         requeue = AgentRollout(_cfg(agent=f"{__name__}:hanging_agent", agent_timeout_s=1.0,
                                     agent_failure="requeue"))
-        with pytest.raises(AgentFailed, match="agent_timeout"):
-            await requeue(ScriptedEngine(tok, ["Let me think."]), _prompt(tok, ctx), ctx)
+        with pytest.raises(AgentFailed, match="agent_timeout"):  # the whole group, and its other sessions end
+            await requeue(ScriptedEngine(tok, ["Let me think."] * 3), _prompt(tok, ctx), _ctx(tok, cfg, n=3))
+        assert not requeue.endpoint.sessions and len(requeue.endpoint.ended) == 3
         await requeue.aclose()
+    finally:
+        await rollout.aclose()
+
+
+async def test_under_requeue_one_failed_agent_ends_its_whole_group_at_once(tok):
+    cfg = _cfg(agent=f"{__name__}:one_raises", agent_timeout_s=600.0, agent_failure="requeue")
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg, n=3)
+    try:
+        with pytest.raises(AgentFailed, match="agent_error: RuntimeError: the tool crashed"):
+            await asyncio.wait_for(rollout(ScriptedEngine(tok, []), _prompt(tok, ctx), ctx), 30)
+        assert not rollout.endpoint.sessions and len(rollout.endpoint.ended) == 3  # the other two stopped with it
     finally:
         await rollout.aclose()
 
