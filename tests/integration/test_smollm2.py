@@ -63,10 +63,11 @@ def test_smollm2_trains_in_trls_conversational_format_and_engine_and_learner_agr
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, STEPS + 1))
 
-    # completions end at the model's end-of-turn token, not at the length cap
+    # completions end at the model's end-of-turn token, not at the length cap (one that did not would truncate all of
+    # them; the model at temperature 1 runs past 96 tokens in 12-62 % of its samples: the bound is not 0.5)
     truncated = [r["samples/truncated"] for r in records]
     print("truncated fraction per step:", truncated)
-    assert sum(truncated) / len(truncated) < 0.5
+    assert sum(truncated) / len(truncated) < 0.8
 
     # reward functions receive the decoded assistant messages, as TRL passes them
     tok = AutoTokenizer.from_pretrained(smollm2)
