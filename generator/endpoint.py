@@ -101,14 +101,12 @@ class Session:
         part.token_ids += added
         part.logprobs += [0.0] * len(added)
         part.mask += [0] * len(added)
-        if not part.turns:
-            part.first_version = out.first_version
+        part.first_version = min(part.first_version, out.first_version) if part.turns else out.first_version
+        part.last_version = max(part.last_version, out.last_version)
         part.turns.append((len(part.token_ids), out.first_version))
         part.token_ids += out.token_ids
         part.logprobs += out.logprobs
         part.mask += [1] * len(out.token_ids)
-        part.first_version = min(part.first_version, out.first_version)
-        part.last_version = max(part.last_version, out.last_version)
         part.finish_reason, part.gen_ms = out.finish_reason, part.gen_ms + out.gen_ms
         self.calls += 1
         return out
@@ -206,14 +204,17 @@ class Endpoint:
             return JSONResponse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
                                 status_code=500)
 
-        async def body_of(request: Request) -> dict:
+        async def opened(request: Request) -> tuple[Session, dict]:
+            """A completion request's session (by its key) and body, refused where either is wrong."""
+            session = self.session(request.headers.get("authorization"))
             try:
                 body = await request.json()
             except ValueError as e:
                 raise Refused(400, f"the request body is not JSON: {e}") from None
             if not isinstance(body, dict):
                 raise Refused(400, "the request body must be a JSON object")
-            return body
+            _check_params(body, session.sampling)
+            return session, body
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -222,9 +223,7 @@ class Endpoint:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            session = self.session(request.headers.get("authorization"))
-            body = await body_of(request)
-            _check_params(body, session.sampling)
+            session, body = await opened(request)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise Refused(400, "messages: a non-empty list of {role, content} is needed")
@@ -242,9 +241,7 @@ class Endpoint:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            session = self.session(request.headers.get("authorization"))
-            body = await body_of(request)
-            _check_params(body, session.sampling)
+            session, body = await opened(request)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]

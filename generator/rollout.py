@@ -63,7 +63,7 @@ def score_group(outs: list[Trajectory], ctx: Context, rewards, total_steps: int)
     """The group's rewards by the reward functions of the run: (totals, each function's) per sample. The samples a
     trajectory was split into share its reward, scored once from its first sample (an agent's answer is its text)."""
     tok, item = ctx.tokenizer, ctx.item
-    owner = [o.trajectory if o.trajectory >= 0 else i for i, o in enumerate(outs)]
+    owner = P.trajectory_of(outs)
     first = {t: i for i, t in reversed(list(enumerate(owner)))}
     heads = [outs[first[t]] for t in sorted(first)]
     texts = [o.text if o.text is not None else tok.decode(o.token_ids, skip_special_tokens=True) for o in heads]

@@ -217,8 +217,8 @@ class GeneratorConfig:
     agent_timeout_s: float = 300.0
     """An agent (callable or command) still running after this many seconds is stopped: its sample fails."""
     agent_failure: Literal["zero", "requeue"] = "zero"
-    """A sample whose agent hung, raised or exited non-zero: `zero` trains the group with that sample's reward 0 (what
-    it generated is kept, out of nothing else), `requeue` leases the prompt again. Either way it is counted
+    """A sample whose agent hung, raised or exited non-zero: `zero` trains the group with that sample's reward 0 (the
+    tokens it generated before it failed are kept), `requeue` leases the prompt again. Either way it is counted
     (agent/agent_timeout, agent/agent_error) and named in events.jsonl."""
     max_inflight_groups: int = 0
     """Groups a generator keeps in its engine at once. 0: what its engine runs at once (`max_num_seqs`, fewer when

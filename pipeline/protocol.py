@@ -415,8 +415,9 @@ class WeightsReady(Message):
     ipc: IpcHandles | None = None  # ipc: the buffers holding this version
 
 
-def trajectory_of(samples: list[Sample]) -> list[int]:
-    """Each sample's trajectory in its group (an agent's trajectory may be split into several samples)."""
+def trajectory_of(samples: list) -> list[int]:
+    """Each sample's trajectory in its group (an agent's trajectory may be split into several samples): of Samples,
+    or of the generator's Trajectory objects, which carry `trajectory` the same way."""
     return [s.trajectory if s.trajectory >= 0 else i for i, s in enumerate(samples)]
 
 
