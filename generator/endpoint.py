@@ -233,9 +233,10 @@ class Endpoint:
             except Exception as e:
                 raise Refused(400, f"messages: the model's chat template cannot render them ({type(e).__name__}: "
                                    f"{e})") from None
-            out = await session.complete(session.extend(text), _max_tokens(body))
+            ids = session.extend(text)
+            out = await session.complete(ids, _max_tokens(body))
             reply = session.tok.decode(out.token_ids, skip_special_tokens=True)
-            return _response("chat.completion", body, out, len(session.parts[-1].prompt_ids),
+            return _response("chat.completion", body, out, len(ids),
                              {"index": 0, "message": {"role": "assistant", "content": reply},
                               "finish_reason": _finish(out.finish_reason)})
 

@@ -73,11 +73,15 @@ def _prompt(tok, ctx):
     return tok.apply_chat_template(ctx.item.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+USAGE = []  # tool_agent's calls: the prompt tokens the endpoint reported
+
+
 async def tool_agent(client, item):
     """An ordinary openai program: ask, run the tool the model asked for, send its reply, ask twice more."""
     messages = list(item.messages)
     for tool_reply in ("calculator: 42", "calculator: checked", None):
         r = await client.chat.completions.create(model="policy", messages=messages)
+        USAGE.append(r.usage.prompt_tokens)
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         if tool_reply:
             messages.append({"role": "user", "content": tool_reply})
@@ -128,12 +132,14 @@ async def test_three_calls_with_a_tool_reply_train_the_sampled_ids_and_leave_the
     engine = ScriptedEngine(tok, [["I will use the calculator for the ans", "wer."], "The sum is 42.", "42"],
                             versions=[3, 3, 4])
     rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    USAGE.clear()
     try:
         prompt = _prompt(tok, ctx)
         (traj,) = await rollout(engine, prompt, ctx)
     finally:
         await rollout.aclose()
     assert traj.prompt_ids is None and engine.prompts[0] == prompt  # the leased prompt, as the hub tokenised it
+    assert USAGE == [len(p) for p in engine.prompts]  # each call's own prompt, as the response's usage says
     assert traj.text == "42" and traj.trajectory == 0
     # the model's tokens are exactly what it sampled, in order, and only they are trained
     sampled = [t for t, m in zip(traj.token_ids, traj.mask, strict=True) if m]
