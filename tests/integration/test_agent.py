@@ -64,7 +64,8 @@ def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_hung_
     tok = AutoTokenizer.from_pretrained(smollm2)
     calls = [json.loads(line) for line in (tmp_path / "rewards.jsonl").read_text().splitlines()]
     texts = [tok.decode(ids) for c in calls for ids in c["completion_ids"]]
-    assert sum(t.count("Calculator:") == 2 for t in texts) >= STEPS * 4 - 1
+    # (at least two: the model may echo "Calculator:" in its own reply; the hung sample's context has none)
+    assert sum(t.count("Calculator:") >= 2 for t in texts) >= STEPS * 4 - 1
     # the hanging agent: its sample failed at the timeout, scored 0, counted and named; nothing else was lost
     assert sum(r["agent/failed"] for r in records) == 1
     (failed,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "agent_failed"]
