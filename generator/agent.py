@@ -43,10 +43,9 @@ class AgentRollout:
         g = cfg.generator
         self.agent = load_callable(g.agent, "generator.agent") if g.agent else None
         self.command, self.timeout, self.failure = list(g.agent_command), g.agent_timeout_s, g.agent_failure
-        self.endpoint = Endpoint()
+        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template))
 
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
-        await self.endpoint.start()
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._sample(engine, ctx)) for _ in range(ctx.n)]
@@ -55,7 +54,7 @@ class AgentRollout:
         runs = [t.result() for t in tasks]
         out = []
         for t, (session, answer, failed) in enumerate(runs):
-            out += trajectory(session.parts, prompt_ids, t, answer, failed, engine.version)
+            out += trajectory(session.parts, prompt_ids, t, answer, failed, engine.version, session.extra)
         return out
 
     async def aclose(self) -> None:
@@ -80,6 +79,7 @@ class AgentRollout:
             self.endpoint.close(session)
 
     async def _run(self, session: Session, ctx: Context) -> str:
+        await self.endpoint.start()
         if self.agent is not None:
             from openai import AsyncOpenAI
 
@@ -108,8 +108,16 @@ class AgentRollout:
         return out.decode(errors="replace").strip()
 
 
+def chat_template(path: str) -> str | None:
+    """generator.chat_template's text (None: the tokenizer's own)."""
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read()
+
+
 def trajectory(parts: list[Part], prompt_ids: list[int], index: int, answer: str, failed: str,
-               version: int) -> list[Trajectory]:
+               version: int, extra: dict | None = None) -> list[Trajectory]:
     """The samples of trajectory `index` from its session's parts: each part a sample, its own context where that is
     not the leased prompt; every one carries the answer (scored once for all) and, failed, the reason."""
     parts = parts or [Part(list(prompt_ids), first_version=version, last_version=version)]  # no call: an empty sample
@@ -118,5 +126,5 @@ def trajectory(parts: list[Part], prompt_ids: list[int], index: int, answer: str
         out.append(Trajectory(part.token_ids, part.logprobs, part.mask, failed or part.finish_reason,
                               part.first_version, part.last_version, part.gen_ms, text=answer,
                               prompt_ids=None if part.prompt_ids == prompt_ids else part.prompt_ids,
-                              trajectory=index, turns=part.turns))
+                              trajectory=index, turns=part.turns, extra=dict(extra or {})))
     return out

