@@ -146,9 +146,10 @@ def test_a_generator_on_another_host_trains_over_zmq_and_a_stranger_gets_nothing
 
 def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only_that_generator(
         hosts, procs, tmp_path, model_cache, free_port):
-    """b and d receive every version by broadcast (gloo); d's link is cut. The hub drops it after
-    hub.heartbeat_timeout_s, the broadcast under way to it ends then (it waited weights.collective_timeout_s before),
-    and its leased prompts are trained by b, once: every prompt of the epoch is trained exactly once."""
+    """d receives every version by broadcast (gloo) until its link is cut while it holds a lease. The hub drops it
+    after hub.heartbeat_timeout_s, the broadcast under way to it ends then (it waited weights.collective_timeout_s
+    before), and its leased prompts are trained by b, started then, which receives every later version by broadcast:
+    every prompt of the epoch is trained exactly once."""
     learner_at, _, _ = hosts.add("a"), hosts.add("b"), hosts.add("d")
     run_dir, steps, batch, heartbeat_timeout = tmp_path / "nccl", 12, 8, 3
     keys, own = _keys(tmp_path, ["host-b", "host-d"])
@@ -163,20 +164,20 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
                                [*common, f"auth.keys={own['host-' + h]}", f"auth.identity=host-{h}"], h,
                                host=learner_at)
 
-    # d first, b once d is in: started together, d could join when b had nearly ended the run (in CI the run ended
-    # while the test waited for d to hold a lease, and the status request went unanswered)
+    # d alone until its link is cut, b only then: the run cannot end before the cut (started together, d could join
+    # when b had nearly ended the run; with b started once d was in, CI twice saw the run end while the cut's status
+    # request was under way)
     gens = {"d": generator("d")}
     wait_for(lambda: _events(run_dir, "register"), 300, "d to register", [learner, gens["d"]])
-    gens["b"] = generator("b")
-    watch = [learner, *gens.values()]
     id_d = _id_of(run_dir, gens["d"])
     wait_for(lambda: [t for r in read_jsonl(run_dir / "metrics.jsonl") for t in r["trained"] if t[3] == id_d], 300,
-             "d to contribute", watch)
+             "d to contribute", [learner, gens["d"]])
     _python(hosts, "a", FREEZE, f"tcp://127.0.0.1:{free_port}", str(keys), id_d, str(gens["d"].pid))
     hosts.cut("d")  # while it holds a lease; then it runs on, unheard
     os.killpg(gens["d"].pid, signal.SIGCONT)
     cut_at = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert cut_at < steps - 2, "the run was nearly over before the cut: raise the steps"
+    gens["b"] = generator("b")
     requeue = wait_for(lambda: [e for e in _events(run_dir, "requeue") if e["generator"] == id_d], 60,
                        "d to be dropped", [learner, gens["b"]])[0]
     assert requeue["reason"] == "heartbeat timeout" and requeue["prompts"] > 0
