@@ -526,8 +526,9 @@ def visible_gpus(gpus: str) -> str:
     picked = []
     for g in (g.strip() for g in gpus.split(",")):
         if not g.isdigit() or int(g) >= len(visible):
-            raise ConfigError(f"--gpus {gpus}: {g!r} is not one of the {len(visible)} GPUs CUDA_VISIBLE_DEVICES={outer} "
-                              f"makes visible; count them from 0 (0-{len(visible) - 1}), as torchrun and vLLM do")
+            raise ConfigError(f"--gpus {gpus}: {g!r} is not one of the {len(visible)} GPUs "
+                              f"CUDA_VISIBLE_DEVICES={outer} makes visible; count them from 0 (0-{len(visible) - 1}), "
+                              "as torchrun and vLLM do")
         picked.append(visible[int(g)])
     return ",".join(picked)
 

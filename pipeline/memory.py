@@ -60,8 +60,8 @@ def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
     sequence = fp.kv_bytes_per_token * g.max_model_len
     name = config.get("_name_or_path") or Path(model_path).name
     line = (f"{Path(str(name)).name} ({fp.params / 1e9:.2f} B parameters) in {cfg.model.dtype} needs "
-            f"{fp.weight_bytes / GB:.1f} GB of weights on each of the generator's {_gpus(g.tensor_parallel_size)}; with "
-            f"gpu_memory_utilization {g.gpu_memory_utilization:g} of {gpu_bytes / GB:.1f} GB that leaves "
+            f"{fp.weight_bytes / GB:.1f} GB of weights on each of the generator's {_gpus(g.tensor_parallel_size)}; "
+            f"with gpu_memory_utilization {g.gpu_memory_utilization:g} of {gpu_bytes / GB:.1f} GB that leaves "
             f"{left / GB:.1f} GB of KV cache (after {OVERHEAD_BYTES / GB:.1f} GB for vLLM's activations and CUDA "
             f"context) for {max(0, int(left // sequence))} sequences of {g.max_model_len} tokens")
     if left < sequence:
