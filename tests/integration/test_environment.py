@@ -24,7 +24,7 @@ from tests.conftest import REPO, Proc, wait_for
 from tests.integration.test_smollm2 import KL_BOUND
 
 pytestmark = pytest.mark.integration
-STEPS = 3
+STEPS = 2
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": '
 
 
