@@ -29,7 +29,7 @@ import logging
 import os
 import signal
 
-from generator.endpoint import Endpoint, Part, Session
+from generator.endpoint import Endpoint, Part, Session, ToolCalls
 from generator.rollout import AgentFailed, Context, Trajectory
 from pipeline.tasks import load_callable
 
@@ -43,7 +43,7 @@ class AgentRollout:
         g = cfg.generator
         self.agent = load_callable(g.agent, "generator.agent") if g.agent else None
         self.command, self.timeout, self.failure = list(g.agent_command), g.agent_timeout_s, g.agent_failure
-        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template))
+        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template), tool_calls=ToolCalls(g.tool_parser))
 
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole

@@ -1,6 +1,7 @@
 """An OpenAI-compatible endpoint on a generator's engine: one session per sample of an agent (generator/agent.py).
 
-    POST /v1/chat/completions   messages (and tools) through the tokenizer's chat template
+    POST /v1/chat/completions   messages (and tools) through the chat template; a turn's tool calls as OpenAI's
+                                tool_calls, read by vLLM's parser (generator.tool_parser)
     POST /v1/completions        a prompt as text or token ids
     GET  /v1/models
 
@@ -126,11 +127,47 @@ class Session:
         return Part(list(prompt_ids))
 
 
+class ToolCalls:
+    """The tool calls in a model's turn, read by vLLM's tool-call parser of that name (generator.tool_parser: vLLM's
+    --tool-call-parser names); a name vLLM does not have is refused when the strategy is made, at the start."""
+
+    def __init__(self, name: str):
+        from vllm.tool_parsers import ToolParserManager
+
+        try:
+            self.parser = ToolParserManager.get_tool_parser(name)
+        except KeyError:
+            raise ValueError(f"generator.tool_parser: vLLM has no tool parser {name!r}; it has "
+                             f"{', '.join(sorted(ToolParserManager.list_registered()))}") from None
+        self.log = logging.getLogger(self.parser.__module__)
+
+    def read(self, tok, text: str, tools: list[dict]) -> tuple[str | None, list]:
+        """(the text besides the calls, the calls: vLLM's ToolCall, OpenAI's shape); no calls: (text, [])."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        # a call the model wrote wrong is no call, not an error of the run; vLLM's parsers log each with its traceback
+        # (set here: vLLM's logging setup, when its engine starts, resets it)
+        self.log.setLevel(logging.CRITICAL)
+        request = ChatCompletionRequest(model="policy", messages=[], tools=tools or None)
+        found = self.parser(tok).extract_tool_calls(text, request)
+        return (found.content, list(found.tool_calls)) if found.tools_called else (text, [])
+
+
+def turn_text(tok, ids: list[int]) -> str:
+    """A turn's text as a tool parser reads it: special tokens kept (some templates' tool-call tags are), the
+    end-of-turn token that ended it left out."""
+    if ids and ids[-1] in tok.all_special_ids:
+        ids = ids[:-1]
+    return tok.decode(ids, skip_special_tokens=False)
+
+
 class Endpoint:
     """The generator's endpoint: sessions by key, and the server (started on first use, on the running loop)."""
 
-    def __init__(self, model_name: str = "policy", chat_template: str | None = None):
+    def __init__(self, model_name: str = "policy", chat_template: str | None = None,
+                 tool_calls: ToolCalls | None = None):
         self.model_name, self.chat_template = model_name, chat_template  # None: the tokenizer's own
+        self.tool_calls = tool_calls  # reads the calls of a request that offers tools
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, None] = {}  # keys of the latest sessions that ended, oldest first
         self.server = None
@@ -238,10 +275,17 @@ class Endpoint:
                                    f"{e})") from None
             ids = session.extend(text)
             out = await session.complete(ids, _max_tokens(body))
-            reply = session.tok.decode(out.token_ids, skip_special_tokens=True)
+            message = {"role": "assistant", "content": session.tok.decode(out.token_ids, skip_special_tokens=True)}
+            finish = _finish(out.finish_reason)
+            if body.get("tools") and body.get("tool_choice") != "none" and self.tool_calls is not None:
+                content, calls = self.tool_calls.read(session.tok, turn_text(session.tok, out.token_ids),
+                                                      body["tools"])
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.model_dump() for c in calls]}
+                    finish = "tool_calls"
             return _response("chat.completion", body, out, len(ids),
-                             {"index": 0, "message": {"role": "assistant", "content": reply},
-                              "finish_reason": _finish(out.finish_reason)})
+                             {"index": 0, "message": message, "finish_reason": finish})
 
         @app.post("/v1/completions")
         async def completions(request: Request):

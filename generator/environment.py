@@ -27,7 +27,7 @@ import json
 import logging
 
 from generator.agent import AgentRollout
-from generator.endpoint import Session
+from generator.endpoint import Session, turn_text
 from generator.rollout import Context
 from pipeline.tasks import load_callable
 
@@ -40,10 +40,6 @@ class EnvironmentRollout(AgentRollout):
         g = cfg.generator
         self.factory = load_callable(g.environment, "generator.environment")
         tools_of(self.factory())  # refused at start (as TRL's trainer does, from one instance) where it has no reset
-        self.parser = tool_parser(g.tool_parser)
-        # a call the model wrote wrong is no tool call (the turn is its answer), not an error of the run: vLLM's
-        # parsers log each with its traceback
-        self.quiet = logging.getLogger(self.parser.__module__)
         self.max_calls, self.max_model_len = g.max_tool_calls, g.max_model_len
 
     async def _run(self, session: Session, ctx: Context) -> str:
@@ -62,15 +58,14 @@ class EnvironmentRollout(AgentRollout):
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt with the tools' schemas is {len(ids)} tokens, and generator.max_model_len is "
                              f"{self.max_model_len}: raise generator.max_model_len")
-        start, parser, request = len(ids), self.parser(tok), _request(schemas)
-        self.quiet.setLevel(logging.CRITICAL)  # here: vLLM's logging setup, when its engine starts, resets it
+        start = len(ids)
         for turn in range(self.max_calls + 1):
             out = await session.complete(ids, None)
-            text, bootstrap = bootstrap + _text(tok, out.token_ids), ""
-            found = parser.extract_tool_calls(text, request) if turn < self.max_calls else None
-            if not (found and found.tools_called):
+            text, bootstrap = bootstrap + turn_text(tok, out.token_ids), ""
+            calls = self.endpoint.tool_calls.read(tok, text, schemas)[1] if turn < self.max_calls else []
+            if not calls:
                 return text
-            replies = [await _run_tool(tools, call) for call in found.tool_calls]
+            replies = [await _run_tool(tools, call) for call in calls]
             ended = [] if out.token_ids and out.token_ids[-1] == tok.eos_token_id else [tok.eos_token_id]
             ids = ids + out.token_ids + ended + self.suffix(tok, replies, schemas)  # a turn cut at its length: closed
             if len(ids) - start >= ctx.sampling.max_tokens:  # no room for the answer: the episode ends at its tools
@@ -95,17 +90,6 @@ class EnvironmentRollout(AgentRollout):
             raise ValueError("the chat template renders a tool's reply by changing the turn before it, so the sampled "
                              "tokens cannot be kept as they are; use a template that appends (generator.chat_template)")
         return full[len(head):]
-
-
-def tool_parser(name: str):
-    """vLLM's tool-call parser class by its --tool-call-parser name; a name vLLM does not have is refused at start."""
-    from vllm.tool_parsers import ToolParserManager
-
-    try:
-        return ToolParserManager.get_tool_parser(name)
-    except KeyError:
-        raise ValueError(f"generator.tool_parser: vLLM has no tool parser {name!r}; it has "
-                         f"{', '.join(sorted(ToolParserManager.list_registered()))}") from None
 
 
 def tools_of(env) -> dict:
@@ -159,21 +143,6 @@ def _schema(fn) -> dict:
     from transformers.utils import get_json_schema
 
     return get_json_schema(fn)
-
-
-def _request(schemas: list[dict]):
-    """The request a vLLM tool parser reads the offered tools from."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-    return ChatCompletionRequest(model="policy", messages=[], tools=schemas or None)
-
-
-def _text(tok, ids: list[int]) -> str:
-    """A turn's text as a tool parser reads it: special tokens kept (some templates' tool-call tags are), the
-    end-of-turn token that ended it left out."""
-    if ids and ids[-1] in tok.all_special_ids:
-        ids = ids[:-1]
-    return tok.decode(ids, skip_special_tokens=False)
 
 
 def _through_last(ids: list[int], token: int | None) -> list[int]:

@@ -228,8 +228,9 @@ class GeneratorConfig:
     OpenEnv environment is used through such a class, as TRL's docs do. Score it with reward functions that take
     `environments` (TRL's), or list `generator.environment:get_reward` to train on the instance's get_reward()."""
     tool_parser: str = "hermes"
-    """With rollout `environment`: vLLM's tool-call parser that reads the model's tool calls (vLLM's
-    --tool-call-parser names: hermes for Qwen2.5 and Hermes-format templates, llama3_json, mistral, ...)."""
+    """vLLM's tool-call parser that reads the model's tool calls, in rollout `environment` and in the agent
+    endpoint's replies to requests that offer `tools` (vLLM's --tool-call-parser names: hermes for Qwen2.5 and
+    Hermes-format templates, llama3_json, mistral, ...)."""
     chat_template: str = ""
     """A Jinja chat template file used in place of the model's own where the generator renders messages itself (the
     agent endpoint, rollout `environment`), as vLLM's --chat-template; for a model whose template cannot render

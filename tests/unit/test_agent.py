@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import sys
 from types import SimpleNamespace
 
@@ -78,6 +79,25 @@ async def tool_agent(client, item):
         if tool_reply:
             messages.append({"role": "user", "content": tool_reply})
     return messages[-1]["content"]
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+CALLED = []  # function_agent's first reply
+
+
+async def function_agent(client, item):
+    """OpenAI function calling, as agent frameworks do it: offer a tool, run the call the reply makes, send its result
+    back as a tool message, ask again."""
+    messages = list(item.messages)
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+    CALLED.append(first.choices[0])
+    call = first.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+    return second.choices[0].message.content
 
 
 async def editing_agent(client, item):
@@ -153,6 +173,30 @@ async def test_three_calls_with_a_tool_reply_train_the_sampled_ids_and_leave_the
     assert [s.reward for s in group.samples] == [1.0, 0.0]
     assert rows[0].completion.tolist() == traj.token_ids and rows[0].mask.tolist() == traj.mask
     assert stats["agent/splits"] == 0 and stats["agent/turns"] == 6 and stats["agent/version_changes"] == 2
+
+
+async def test_a_tool_call_is_returned_as_openai_tool_calls_and_its_result_extends_the_context(tok):
+    """The endpoint reads a turn's tool call with vLLM's parser (generator.tool_parser) for a request that offers
+    tools; the agent's history with that call and the tool's result re-renders to the sampled text, so the trajectory
+    does not split."""
+    cfg = _cfg(agent=f"{__name__}:function_agent", chat_template="configs/templates/smollm2-tools.jinja")
+    engine = ScriptedEngine(tok, ['<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>',
+                                  "The sum is 42."])
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    CALLED.clear()
+    try:
+        (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+    finally:
+        await rollout.aclose()
+    (choice,) = CALLED
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "add"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 17, "b": 25}
+    assert traj.text == "The sum is 42." and traj.prompt_ids == engine.prompts[0]  # one part: no split
+    assert "<tools>" in tok.decode(engine.prompts[0])
+    assert [t for t, m in zip(traj.token_ids, traj.mask, strict=True) if m] == engine.sampled[0] + engine.sampled[1]
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode([t for t, m in zip(traj.token_ids, traj.mask,
+                                                                                      strict=True) if not m])
 
 
 async def test_groups_that_start_the_endpoint_together_all_reach_it(tok):
