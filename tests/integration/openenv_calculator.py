@@ -65,12 +65,12 @@ class CalculatorToolEnv:
 
     def __init__(self):
         self.client = None
-        self.answer, self.sums, self.calls = None, [], 0
+        self.answer, self.asked, self.sums, self.calls = None, [], [], 0
 
     async def reset(self, answer: str = "", **kwargs) -> None:
         self.client = MCPToolClient(base_url=os.environ["CALCULATOR_URL"])
         await self.client.reset()
-        self.answer, self.sums, self.calls = int(answer.split("####")[-1]), [], 0
+        self.answer, self.asked, self.sums, self.calls = int(answer.split("####")[-1]), [], [], 0
 
     async def add(self, a: int, b: int) -> int:
         """Add two integers.
@@ -79,12 +79,14 @@ class CalculatorToolEnv:
             a: The first integer.
             b: The second integer.
         """
-        self.calls += 1
+        self.calls += 1  # a call the server refuses (a float where its schema says integer) raises: no sum
         result = await self.client.call_tool("add", a=a, b=b)
+        self.asked.append([int(a), int(b)])  # as the server read them ("3" and 3.0 are 3 to its schema)
         self.sums.append(int(result.data if hasattr(result, "data") else result))
         return self.sums[-1]
 
     def get_reward(self) -> float:
         with open(os.environ["CALCULATOR_LOG"], "a") as f:
-            f.write(json.dumps({"answer": self.answer, "calls": self.calls, "sums": self.sums}) + "\n")
+            f.write(json.dumps({"answer": self.answer, "calls": self.calls, "asked": self.asked,
+                                "sums": self.sums}) + "\n")
         return float(self.answer in self.sums)

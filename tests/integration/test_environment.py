@@ -24,6 +24,7 @@ from tests.integration.test_smollm2 import KL_BOUND, _rows, write_rows
 
 pytestmark = pytest.mark.integration
 STEPS = 2
+BATCH = 2 * 8  # two groups of 8: about a third of SmolLM2's samples write a valid call, fewer a right sum
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": '
 
 
@@ -52,7 +53,7 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
                "data": {"path": str(data)},
                "rewards": [{"fn": "generator.environment:get_reward"}],
                "sampling": {"max_tokens": 160},
-               "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 4, "max_staleness": 0, "lr": 2e-5},
+               "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 8, "max_staleness": 0, "lr": 2e-5},
                "generator": {"max_num_seqs": 8, "rollout": "environment", "max_tool_calls": 2, "max_model_len": 512,
                              "environment": "tests.integration.openenv_calculator:CalculatorToolEnv",
                              "chat_template": str(REPO / "configs/templates/smollm2-tools.jinja"),
@@ -71,16 +72,18 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
     called = [e for e in episodes if e["calls"]]
     print(f"{len(called)} of {len(episodes)} episodes called the tool; rewards",
           [e["answer"] in e["sums"] for e in episodes])
-    # the tool ran on the OpenEnv server: the sums it returned are those of the numbers the model asked for
-    assert called and all(len(e["sums"]) == e["calls"] for e in called)
+    # the tool ran on the OpenEnv server: the sums it returned are those of the numbers the model asked for (a call the
+    # server refused, a float for an integer, got its error as the reply and no sum)
+    assert called and any(e["sums"] for e in called)
+    assert all(e["sums"] == [a + b for a, b in e["asked"]] and len(e["sums"]) <= e["calls"] for e in called)
     # multi-turn without a split: the tool's reply came back into the context and the history was never re-rendered
     turns = sum(r["agent/turns"] for r in records)
-    print("model turns:", turns, "in", STEPS * 2 * 4, "trained samples")
-    assert all(r["agent/splits"] == 0 for r in records) and turns > STEPS * 2 * 4
+    print("model turns:", turns, "in", STEPS * BATCH, "trained samples")
+    assert all(r["agent/splits"] == 0 for r in records) and turns > STEPS * BATCH
     # the environment's reward is the reward the learner trained on (every scored episode logged itself once; the
     # trained ones are among them)
     rewarded = sum(e["answer"] in e["sums"] for e in episodes)
-    assert len(episodes) >= STEPS * 2 * 4 and 0 < round(sum(r["reward/mean"] for r in records) * 2 * 4) <= rewarded
+    assert len(episodes) >= STEPS * BATCH and 0 < round(sum(r["reward/mean"] for r in records) * BATCH) <= rewarded
     kl = [r["mismatch/kl_lag0"] for r in records if "mismatch/kl_lag0" in r]
     print("mismatch KL at lag 0 per step:", kl)
     assert kl and max(kl) < KL_BOUND
