@@ -39,7 +39,8 @@ class EnvironmentRollout(AgentRollout):
         super().__init__(cfg)
         g = cfg.generator
         self.factory = load_callable(g.environment, "generator.environment")
-        tools_of(self.factory())  # refused at start (as TRL's trainer does, from one instance) where it has no reset
+        # the tools' JSON schemas, once, from one instance (as TRL's trainer): refused at start where it has no reset
+        self.schemas = [_schema(f) for f in tools_of(self.factory()).values()]
         self.max_calls, self.max_model_len = g.max_tool_calls, g.max_model_len
 
     async def _run(self, session: Session, ctx: Context) -> str:
@@ -52,7 +53,7 @@ class EnvironmentRollout(AgentRollout):
         users = [i for i, m in enumerate(messages) if m["role"] == "user" and isinstance(m["content"], str)]
         if isinstance(observation, str) and users:  # after the last user message, as TRL's docs say
             messages[users[-1]] = dict(messages[users[-1]], content=messages[users[-1]]["content"] + observation)
-        tok, schemas = ctx.tokenizer, [_schema(f) for f in tools.values()]
+        tok, schemas = ctx.tokenizer, self.schemas
         bootstrap = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
         ids = self.render(tok, messages, schemas, generate=not bootstrap)
         if len(ids) >= self.max_model_len:
