@@ -16,8 +16,10 @@ pytestmark = pytest.mark.integration
 def test_a_profiled_run_accounts_for_every_second_of_each_step(procs, tmp_path, model_cache):
     run_dir = tmp_path / "run"
     steps = 6
-    run = procs(["run", "--profile", "--run-dir", str(run_dir), "--set", f"trainer.total_steps={steps}"],
-                tmp_path / "run.log")
+    # heartbeats (which carry the generator's seconds) every 0.1 s: at the default 1 s, steps 1 to 5 may all be
+    # trained from buffered rollouts within one second of step 0, before any heartbeat since generation began
+    run = procs(["run", "--profile", "--run-dir", str(run_dir), "--set", f"trainer.total_steps={steps}",
+                 "--set", "hub.heartbeat_s=0.1"], tmp_path / "run.log")
     assert run.wait(600) == 0, run.tail()
     events = trace.read(run_dir / "trace.json")
     json.dumps(events)  # plain JSON: what ui.perfetto.dev and chrome://tracing read
