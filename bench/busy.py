@@ -55,7 +55,7 @@ def job_argv(spec: str, args) -> tuple[str, list[str], list[str]]:
     sets = [*args.shape_sets, f"trainer.total_steps={args.steps}", f"run.learner_gpus='{learner}'",
             f"run.generator_gpus={json.dumps(gens)}", f"run.generators={len(gens)}"]
     sets += [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]
-    argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", args.config, "--profile", "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "pipeline", "run", "-c", args.config, "--profile", "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
     return name, argv, sets
@@ -112,7 +112,7 @@ def trained(run_dir: Path) -> int:
 def join(name: str, gpu: str, step: int, run_dir: Path) -> dict:
     """`pipeline generator` on `gpu` for the running job, as a user adds one (its trace goes with the run's)."""
     address = json.loads((run_dir / "hub.json").read_text())["address"]
-    argv = [sys.executable, "-m", "pipeline.cli", "generator", "-c", str(run_dir / "launch.yaml"), "--gpus", gpu,
+    argv = [sys.executable, "-m", "pipeline", "generator", "-c", str(run_dir / "launch.yaml"), "--gpus", gpu,
             "--learner", address, "--profile", str(trace.trace_dir(run_dir))]
     child = start_child(f"{name}-join-{gpu}", argv, run_dir / "logs" / f"joined-{gpu}.log")
     print(f"{name}: generator on GPU {gpu} joins after step {step}", flush=True)

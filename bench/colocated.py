@@ -94,7 +94,7 @@ def main() -> None:
     stop, peak = threading.Event(), [0]
     threading.Thread(target=memory_peak, args=(stop, peak), daemon=True).start()
     t0 = time.time()
-    argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", str(cfg_path), "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "pipeline", "run", "-c", str(cfg_path), "--run-dir", str(run_dir)]
     log_path = run_dir.parent / "colocated.log"
     log_path.unlink(missing_ok=True)  # this run's alone
     child = start_child("colocated", argv, log_path)

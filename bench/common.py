@@ -151,7 +151,7 @@ def standalone_hub(cfg, run_dir: Path, run_id: str, model: str):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from learner.hub import Hub
+    from hub.hub import Hub
     from pipeline.tasks import encode_prompt, load_rows
     from weights.files import write_shm
     from weights.plan import checksum, serialize
@@ -252,7 +252,7 @@ class Services:
         signal.signal(signal.SIGTERM, _exit_on_term)  # `timeout` stops the driver: still stop the children
 
     def _argv(self, *args: str, gpus: str, overrides: tuple[str, ...] = ()) -> list[str]:
-        argv = [*self.prefix.get(args[0], []), sys.executable, "-m", "pipeline.cli", *args, "-c", str(self.cfg_path)]
+        argv = [*self.prefix.get(args[0], []), sys.executable, "-m", "pipeline", *args, "-c", str(self.cfg_path)]
         for o in overrides:
             argv += ["--set", o]
         if self.use_gpus:

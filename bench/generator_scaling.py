@@ -1,6 +1,6 @@
 """generator_scaling: rollout tokens/s reaching the hub with 1, 2, 3 generator GPUs.
 
-The learner's side is the real hub (learner/hub.py, in this process, real ZeroMQ sockets) with a
+The learner's side is the real hub (hub/hub.py, in this process, real ZeroMQ sockets) with a
 consumer that takes each batch and marks it trained at once, so the figure is what the generators
 deliver, not what one learner GPU can train on. Generators are real `pipeline generator` processes,
 one per GPU, added while the run goes on (the elastic path): generator i starts after the window of
@@ -42,7 +42,7 @@ class Consumer:
         self.threads = [threading.Thread(target=f, daemon=True) for f in (self._take, self._sample)]
 
     def _take(self) -> None:
-        from learner.hub import HubStopped
+        from hub.hub import HubStopped
 
         while not self._stop.is_set():
             try:

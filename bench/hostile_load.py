@@ -76,7 +76,7 @@ def main() -> None:
     address = f"tcp://127.0.0.1:{port}"
     sets = ["trainer.total_steps=100000", "trainer.checkpoint_every=0", f"hub.port={port}", f"auth.keys={keys}",
             "auth.identity=gen", "hub.max_message_mb=4", *args.overrides]
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "pipeline"]
     over = [a for s in sets for a in ("--set", s)] + (["--gpus", args.gpus] if args.gpus else [])
     run_dir = work / "run"
     learner = Child("learner", cli + ["learner", "-c", "configs/demo.yaml", "--run-dir", str(run_dir)] + over,

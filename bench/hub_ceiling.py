@@ -1,6 +1,6 @@
 """The hub's ceiling: how many generators one learner's hub serves, on this machine's CPU.
 
-The hub (learner/hub.py) runs in a process of its own, as in a learner, with a consumer that takes each batch as
+The hub (hub/hub.py) runs in a process of its own, as in a learner, with a consumer that takes each batch as
 soon as it is buffered and finishes the step at once (a learner infinitely fast: the hub alone is the limit).
 N simulated generators, in another process on one asyncio loop, speak the real protocol over real ZeroMQ sockets:
 each registers, heartbeats every hub.heartbeat_s with what it holds, leases groups and pushes for each a prepared,
@@ -57,7 +57,7 @@ def batch_for(n: int) -> int:
 
 
 def hub_process(n: int, batch: int, conn, profile: str = "") -> None:
-    from learner.hub import Hub
+    from hub.hub import Hub
     from pipeline.config import config_from_dict
     from pipeline.tasks import echo_rows
 

@@ -153,7 +153,7 @@ def launch(name: str, cfg: dict, root: Path):
     run_dir = root / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "bench.yaml").write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", str(run_dir / "bench.yaml"), "--run-dir",
+    argv = [sys.executable, "-m", "pipeline", "run", "-c", str(run_dir / "bench.yaml"), "--run-dir",
             str(run_dir / "run")]
     return start_child(name, argv, run_dir / "run.log"), run_dir
 

@@ -127,7 +127,7 @@ run_part() {
     ;;
   colocated)
     rm -rf /tmp/bench-runs/single-tiny  # a run directory holds one run: pipeline run refuses a used one
-    step pipeline_run_single 150 python3 -m pipeline.cli run -c configs/gpu-single.yaml \
+    step pipeline_run_single 150 python3 -m pipeline run -c configs/gpu-single.yaml \
       --set trainer.total_steps=20 --run-dir /tmp/bench-runs/single-tiny; pack
     step colocated 220 python3 -m bench.colocated --steps 20 --timeout 200; pack
     ;;

@@ -21,7 +21,7 @@ from pipeline.metrics import read_metrics
 
 def one(k: int, steps: int, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "pipeline.cli", "run", "--run-dir", d, "--set", f"trainer.total_steps={steps}",
+        cmd = [sys.executable, "-m", "pipeline", "run", "--run-dir", d, "--set", f"trainer.total_steps={steps}",
                "--set", f"trainer.max_staleness={k}", "--set", f"generator.update_mode={mode}"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         r = read_metrics(Path(d))[1:]

@@ -234,7 +234,7 @@ class Clock:
 
 
 class HeldOut:
-    """The held-out rows evaluated as our hub does (learner/evaluation.py), with the trainer's vLLM engine."""
+    """The held-out rows evaluated as our hub does (hub/evaluation.py), with the trainer's vLLM engine."""
 
     def __init__(self, trainer, args):
         from transformers import AutoTokenizer

@@ -188,7 +188,7 @@ def run_ours(args, cfg, k: int) -> dict:
         shutil.rmtree(d)  # a run directory holds one run
     d.mkdir(parents=True)
     sets = [*args.overrides, f"trainer.total_steps={cfg.trainer.total_steps}", f"trainer.max_staleness={k}"]
-    argv = [sys.executable, "-m", "pipeline.cli", "run", "-c", args.config, "--run-dir", str(d / "run")]
+    argv = [sys.executable, "-m", "pipeline", "run", "-c", args.config, "--run-dir", str(d / "run")]
     for s in sets:
         argv += ["--set", s]
     code, wall, peak, child = supervised(f"ours-k{k}", argv, d / "run.log", args.timeout)

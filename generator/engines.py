@@ -15,7 +15,7 @@ import os
 from generator.engine import adapter_slots
 from pipeline import trace
 from pipeline.config import Config
-from weights.files import own_segments, record_segments, remove_left_segments, shm_segments
+from pipeline.host import own_segments, record_segments, remove_left_segments, shm_segments
 
 log = logging.getLogger(__name__)
 

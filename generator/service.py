@@ -44,10 +44,10 @@ from pipeline import protocol as P
 from pipeline import trace
 from pipeline.client import HubClient
 from pipeline.config import Config, env_flag
+from pipeline.host import host_identity, remove_receiver_dir, remove_stale
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt
 from weights import VersionGone, receiver
-from weights.files import host_identity, remove_receiver_dir, remove_stale
 
 log = logging.getLogger(__name__)
 

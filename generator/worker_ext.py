@@ -311,7 +311,7 @@ class Receiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         from pathlib import Path
 
-        from weights.files import private_dir
+        from pipeline.host import private_dir
 
         # in a folder of this user's only: another local user must not trigger receives
         self._dir = private_dir(Path(tempfile.gettempdir()) / f"pipeline-ipc-{os.getpid()}-{id(self):x}")
@@ -405,7 +405,7 @@ class Receiver:
         return flats
 
     def stop(self) -> None:
-        from weights.files import remove_dir
+        from pipeline.host import remove_dir
 
         self._stop.set()
         self._thread.join(timeout=5)

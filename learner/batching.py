@@ -21,8 +21,8 @@ import torch
 
 from learner.health import entropy_positions
 from learner.loss import group_advantages
-from learner.staleness import behaviour_version, lag
 from pipeline import protocol as P
+from pipeline.staleness import behaviour_version, lag
 
 
 @dataclass

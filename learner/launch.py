@@ -47,7 +47,7 @@ def _visible_gpus() -> int:
 
 
 def run_ranks(argv: list[str], world: int) -> int:
-    """Run `python -m pipeline.cli *argv` as `world` ranks on this host under torchrun's agent; returns the exit
+    """Run `python -m pipeline *argv` as `world` ranks on this host under torchrun's agent; returns the exit
     code: 0, the first failed rank's, or 130 after a signal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -56,7 +56,7 @@ def run_ranks(argv: list[str], world: int) -> int:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5)
     try:
-        elastic_launch(config, sys.executable)("-m", "pipeline.cli", *argv)
+        elastic_launch(config, sys.executable)("-m", "pipeline", *argv)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         log.error("learner rank %d failed with exit code %d; the other ranks were stopped", rank, failure.exitcode)

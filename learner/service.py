@@ -28,12 +28,11 @@ from pathlib import Path
 import msgpack
 import torch
 
+from hub.hub import DatasetExhausted, Hub
 from learner import checkpoint
-from learner.hub import DatasetExhausted, Hub
 from learner.model import build_engine, init_distributed
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
-from learner.staleness import behaviour_version
 from learner.step import train_step
 from learner.timeline import StepTimes
 from learner.versions import version_kind
@@ -41,10 +40,12 @@ from pipeline import protocol as P
 from pipeline import trace
 from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
 from pipeline.fingerprint import of_model
+from pipeline.host import remove_stale
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
+from pipeline.staleness import behaviour_version
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
-from weights.files import remove_shm, remove_stale
+from weights.files import remove_shm
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 5.0  # rank 0, waiting for a batch, tells the other ranks this often that it is there

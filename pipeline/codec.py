@@ -38,7 +38,7 @@ class Limits:
     depth: int = 8  # nesting of arrays and maps
 
 
-FROM_PEER = Limits()  # the hub decoding a generator's or operator's control message (rollouts: learner/hub.py)
+FROM_PEER = Limits()  # the hub decoding a generator's or operator's control message (rollouts: hub/hub.py)
 FROM_HUB = Limits(bytes=2**31 - 1, items=2**20, containers=2**22, depth=32)  # manifests, dataset columns
 
 

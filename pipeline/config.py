@@ -353,7 +353,7 @@ class EvalConfig:
     every: int = 0
     """Evaluate the held-out prompts at every N-th weights version (0: no evaluation). The generators sample them
     at that version in the room training leaves them (at most generator.lease_size prompts in flight per generator
-    while training goes on; a round still out when the next starts, in turns with training: learner/leases.py), so
+    while training goes on; a round still out when the next starts, in turns with training: hub/leases.py), so
     training never waits for it; results go to RUN_DIR/eval.jsonl and to the metrics as eval/*."""
     data: DataConfig | None = None
     """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None, with a

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import Config, save_config
+from pipeline.host import processes
 from pipeline.metrics import read_metrics
 from pipeline.netutil import free_port, local_address, port_free
 from pipeline.trace import merge, trace_dir
@@ -118,17 +119,6 @@ def _wait(done, timeout: float, hurry=lambda: False) -> bool:
     return True
 
 
-def processes() -> dict[int, tuple[str, int, int]]:
-    """{pid: (state, parent's pid, process group)} of every process, from /proc/PID/stat (state "Z": a zombie, exited
-    and not reaped yet). The command name may hold spaces and parentheses: the fields follow its last ")"."""
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError):
-            state, ppid, pgid = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            out[int(stat.parent.name)] = (state, int(ppid), int(pgid))
-    return out
-
-
 def _members(pgid: int) -> list[int]:
     """The live processes of process group `pgid`; a zombie (exited, not reaped yet) is not live."""
     return [pid for pid, (state, _, group) in processes().items() if group == pgid and state != "Z"]
@@ -165,7 +155,7 @@ def guard(starter: int, leader: int, grace: float = 30.0) -> None:
     # until no process of the group is left, zombies included (remove_stale takes one for a live owner); bounded,
     # for a host whose init does not reap them
     _wait(lambda: _gone(leader), 10.0)
-    from weights.files import remove_stale
+    from pipeline.host import remove_stale
 
     remove_stale()  # the folders and vLLM segments of processes that could not remove their own
 
@@ -227,7 +217,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)
     token = secrets.token_hex(8)  # the learner writes it in hub.json: its address, not a stale one, is used
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "pipeline"]
     argv = cli + ["learner", "-c", str(resolved), "--run-dir", str(run_dir), "--launch-token", token]
     argv += (["--resume", str(run_dir)] if resume else []) + _gpus(cfg.run.learner_gpus)
     argv += ["--profile"] if profile else []
@@ -273,7 +263,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     finally:
         seen = len(received)  # a signal from here on only hurries the shutdown
         stop_all(children, now=rc != 0, hurry=lambda: len(received) > seen)
-    from weights.files import remove_stale
+    from pipeline.host import remove_stale
 
     remove_stale()
     if profile and (merged := merge(run_dir)):

@@ -4,7 +4,7 @@ Every message is a small typed dataclass; nested structs (`PromptItem`, `Sample`
 tag of their own. Bulk arrays (token ids, log-probs) are raw little-endian bytes: int32 token ids, float32
 log-probs. Within a schema version fields are only ever appended, with defaults, so an older peer's message
 still decodes. What a message *says* (token ids in the vocabulary, finite numbers, versions, whose lease) is
-checked by the hub (learner/validation.py).
+checked by the hub (hub/validation.py).
 
 Control channel (generator DEALER -> hub ROUTER), request -> reply:
     SpecRequest -> RunSpec | Error       (before registering: the run's config for what a generator serves)
@@ -127,7 +127,7 @@ class Register(Message):
     tag: ClassVar[str] = "register"
     generator_id: str = text(GENERATOR_ID)
     host: str = text(255, "")
-    boot_id: str = text(64, "")  # where it runs: weights.files.host_identity ("BOOT_ID:NETNS:SHM"; older: the boot id)
+    boot_id: str = text(64, "")  # where it runs: pipeline.host.host_identity ("BOOT_ID:NETNS:SHM"; older: the boot id)
     gpus: str = text(128, "")
     pid: int = 0
     loaded_version: int = -1  # >= 0 when reconnecting with an engine that already holds weights

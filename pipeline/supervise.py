@@ -3,7 +3,7 @@
 `pipeline run`'s generators (and the tests' services) are started by `pipeline.launcher.Child`, which gives each a
 guard and marks its environment (`GUARDED`). A generator started by hand, from a shell or a job script, has no guard:
 killed with SIGKILL (the OOM killer's way) it left vLLM's engine core (re-parented to init, holding its memory) and
-Python's resource tracker running. So `pipeline/cli.py` calls `supervise` in the generator branch, before anything
+Python's resource tracker running. So `pipeline/entrypoints/generator.py` calls `supervise`, before anything
 heavy is imported, and this process becomes a small supervisor:
 
 - it starts the real generator (the same command line) as a `Child`, in a session of its own, its output on this

@@ -93,7 +93,7 @@ def procs():
     def start(args: list[str], log: Path, env: dict | None = None, prefix: list[str] = ()) -> Proc:
         """`prefix`: what runs the service (`ip netns exec NS`: in a network namespace; it execs, so the PID is the
         service's)."""
-        p = Proc([*prefix, sys.executable, "-m", "pipeline.cli", *args], log, env)
+        p = Proc([*prefix, sys.executable, "-m", "pipeline", *args], log, env)
         started.append(p)
         return p
 

@@ -86,7 +86,7 @@ def pick(configured: str, register, learner_host: str, learner_gpus: list[str], 
     """The transport of a registering generator. `auto`: ipc for a one-GPU generator on the learner's own GPU;
     nccl when the learner has a collective transport (GPUs) and the generator reports GPUs other than the
     learner's; else shm on the learner's host, zmq across hosts. A generator that failed ipc or nccl once is
-    not given it again. `learner_host` and `register.boot_id` are weights.files.host_identity's: a generator in
+    not given it again. `learner_host` and `register.boot_id` are pipeline.host.host_identity's: a generator in
     another network namespace of the learner's machine is on another host (shm and ipc need one host), though
     its GPU numbers are the learner's (one machine)."""
     if configured != "auto":

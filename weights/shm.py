@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from pipeline import protocol as P
-from weights.files import private_dir, verify_file
+from pipeline.host import private_dir
+from weights.files import verify_file
 from weights.zmq import ZmqReceiver
 
 

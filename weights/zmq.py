@@ -14,8 +14,9 @@ import mmap
 import os
 
 from pipeline import protocol as P
+from pipeline.host import private_dir, receiver_dir
 from weights import VersionGone
-from weights.files import ChecksumMismatch, private_dir, receiver_dir, verify_file
+from weights.files import ChecksumMismatch, verify_file
 
 KEEP = 2  # the newest versions always served
 PULLED_MAX = 2  # older versions kept while a generator pulls them: each is a blob of the model's size in host memory

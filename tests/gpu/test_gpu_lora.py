@@ -35,7 +35,7 @@ KL_BOUND = 5e-3
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
 def test_qlora_on_smollm2_on_one_gpu(tmp_path: Path, mode: str) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "-c", str(ROOT / "configs" / "gpu-smollm2-math.yaml"),
+    cmd = [sys.executable, "-m", "pipeline", "run", "-c", str(ROOT / "configs" / "gpu-smollm2-math.yaml"),
            "--run-dir", str(run_dir), "--set", "model.lora={r: 16, alpha: 32}", "--set", "model.quantization=4bit",
            "--set", f"generator.lora_mode={mode}", "--set", f"trainer.total_steps={STEPS}",
            "--set", "trainer.max_staleness=0", "--set", "eval.every=0",

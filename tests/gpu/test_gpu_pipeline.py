@@ -39,7 +39,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
     pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (learner on 0, generator on 1)"),
 ]
-CLI = [sys.executable, "-m", "pipeline.cli"]
+CLI = [sys.executable, "-m", "pipeline"]
 
 
 def _group_pids(pgid: int) -> set[int]:

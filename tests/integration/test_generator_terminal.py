@@ -111,7 +111,7 @@ def test_sigterm_and_ctrl_c_drain_generators_and_sigterm_stops_the_learner(procs
     # the other reaches the hub once the gate opens, after the first one's drain: its engine starts side by side,
     # and the hub's rollouts are the first one's alone until then
     gate = Gate(free_port)
-    args = [sys.executable, "-m", "pipeline.cli", "generator", "-c", "configs/demo.yaml", "--learner",
+    args = [sys.executable, "-m", "pipeline", "generator", "-c", "configs/demo.yaml", "--learner",
             f"tcp://127.0.0.1:{gate.port}"]
     for o in common:
         args += ["--set", o]
@@ -146,7 +146,7 @@ def test_sigterm_and_ctrl_c_drain_generators_and_sigterm_stops_the_learner(procs
         # Ctrl-C in the other generator's terminal (the only generator left: the hub's rollouts are its own)
         gate.open()
         # the terminal's process is the supervisor; the generator (its id holds the PID) is its child
-        real = wait_for(lambda: next((p for p, cmd in descendants(gen.pid) if "pipeline.cli generator" in cmd), None),
+        real = wait_for(lambda: next((p for p, cmd in descendants(gen.pid) if "-m pipeline generator" in cmd), None),
                         60, "the supervised generator")
 
         def terminal_busy() -> P.StatusReply | None:

@@ -61,7 +61,7 @@ def test_generators_serve_the_runs_config_and_the_others_are_refused_naming_the_
     assert _status(address).counters["refused_spec"] == 3
 
     # k raised: the adapter slots (fixed when vLLM starts) follow, by building the engine again
-    set_k = subprocess.run([sys.executable, "-m", "pipeline.cli", "set", "--learner", address,
+    set_k = subprocess.run([sys.executable, "-m", "pipeline", "set", "--learner", address,
                             "trainer.max_staleness=6"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert set_k.returncode == 0, set_k.stderr
     wait_for(lambda: [g.adapter_slots for g in _status(address).generators] == [8], 300,

@@ -35,7 +35,7 @@ def _checkpoint(run_dir: Path) -> int:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=120,
                           cwd=REPO)
 
 
@@ -50,7 +50,7 @@ def test_a_killed_named_run_leaves_nothing_is_refused_again_and_resumes_exactly_
              "a step past the first checkpoint", [first])
     services = descendants(first.pid)  # learner, generator, its engine core and worker, the guards
     hub = json.loads((run_dir / "hub.json").read_text())
-    generator = next(p for p, cmd in services if "pipeline.cli generator" in cmd)
+    generator = next(p for p, cmd in services if "-m pipeline generator" in cmd)
     receiver = Path(f"/dev/shm/pipeline-recv-{generator}")
     shm = [Path(f"/dev/shm/pipeline-{hub['run_id']}"), receiver]
     shm += [Path("/dev/shm") / name for name in (receiver / "segments").read_text().split()]

@@ -55,8 +55,8 @@ def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(engine_loop):
     from generator.calculator import answer
     from generator.engines import Fixed
     from generator.service import Generator
+    from hub.validation import Expected, RunShape, check_rollout
     from learner.batching import build_rows, collate
-    from learner.validation import Expected, RunShape, check_rollout
 
     engine, runner = engine_loop
     cfg = config_from_dict({"generator": {"rollout": "generator.calculator:rollout", "max_num_seqs": 32},
@@ -116,7 +116,7 @@ def test_reward_functions_from_trls_documentation_run_unchanged_on_both_formats(
 
     from generator.engines import Fixed
     from generator.service import Generator
-    from learner.prompts import Prompts
+    from hub.prompts import Prompts
     from pipeline.tasks import encode_prompt
 
     engine, runner = engine_loop
@@ -163,8 +163,8 @@ def test_reward_functions_from_trls_documentation_run_unchanged_on_both_formats(
 
 
 def test_a_prompt_column_of_neither_format_is_refused_with_the_reason():
-    from learner.prompts import Prompts
-    from learner.validation import Rejected
+    from hub.prompts import Prompts
+    from hub.validation import Rejected
 
     prompts = Prompts([{"prompt": {"text": "3 1"}}, {"prompt": [{"role": "user"}]}], "prompt", lambda p: [4], 16, 256)
     for pid in (0, 1):

@@ -34,7 +34,7 @@ class Standalone:
     """`pipeline generator` as a user starts it, in a session of its own (the test's clean-up is by PID)."""
 
     def __init__(self, port: int, overrides: list[str], log: Path):
-        argv = [sys.executable, "-m", "pipeline.cli", "generator", "-c", "configs/demo.yaml", "--learner",
+        argv = [sys.executable, "-m", "pipeline", "generator", "-c", "configs/demo.yaml", "--learner",
                 f"tcp://127.0.0.1:{port}"]
         for o in overrides:
             argv += ["--set", o]

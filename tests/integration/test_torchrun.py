@@ -1,5 +1,5 @@
 """The learner under torchrun (torch.distributed.elastic), as a cluster starts it: two agents, each one node of a
-2-node c10d rendezvous with one gloo rank, run `python -m pipeline.cli learner` with the same run directory; the
+2-node c10d rendezvous with one gloo rank, run `python -m pipeline learner` with the same run directory; the
 ranks take RANK / LOCAL_RANK / WORLD_SIZE from the launcher, rank 0 serves the hub and writes hub.json, and a
 generator that reads the hub's address from it trains the demo task with them. One node is lost mid-run (its agent
 and its rank killed): the run ends, naming the lost rank and its host; the same commands with --resume finish it.
@@ -29,7 +29,7 @@ def _agent(run_dir, node: int, rdzv: int, hub_port: int, log, resume: bool = Fal
     return Proc([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
                  "--rdzv-id", "test-run", "--max-restarts", "0",
-                 "-m", "pipeline.cli", "learner", "-c", "configs/demo.yaml", "--resume" if resume else "--run-dir",
+                 "-m", "pipeline", "learner", "-c", "configs/demo.yaml", "--resume" if resume else "--run-dir",
                  str(run_dir), "--set", f"hub.port={hub_port}", "--set", f"trainer.total_steps={STEPS}",
                  "--set", f"trainer.batch_size={BATCH}", "--set", "trainer.checkpoint_every=2"], log)
 
@@ -51,7 +51,7 @@ def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_train
         gen = start_generator(procs, run_dir, hub_port, [])
         wait_for(lambda: _steps(run_dir) >= 3, 600, "3 steps (a checkpoint at v2)", agents + [gen])
         # node 1 is lost: its agent and its rank (in a session of its own) killed outright
-        rank1 = [pid for pid, cmd in descendants(agents[1].pid) if "pipeline.cli" in cmd]
+        rank1 = [pid for pid, cmd in descendants(agents[1].pid) if "-m pipeline learner" in cmd]
         assert rank1, descendants(agents[1].pid)
         for pid in (agents[1].pid, *rank1):
             os.kill(pid, signal.SIGKILL)
@@ -84,7 +84,7 @@ def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_train
 
 def test_under_torchrun_a_learner_without_a_run_directory_is_refused():
     """Every rank must write to the same run directory: one named by each (a timestamp) would not be."""
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "learner", "-c", "configs/demo.yaml"],
+    out = subprocess.run([sys.executable, "-m", "pipeline", "learner", "-c", "configs/demo.yaml"],
                          capture_output=True, text=True, timeout=120, cwd=REPO,
                          env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "RANK": "0"})
     assert out.returncode == 2

@@ -6,7 +6,7 @@ import time
 
 import zmq
 
-from learner.hub import Hub
+from hub.hub import Hub
 from pipeline import protocol as P
 from pipeline.config import config_from_dict
 from pipeline.security import ClientKeys, secure_client

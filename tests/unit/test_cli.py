@@ -11,7 +11,7 @@ from tests.conftest import REPO
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, timeout=120,
                           cwd=REPO)
 
 
@@ -66,8 +66,8 @@ def test_a_run_directory_that_holds_a_run_is_refused_with_the_ways_on_and_left_a
 
 
 def test_set_with_a_misspelt_key_says_what_was_meant_as_a_config_file_does(tmp_path, capsys):
-    from pipeline.cli import main
     from pipeline.config import ConfigError, load_config
+    from pipeline.entrypoints.cli import main
     from tests.unit.peers import new_hub
 
     misspelt = {"trainer.max_stalness": "trainer.max_stalness: unknown field (did you mean max_staleness?)",

@@ -194,7 +194,7 @@ def test_a_gpu_outside_cuda_visible_devices_is_refused_at_start(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PIPELINE_OUTER_GPUS"} | {"CUDA_VISIBLE_DEVICES": "0,1"}
     (tmp_path / "cfg.yaml").write_text("{}\n")
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "learner", "-c", str(tmp_path / "cfg.yaml"), "--gpus",
+    done = subprocess.run([sys.executable, "-m", "pipeline", "learner", "-c", str(tmp_path / "cfg.yaml"), "--gpus",
                            "2", "--run-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "--gpus 2: '2' is not one of the 2 GPUs CUDA_VISIBLE_DEVICES=0,1" in done.stderr

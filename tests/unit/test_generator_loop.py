@@ -13,13 +13,13 @@ import torch
 from generator.engine import Completion
 from generator.engines import Fixed
 from generator.service import Generator
-from learner.hub import Hub, HubStopped
-from learner.registry import GeneratorInfo
+from hub.hub import Hub, HubStopped
+from hub.registry import GeneratorInfo
 from pipeline import protocol as P
 from pipeline.config import config_from_dict
+from pipeline.host import remove_receiver_dir
 from pipeline.tasks import echo_rows
 from tests.unit.peers import VOCAB, encode
-from weights.files import remove_receiver_dir
 from weights.nccl import NcclReceiver
 from weights.plan import checksum, serialize
 
@@ -386,7 +386,7 @@ async def test_a_lease_size_set_at_run_time_reaches_the_generators(tmp_path):
     what their engine has room for and the hub grants up to its own value."""
     import copy
 
-    from learner import operators
+    from hub import operators
 
     cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "max_staleness": 0, "total_steps": 5},
                             "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from weights.files import mapped_segments, remove_left_segments
+from pipeline.host import mapped_segments, remove_left_segments
 
 # makes a segment and a semaphore as vLLM's processes do, untracked (as when its resource tracker dies with it), and
 # holds them until killed

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from learner import leases
+from hub import leases
 from pipeline import trace
 from pipeline.config import config_from_dict
 from tests.unit.test_generator_loop import FakeEngine, _until, publish, running

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from learner.hub import HubStopped
+from hub.hub import HubStopped
 from pipeline import protocol as P
 from pipeline.status import render
 from tests.unit.peers import Peer, new_hub, wait_until
@@ -46,7 +46,7 @@ def test_a_leave_that_overtakes_the_last_rollouts_waits_for_them(make_hub, monke
     """A draining generator sends its last rollouts (rollouts socket) and then Leave (control socket): Leave can
     arrive first. It says how many rollouts it sent, and the hub drops it once they are in: the drained group is
     trained, not rejected as a stranger's. Rollouts that never come are waited for LEAVE_GRACE_S."""
-    from learner import hub as hub_module
+    from hub import hub as hub_module
 
     hub = make_hub(max_staleness=1)
     peer, late = Peer(hub, "gen-a"), Peer(hub, "gen-b")
@@ -73,7 +73,7 @@ def test_a_leave_that_overtakes_the_last_rollouts_waits_for_them(make_hub, monke
 def test_a_wait_for_room_is_longer_with_many_generators_so_they_do_not_flood_the_hub(make_hub):
     """Told to wait for room in the window, a generator asks again after Wait.retry_s: 50 ms, and with many
     generators long enough that together they ask at most about 1,000 times a second."""
-    from learner.leases import retry_s
+    from hub.leases import retry_s
 
     hub = make_hub(max_staleness=0)
     peers = [Peer(hub, f"gen-{i}") for i in range(3)]

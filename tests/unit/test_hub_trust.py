@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from learner.hub import DatasetExhausted, HubStopped
+from hub.hub import DatasetExhausted, HubStopped
 from pipeline import protocol as P
 from pipeline.status import render
 from pipeline.tasks import echo_rows
@@ -109,7 +109,7 @@ def test_the_whole_group_check_passes_only_groups_every_sample_check_passes():
 
     import numpy as np
 
-    from learner.validation import Expected, Rejected, RunShape, _check_sample, _clean, check_rollout
+    from hub.validation import Expected, Rejected, RunShape, _check_sample, _clean, check_rollout
 
     rng = random.Random(0)
     shape = RunShape(vocab_size=16, group_size=4, max_tokens=8, max_model_len=12, rewards=1)

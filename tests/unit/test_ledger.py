@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from learner import staleness
-from learner.ledger import LeaseState, PromptLedger
+from hub.ledger import LeaseState, PromptLedger
 from pipeline import protocol as P
+from pipeline import staleness
 
 COUNTERS = ("requeued", "stale_dropped", "skipped_steps")
 

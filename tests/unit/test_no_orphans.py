@@ -104,7 +104,8 @@ STUCK_RANK = """
 import datetime, os, signal, sys, time
 import torch, torch.distributed as dist
 from learner import service
-from weights.files import private_dir, shm_dir
+from weights.files import shm_dir
+from pipeline.host import private_dir
 
 rank, run_id = int(sys.argv[1]), sys.argv[2]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])

@@ -131,7 +131,7 @@ def test_more_learner_ranks_than_gpus_given_is_refused_at_start_with_both_number
                   "--set", "trainer.ranks=2"],
                  ["run", "--run-dir", str(tmp_path / "r"), "--set", "run.learner_gpus='0,1'", "--set",
                   "trainer.ranks=3"]):
-        out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
                              timeout=120, cwd=REPO)
         ranks, gpus = args[-1][-1], str(len(args[args.index("--gpus") + 1].split(","))) if "--gpus" in args else "2"
         assert out.returncode == 2 and f"trainer.ranks: {ranks} learner ranks" in out.stderr, out.stderr

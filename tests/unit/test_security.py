@@ -7,8 +7,8 @@ import pytest
 import zmq
 
 from pipeline import protocol as P
-from pipeline.cli import main as cli
 from pipeline.config import ConfigError, config_from_dict
+from pipeline.entrypoints.cli import main as cli
 from pipeline.security import check_exposure, client_keys, make_keys
 from tests.unit.peers import Peer, new_hub, wait_until
 

@@ -231,14 +231,15 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     import subprocess
     import sys
 
-    from weights import files as transports
+    from pipeline import host
+    from weights.files import remove_shm, write_shm
 
-    monkeypatch.setattr(transports, "SHM_ROOT", tmp_path)
-    monkeypatch.setattr(transports.tempfile, "gettempdir", lambda: str(tmp_path))
-    path = Path(transports.write_shm("run-x", 3, b"weights"))
+    monkeypatch.setattr(host, "SHM_ROOT", tmp_path)
+    monkeypatch.setattr(host.tempfile, "gettempdir", lambda: str(tmp_path))
+    path = Path(write_shm("run-x", 3, b"weights"))
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = transports.private_dir(tmp_path / "pipeline-recv-stale")
+    stale = host.private_dir(tmp_path / "pipeline-recv-stale")
     (stale / "owner").write_text(dead.stdout.strip())  # a generator killed with SIGKILL left it
     (stale / "weights-v1.safetensors").write_bytes(b"x")
     foreign = tmp_path / "pipeline-not-ours"  # no owner file: not made by this code, left alone
@@ -246,8 +247,8 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     for name in ("psm_0000aaaa", "psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"):  # one another process's
         (tmp_path / name).write_bytes(b"segment")
     engines = ["psm_1234abcd", "psm_5678ef01", "sem.mp-k3x_9q2a"]  # own_segments: tests/unit/test_generator_segments.py
-    assert transports.record_segments(engines) == engines
-    recv = transports.receiver_dir()
+    assert host.record_segments(engines) == engines
+    recv = host.receiver_dir()
     (recv / "owner").write_text(dead.stdout.strip())  # its generator and engine were killed with SIGKILL
     pid = int(dead.stdout)
     ipc_dead = [tmp_path / f"torch_{pid}_2601234328_0", tmp_path / f"cuda.shm.0.{pid:x}.1"]  # a killed learner's
@@ -255,12 +256,12 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     ipc_live = [tmp_path / f"torch_{me}_77_0", tmp_path / f"cuda.shm.0.{me:x}.1", tmp_path / "torch_x"]
     for f in ipc_dead + ipc_live:
         f.write_bytes(b"")
-    assert sorted(transports.remove_stale()) == sorted([stale, recv, *ipc_dead])
+    assert sorted(host.remove_stale()) == sorted([stale, recv, *ipc_dead])
     assert all(f.exists() for f in ipc_live)
-    assert sorted(p.name for p in tmp_path.iterdir() if transports.SEGMENT.fullmatch(p.name)) == ["psm_0000aaaa"]
+    assert sorted(p.name for p in tmp_path.iterdir() if host.SEGMENT.fullmatch(p.name)) == ["psm_0000aaaa"]
     assert not stale.exists() and foreign.exists() and path.exists()  # the live process's folder stays
     assert int((path.parent / "owner").read_text()) == os.getpid()
-    transports.remove_shm("run-x")
+    remove_shm("run-x")
     assert not path.parent.exists()
 
 
@@ -365,9 +366,9 @@ def test_a_version_being_pulled_is_served_until_its_pull_ends_and_older_pulls_ar
 async def test_a_pull_of_a_version_no_longer_served_raises_version_gone_and_writes_nothing_after():
     """The receiver takes "no longer served" as VersionGone (the generator moves to the newest, same session), and
     the chunks still in flight stop before the file is closed."""
+    from pipeline.host import remove_receiver_dir
     from weights import VersionGone
     from weights import zmq as Z
-    from weights.files import remove_receiver_dir
 
     blob = serialize([("w", torch.arange(5000, dtype=torch.float32))])
     blobs = Z.Blobs(4096)
@@ -410,7 +411,7 @@ async def test_an_shm_version_removed_by_the_learner_while_it_loads_is_still_loa
     """The learner keeps the newest two versions in /dev/shm: two more published between the generator's check
     and its worker's open removed the file ("No such file or directory", and the generator registered again).
     The receiver's own link keeps it readable until loaded, and is removed afterwards."""
-    from weights.files import receiver_dir, remove_receiver_dir
+    from pipeline.host import receiver_dir, remove_receiver_dir
 
     named = [("w", torch.arange(1000, dtype=torch.float32))]
     blob = serialize(named)
@@ -430,9 +431,9 @@ async def test_an_shm_version_removed_by_the_learner_while_it_loads_is_still_loa
 async def test_an_shm_version_gone_before_it_is_read_is_version_gone_not_an_error():
     """Removed before the receiver could link it, and no longer served for zmq either: VersionGone (take the
     newest), never an error that makes the generator register again."""
+    from pipeline.host import remove_receiver_dir
     from weights import VersionGone
     from weights import zmq as Z
-    from weights.files import remove_receiver_dir
 
     blobs = Z.Blobs(2**20)
     for v in (1, 2, 3):
@@ -548,8 +549,8 @@ def test_shm_only_on_the_learners_host_and_a_network_namespace_is_another_host()
     """`auto` gives shm only to a generator on the learner's host: the same boot id, network namespace and /dev/shm.
     One in another network namespace of the same machine (a container; the hosts of tests/integration/test_hosts.py)
     shared the boot id and was given shm; it gets zmq, and its GPU numbers still name the learner's GPUs."""
+    from pipeline.host import host_identity
     from weights import pick
-    from weights.files import host_identity
 
     here = host_identity()[1]
     boot, _, shm = here.split(":")
@@ -570,12 +571,12 @@ def test_a_process_in_another_network_namespace_reports_another_host():
     import subprocess
     import sys
 
-    code = "from weights.files import host_identity; print(host_identity()[1])"
+    code = "from pipeline.host import host_identity; print(host_identity()[1])"
     out = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
     if out.returncode != 0:
         pytest.skip(f"cannot make a network namespace (root needed): {out.stderr.strip()[-200:]}")
-    from weights.files import host_identity
+    from pipeline.host import host_identity
 
     here, there = host_identity()[1], out.stdout.strip()
     assert there != here and there.split(":")[0] == here.split(":")[0]  # one machine, another host

@@ -2,7 +2,7 @@
 
 When the step that makes version v ends with v a multiple of eval.every, a round starts: each held-out prompt
 is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission, in the
-time the engines have no training to do (learner/leases.py): a generator gets a round's prompts when the staleness
+time the engines have no training to do (hub/leases.py): a generator gets a round's prompts when the staleness
 window has no room for it, at most generator.lease_size of them in flight at once while training goes on, so they
 share its engine with a batch only that much (a round of 128 prompts x 4 samples of 256 tokens beside the first batch
 made it take 3.7 s where 1.4 s was the engine's own time: docs/figures.md, "Every GPU busy"). A round that is
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from learner.prompts import Prompts
-from learner.validation import Expected, Rejected, RunShape, check_rollout
+from hub.prompts import Prompts
+from hub.validation import Expected, Rejected, RunShape, check_rollout
 from pipeline import protocol as P
 
 EPOCH = -1  # the epoch of an evaluation prompt: never one of training's
@@ -69,7 +69,7 @@ class Evaluation:
         self.rounds: list[Round] = []
         self.leases: dict[int, EvalLease] = {}
         self.finished: list[dict] = []  # rounds done, not yet reported with a step
-        self.turn = False  # an overdue round's next lease request tries its prompts first (learner/leases.py)
+        self.turn = False  # an overdue round's next lease request tries its prompts first (hub/leases.py)
 
     def start(self, version: int) -> None:
         if self.cfg.every and version % self.cfg.every == 0 and len(self.prompts):

@@ -3,7 +3,7 @@
 A generator reports a group it could not make (GroupFailed): "engine" (lease it again, a few times), "prompt"
 (vLLM refused the prompt itself), "reward" (a reward function raised: an error of the run, not of the prompt).
 The prompt goes to another generator while one is there to try it; the fault counts once confirmed by two
-principals or by every registered one (learner/registry.py): a confirmed "prompt" (or a third "engine") rejects
+principals or by every registered one (hub/registry.py): a confirmed "prompt" (or a third "engine") rejects
 the prompt for the epoch, a confirmed "reward" counts toward hub.max_reward_errors. Past hub.max_rejected_prompts
 or hub.max_reward_errors the run stops with the reason (`fail`). A generator whose own rollouts keep being rejected
 is quarantined (`rejected_rollout`).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from learner.ledger import Key
+from hub.ledger import Key
 from pipeline import protocol as P
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from learner.validation import Rejected, check_prompt_ids
+from hub.validation import Rejected, check_prompt_ids
 from pipeline import protocol as P
 from pipeline.tasks import is_conversational
 

@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-log = logging.getLogger("learner.hub")
+log = logging.getLogger("hub.hub")
 
 
 class Journal:

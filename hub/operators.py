@@ -12,7 +12,7 @@ import time
 from pipeline import protocol as P
 from pipeline.config import ConfigError, apply_runtime_change
 
-log = logging.getLogger("learner.hub")
+log = logging.getLogger("hub.hub")
 
 
 def status(hub) -> P.StatusReply:

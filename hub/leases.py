@@ -1,10 +1,10 @@
 """The lease desk, on the hub's state under its lock: which prompts a generator may take now, and for how long.
 
-Training's prompts come first: up to `room` prompts of the training ledger (learner/staleness.py: admission and the
-lease's minimum version), each tokenised here (learner/prompts.py: a prompt no engine can take is rejected without
+Training's prompts come first: up to `room` prompts of the training ledger (pipeline/staleness.py: admission and the
+lease's minimum version), each tokenised here (hub/prompts.py: a prompt no engine can take is rejected without
 asking one). No principal (a key, or an id without keys) may take the room that every other registered one needs for
 a lease of its own (`share`), so one peer cannot hold the whole window. An evaluation round's prompts
-(learner/evaluation.py: outside admission) go to a generator when training has none for it, at most
+(hub/evaluation.py: outside admission) go to a generator when training has none for it, at most
 generator.lease_size in flight per generator while training goes on; an overdue round takes turns with training,
 training first. A lease goes back to the queue when it is not returned within hub.lease_timeout_s, when its
 generator shows no progress for hub.progress_timeout_s (no tokens, no groups: a hung engine behind a live
@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
-from learner import staleness
-from learner.ledger import Key, LeaseState
-from learner.registry import GeneratorInfo
-from learner.validation import Rejected
+from hub.ledger import Key, LeaseState
+from hub.registry import GeneratorInfo
+from hub.validation import Rejected
 from pipeline import protocol as P
+from pipeline import staleness
 
 log = logging.getLogger(__name__)
 

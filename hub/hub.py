@@ -1,17 +1,18 @@
 """The hub: the learner's front door for generators, on rank 0. What each message does; its parts:
 
-    learner/server.py     sockets, the hub thread, decoding, dispatch, muting of sources that send garbage
-    learner/registry.py   generators, bound to their connection, key and session
-    learner/ledger.py     where every prompt is (pending, leased, buffered, in the step, trained)
-    learner/staleness.py  admission, lease minimum versions, the stale filter
-    learner/leases.py     lease requests, heartbeats' lease lists, expiry
-    learner/evaluation.py held-out prompts sampled every eval.every versions, scored, not trained
-    learner/prompts.py    a prompt's text, columns and token ids, as leased
-    learner/validation.py what a rollout says, checked against its lease and the run
-    learner/faults.py     failed groups and rejected prompts: what they cost the run, once confirmed
-    learner/operators.py  status and run-time changes         learner/journal.py  events.jsonl, rate-limited logs
-    pipeline/runspec.py   the run's spec, which every generator adopts before it registers (SpecRequest)
-    weights/serving.py    the weight transports' side of registration, announcements and zmq pulls
+    hub/server.py          sockets, the hub thread, decoding, dispatch, muting of sources that send garbage
+    hub/registry.py        generators, bound to their connection, key and session
+    hub/ledger.py          where every prompt is (pending, leased, buffered, in the step, trained)
+    pipeline/staleness.py  admission, lease minimum versions, the stale filter (the trainer's rules too)
+    hub/leases.py          lease requests, heartbeats' lease lists, expiry
+    hub/evaluation.py      held-out prompts sampled every eval.every versions, scored, not trained
+    hub/prompts.py         a prompt's text, columns and token ids, as leased
+    hub/validation.py      what a rollout says, checked against its lease and the run
+    hub/faults.py          failed groups and rejected prompts: what they cost the run, once confirmed
+    hub/operators.py       status and run-time changes
+    hub/journal.py         events.jsonl, rate-limited logs
+    pipeline/runspec.py    the run's spec, which every generator adopts before it registers (SpecRequest)
+    hub/serving.py         the weight transports' side of registration, announcements and zmq pulls
 
 The learner's thread talks to the hub through `take_batch`, `finish_step`, `abandon_step`, `finish_run` and
 `announce` (a lock and a condition), so the hub keeps answering heartbeats and leases while a step trains.
@@ -35,20 +36,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from learner import leases, operators
-from learner.evaluation import Evaluation
-from learner.faults import Faults
-from learner.journal import Journal
-from learner.ledger import PromptLedger
-from learner.prompts import Prompts
-from learner.registry import GENERATOR_ID, GeneratorInfo, Registry
-from learner.server import Server
-from learner.validation import Expected, Rejected, RunShape, check_rollout, check_stages
+from hub import leases, operators
+from hub.evaluation import Evaluation
+from hub.faults import Faults
+from hub.journal import Journal
+from hub.ledger import PromptLedger
+from hub.prompts import Prompts
+from hub.registry import GENERATOR_ID, GeneratorInfo, Registry
+from hub.server import Server
+from hub.serving import WeightServing
+from hub.validation import Expected, Rejected, RunShape, check_rollout, check_stages
 from pipeline import protocol as P
 from pipeline import runspec
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
-from weights.serving import WeightServing
 
 if TYPE_CHECKING:
     import mmap
@@ -319,7 +320,7 @@ class Hub:
                            reason=detail or why, prompts=n)
         self.lock.notify_all()
 
-    # ---- leases (learner/leases.py) ------------------------------------------------------------------
+    # ---- leases (hub/leases.py) ------------------------------------------------------------------
 
     def _on_lease_request(self, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
         return leases.request(self, msg, gen)
@@ -342,7 +343,7 @@ class Hub:
     def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key) -> None:
         """A rollout of a registered generator, under the lock: scored (evaluation), buffered, or refused."""
         self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
-        if self.evaluation.owns(msg.lease_id):  # scored, not trained (learner/evaluation.py)
+        if self.evaluation.owns(msg.lease_id):  # scored, not trained (hub/evaluation.py)
             try:
                 self.evaluation.received(msg, gen.generator_id, self.published)
             except Rejected as e:
@@ -398,7 +399,7 @@ class Hub:
             self._drop_generator(gen.generator_id, "quarantined", why)
 
     def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
-        """A generator could not generate a leased prompt: learner/faults.py decides what it costs."""
+        """A generator could not generate a leased prompt: hub/faults.py decides what it costs."""
         key = (msg.epoch, msg.prompt_id)
         if self.evaluation.owns(msg.lease_id):
             return P.Ack(known=self.evaluation.failed(msg.lease_id, msg.prompt_id, msg.generator_id))
@@ -426,7 +427,7 @@ class Hub:
         self.journal.warn("refused", "hub: refused %s", what)
         return P.Error(what)
 
-    # ---- operators (learner/operators.py) ----------------------------------------------------------------
+    # ---- operators (hub/operators.py) ----------------------------------------------------------------
 
     def _on_status_request(self, msg: P.StatusRequest) -> P.Message:
         return operators.status(self)

@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from learner import staleness
 from pipeline import protocol as P
+from pipeline import staleness
 
 Key = tuple[int, int]  # (epoch, prompt_id)
 STATE_FORMAT = 2  # of `snapshot`; `restore` reads 1 too (before issue 32: every key listed)
@@ -43,7 +43,7 @@ class LeaseState:
 
 class Holdings:
     """Groups on leases by principal, and the sum over the active principals of min(r, what each holds), kept as
-    leases change: each lease request's share reads it (learner/leases.py), and summing over a thousand holders for
+    leases change: each lease request's share reads it (hub/leases.py), and summing over a thousand holders for
     every request took the hub's core. The sum is made afresh only when the active principals (a new set from the
     registry) or r change: when a generator registers, leaves or drains."""
 
@@ -193,7 +193,7 @@ class PromptLedger:
         self.failed_by.pop(key, None)
 
     def reject(self, key: Key) -> None:
-        """No engine can take the prompt: done for its epoch without a group (learner/faults.py counts it)."""
+        """No engine can take the prompt: done for its epoch without a group (hub/faults.py counts it)."""
         self._finish(key)
 
     # ---- received groups and steps ------------------------------------------------------------------

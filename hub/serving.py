@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pipeline import protocol as P
 from pipeline.config import env_flag
+from pipeline.host import host_identity
 from weights import pick, senders
-from weights.files import host_identity
 from weights.zmq import Blobs
 
 CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (the generator keeps 4 in flight)

@@ -41,7 +41,7 @@ class GeneratorInfo:
     tokens: int = 0  # rollout tokens received from it
     draining: bool = False  # told us it is finishing its groups before it leaves
     received: int = 0  # rollouts of this registration that reached the hub (trained or not)
-    rejected: int = 0  # rollouts of its own leases that were invalid (learner/validation.py)
+    rejected: int = 0  # rollouts of its own leases that were invalid (hub/validation.py)
     joined_at: float = field(default_factory=time.time)
     applied: int = -1  # the last version it said it loaded (WeightsApplied): only a new one is journaled
     generated: int = 0  # its last Heartbeat.generated: a count that moves is progress
@@ -111,7 +111,7 @@ class Registry:
 
     def active_principals(self) -> set[str]:
         """The principals of the generators not draining, kept (the same set) until a generator registers, leaves or
-        drains: every lease request asks for them (learner.leases.share), and walking a thousand generators for each
+        drains: every lease request asks for them (hub.leases.share), and walking a thousand generators for each
         took the hub's whole core."""
         if self._active is None:
             self._active = {g.principal for g in self.generators.values() if not g.draining}

@@ -1,0 +1,37 @@
+"""`pipeline`: the command line. Each subcommand's file adds its arguments and its `main` (args, argv) -> exit code;
+a user's mistake found at start (a bad config, a run directory in the way, a checkpoint that does not fit) is one
+line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.config import ConfigError
+from pipeline.entrypoints import generator, keys, learner, remote, run
+from pipeline.entrypoints.service import Refused
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeline", description="Asynchronous pipelined RL for language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in (run, learner, generator, remote, keys):
+        command.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from learner.checkpoint import CheckpointError
+    from pipeline.launcher import RunDirError
+
+    try:
+        return args.main(args, argv)
+    except (ConfigError, RunDirError, CheckpointError, Refused) as e:
+        if getattr(args, "started", False):
+            raise  # past a service's start (service.prepare), its errors are its own
+        if isinstance(e, ConfigError):
+            print(f"pipeline: config error: {e}", file=sys.stderr)
+        else:
+            print(f"pipeline {args.command}: {e}" if not isinstance(e, Refused) else f"pipeline: {e}", file=sys.stderr)
+        return 2
