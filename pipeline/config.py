@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline import builtin
 from pipeline.validate import ConfigError, build, check_config, check_range, check_value, unknown_field
 
 
@@ -91,10 +92,15 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "pipeline.tasks:echo_reward"
-    """`module:function` with TRL's signature: f(prompts, completions, completion_ids, **columns) -> list[float]."""
+    fn: str = "builtin:echo_reward"
+    """`module:function` with TRL's signature: f(prompts, completions, completion_ids, **columns) -> list[float]; or
+    a shipped one: `builtin:echo_reward`, `builtin:reverse_reward`, `builtin:math_answer`,
+    `builtin:environment_reward` (pipeline/builtin.py)."""
     weight: float = 1.0
     """Weight of this reward in the sum."""
+
+    def __post_init__(self):  # a shipped function's old module path: its builtin name, with a FutureWarning
+        self.fn = builtin.canonical(self.fn, "rewards.fn")
 
 
 @dataclass
@@ -202,16 +208,18 @@ class GeneratorConfig:
     lease_size: int = runtime(4)
     """Prompt groups per lease at most: the hub's value caps every lease (a generator asks for what its engine has
     room for); a generator also keeps this many groups waiting beside those its engine runs."""
-    rollout: str = "generator.rollout:single_turn"
-    """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py); e.g.
-    `generator.calculator:rollout`, a model that may call a calculator once (the tool's reply is out of the loss).
-    `agent`: your agent program, unchanged, talking to this generator's OpenAI-compatible endpoint (generator/agent.py,
-    generator.agent or generator.agent_command). `environment`: a TRL environment_factory class, unchanged: its
-    methods are the model's tools (generator/environment.py, generator.environment)."""
+    rollout: str = "builtin:single_turn"
+    """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py), or a shipped
+    one: `builtin:single_turn` (one completion), `builtin:calculator` (a model that may call a calculator once; the
+    tool's reply is out of the loss). `agent`: your agent program, unchanged, talking to this generator's
+    OpenAI-compatible endpoint (generator/agent.py, generator.agent or generator.agent_command). `environment`: a
+    TRL environment_factory class, unchanged: its methods are the model's tools (generator/environment.py,
+    generator.environment)."""
     agent: str = ""
-    """With rollout `agent`: `module:function` of `async def agent(client, item) -> str`, called once per sample with
-    an `openai.AsyncOpenAI` client bound to the sample's session and the prompt (item.messages or item.prompt, and
-    item.columns); it returns the answer the reward functions score."""
+    """With rollout `agent`: `module:function` of `async def agent(client, item) -> str` (or
+    `builtin:calculator_agent`), called once per sample with an `openai.AsyncOpenAI` client bound to the sample's
+    session and the prompt (item.messages or item.prompt, and item.columns); it returns the answer the reward
+    functions score."""
     agent_command: list[str] = field(default_factory=list)
     """With rollout `agent`: a command run once per sample, with OPENAI_BASE_URL and OPENAI_API_KEY set to its session
     and the prompt as JSON on stdin ({"prompt" or "messages", "columns"}); what it prints is the answer."""
@@ -226,7 +234,7 @@ class GeneratorConfig:
     callable) whose instance has `reset(**row) -> str | None` (a string is appended to the last user message) and
     public methods with docstrings and type hints, which are the model's tools; one instance per sample. An
     OpenEnv environment is used through such a class, as TRL's docs do. Score it with reward functions that take
-    `environments` (TRL's), or list `generator.environment:get_reward` to train on the instance's get_reward()."""
+    `environments` (TRL's), or list `builtin:environment_reward` to train on the instance's get_reward()."""
     tool_parser: str = "hermes"
     """vLLM's tool-call parser that reads the model's tool calls, in rollout `environment` and in the agent
     endpoint's replies to requests that offer `tools` (vLLM's --tool-call-parser names: hermes for Qwen2.5 and
@@ -267,6 +275,10 @@ class GeneratorConfig:
     """A generator that has had no answer from its hub for this long (the learner exited or never came, or cannot be
     reached) stops retrying and exits 1 with that reason. Long enough to restart a learner with --resume at the same
     address; a generator that heard the run's end does not retry at all."""
+
+    def __post_init__(self):  # a shipped function's old module path: its builtin name, with a FutureWarning
+        for name in ("rollout", "agent", "environment"):
+            setattr(self, name, builtin.canonical(getattr(self, name), f"generator.{name}"))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import builtin
 from pipeline.config import DataConfig, RewardConfig
 
 ECHO_LEN = 8  # completion tokens scored by the echo task
@@ -291,11 +292,12 @@ class RewardError(Exception):
 
 
 def load_callable(spec: str, field: str) -> Callable:
-    """The function named `module:function` by config field `field` (named in the error)."""
-    module, _, name = spec.partition(":")
+    """The function named `module:function` or `builtin:NAME` (pipeline/builtin.py) by config field `field` (named in
+    the error)."""
     try:
+        module, _, name = builtin.module_path(spec).partition(":")
         return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"{field}: cannot load {spec!r}: {e}") from None
 
 

@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pipeline import builtin
+
 
 class ConfigError(ValueError):
     """A config field is unknown, of the wrong type or out of range; the message names it."""
@@ -203,6 +205,13 @@ def check_config(cfg) -> None:
     for i, r in enumerate(cfg.rewards):
         if ":" not in r.fn:
             raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")
+    named = [(f"rewards[{i}].fn", r.fn) for i, r in enumerate(cfg.rewards)]
+    for key, spec in named + [("generator.rollout", g.rollout), ("generator.agent", g.agent),
+                              ("generator.environment", g.environment)]:
+        try:
+            builtin.module_path(spec)
+        except ValueError as e:  # `builtin:` with a name there is not
+            raise ConfigError(f"{key}: {e}") from None
 
 
 def check_environment(g) -> None:

@@ -51,7 +51,7 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
         data = write_rows(tmp_path / "sums.jsonl", _rows(16, seed=2, prompt=_calling))
         cfg = {"model": {"path": str(smollm2), "dtype": "float32"},
                "data": {"path": str(data)},
-               "rewards": [{"fn": "generator.environment:get_reward"}],
+               "rewards": [{"fn": "builtin:environment_reward"}],
                "sampling": {"max_tokens": 160},
                "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 8, "max_staleness": 0, "lr": 2e-5},
                "generator": {"max_num_seqs": 8, "rollout": "environment", "max_tool_calls": 2, "max_model_len": 512,

@@ -59,7 +59,7 @@ def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(engine_loop):
     from learner.batching import build_rows, collate
 
     engine, runner = engine_loop
-    cfg = config_from_dict({"generator": {"rollout": "generator.calculator:rollout", "max_num_seqs": 32},
+    cfg = config_from_dict({"generator": {"rollout": "builtin:calculator", "max_num_seqs": 32},
                             "sampling": {"max_tokens": 12}, "trainer": {"group_size": 8}})
     path = resolve_model_path("builtin:tiny")
     tok = AutoTokenizer.from_pretrained(path)

@@ -330,7 +330,7 @@ async def test_the_endpoint_refuses_calls_without_the_session_key_and_after_the_
 def _encoded(outs, ctx, prompt, cfg) -> P.RolloutGroup:
     """The group as the hub receives it: scored by the run's reward, encoded, decoded, checked."""
     ctx = SimpleNamespace(**{**ctx.__dict__, "n": len({o.trajectory for o in outs})})
-    rewards = load_reward_fns(config_from_dict({"rewards": [{"fn": "pipeline.tasks:math_answer"}]}).rewards)
+    rewards = load_reward_fns(config_from_dict({"rewards": [{"fn": "builtin:math_answer"}]}).rewards)
     scores = score_group(outs, ctx, rewards, 10)
     lease = SimpleNamespace(lease_id=1, sampling=P.Sampling(128, 1.0))
     group, _ = P.decode(encode_group(outs, ctx, lease, prompt, scores, "g", "s"))
@@ -344,7 +344,7 @@ async def test_the_shipped_calculator_agent_puts_the_tools_result_in_the_context
     from pipeline.tasks import arith_rows
 
     row = arith_rows(1, 0)[0]  # What is 5 + 2?
-    cfg = _cfg(agent="generator.calculator_agent:agent")
+    cfg = _cfg(agent="builtin:calculator_agent")
     ctx = Context(1, P.Sampling(256, 1.0), tok, P.PromptItem(0, 0, "", columns={"answer": row["answer"]},
                                                                messages=row["prompt"]))
     engine = ScriptedEngine(tok, ["5 + 2 = 8\n#### 8", "#### 7"])
@@ -355,6 +355,6 @@ async def test_the_shipped_calculator_agent_puts_the_tools_result_in_the_context
         await rollout.aclose()
     tool = tok.decode([t for t, m in zip(traj.token_ids, traj.mask, strict=True) if not m])
     assert "Calculator: 5 + 2 = 7" in tool and traj.text == "#### 7" and len(traj.turns) == 2
-    math = config_from_dict({"rewards": [{"fn": "pipeline.tasks:math_answer"}]}).rewards
+    math = config_from_dict({"rewards": [{"fn": "builtin:math_answer"}]}).rewards
     scores = score_group([traj], ctx, load_reward_fns(math), 10)
     assert scores[0] == [1.0]

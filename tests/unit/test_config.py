@@ -1,3 +1,5 @@
+import importlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ def test_defaults_are_the_embedded_demo():
     cfg = load_config()
     assert cfg.model.path == "builtin:tiny"
     assert cfg.data.path == "builtin:echo"
-    assert cfg.rewards[0].fn == "pipeline.tasks:echo_reward"
+    assert cfg.rewards[0].fn == "builtin:echo_reward"
 
 
 def test_file_then_overrides(tmp_path):
@@ -199,3 +201,26 @@ def test_a_gpu_outside_cuda_visible_devices_is_refused_at_start(tmp_path):
                           timeout=120)
     assert done.returncode == 2 and "--gpus 2: '2' is not one of the 2 GPUs CUDA_VISIBLE_DEVICES=0,1" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_shipped_functions_have_builtin_names_and_their_old_paths_load_with_a_warning():
+    """issue 43: configs name shipped functions `builtin:NAME`; the module paths of before still work, becoming the
+    builtin name with a FutureWarning; an unknown builtin is refused at load with the names there are."""
+    from pipeline import builtin
+    from pipeline.tasks import load_callable
+
+    with pytest.warns(FutureWarning, match="'pipeline.tasks:math_answer' is deprecated; name it 'builtin:math_answer'"):
+        old = config_from_dict({"rewards": [{"fn": "pipeline.tasks:math_answer"}],
+                                "generator": {"rollout": "generator.calculator:rollout"}})
+    assert old.rewards[0].fn == "builtin:math_answer" and old.generator.rollout == "builtin:calculator"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the builtin names themselves warn of nothing
+        assert config_from_dict({"rewards": [{"fn": "builtin:math_answer"}]}).rewards[0].fn == "builtin:math_answer"
+    for name, path in builtin.FUNCTIONS.items():  # each name loads the very function of its old path
+        module, _, attr = path.partition(":")
+        assert load_callable(name, "x") is getattr(importlib.import_module(module), attr)
+    with pytest.raises(ConfigError, match=r"rewards\[1\].fn: 'builtin:math' is not a builtin function; there are "
+                                          r"builtin:echo_reward, .*builtin:math_answer"):
+        config_from_dict({"rewards": [{"fn": "builtin:echo_reward"}, {"fn": "builtin:math"}]})
+    with pytest.raises(ConfigError, match="generator.agent: 'builtin:nope' is not a builtin"):
+        config_from_dict({"generator": {"rollout": "agent", "agent": "builtin:nope"}})

@@ -73,7 +73,7 @@ def trl_reward(environments, **kwargs):
 
 def _cfg(**generator):
     return config_from_dict({"sampling": {"max_tokens": 256},
-                             "rewards": [{"fn": "generator.environment:get_reward"}, {"fn": f"{__name__}:trl_reward"}],
+                             "rewards": [{"fn": "builtin:environment_reward"}, {"fn": f"{__name__}:trl_reward"}],
                              "generator": {"rollout": "environment", "environment": f"{__name__}:Calculator",
                                            "chat_template": TEMPLATE, "max_model_len": 2048, **generator}})
 

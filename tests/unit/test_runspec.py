@@ -21,13 +21,13 @@ def _own(data: dict, overrides=()) -> tuple:
 
 def test_a_generator_adopts_what_the_run_serves_and_keeps_where_and_how_it_runs():
     run = config_from_dict({"model": {"lora": {"r": 8, "alpha": 16}, "quantization": "4bit"},
-                            "rewards": [{"fn": "pipeline.tasks:reverse_reward"}], "sampling": {"max_tokens": 12},
+                            "rewards": [{"fn": "builtin:reverse_reward"}], "sampling": {"max_tokens": 12},
                             "trainer": {"group_size": 4, "lr": 1e-4}, "generator": {"lora_mode": "adapter"}})
     own, explicit = _own({"generator": {"max_num_seqs": 7, "gpu_memory_utilization": 0.3}}, ["model.path=/mnt/x"])
     assert runspec.claims(own, explicit) == {}  # host fields, and the path (claimed by fingerprint)
     served = runspec.adopt(own, runspec.spec_of(run), explicit)
     assert served.model.quantization == "4bit" and served.model.lora.alpha == 16 and served.model.path == "/mnt/x"
-    assert served.rewards[0].fn == "pipeline.tasks:reverse_reward" and served.trainer.group_size == 4
+    assert served.rewards[0].fn == "builtin:reverse_reward" and served.trainer.group_size == 4
     assert served.sampling.max_tokens == 12 and served.generator.lora_mode == "adapter"
     assert (served.generator.max_num_seqs, served.generator.gpu_memory_utilization) == (7, 0.3)
     assert served.trainer.lr != run.trainer.lr  # the learner's own business, not served
@@ -44,14 +44,14 @@ def test_a_generator_adopts_what_the_run_serves_and_keeps_where_and_how_it_runs(
 @pytest.mark.parametrize("overrides, field", [
     (["model.lora={r: 8}", "model.quantization=8bit"], "model.quantization"),
     (["model.quantization=null"], "model.quantization"),
-    (["rewards=[{fn: pipeline.tasks:echo_reward}]"], "rewards"),
+    (["rewards=[{fn: builtin:echo_reward}]"], "rewards"),
     (["model.lora={r: 16}"], "model.lora.r"),
-    (["generator.rollout=generator.calculator:rollout"], "generator.rollout"),
+    (["generator.rollout=builtin:calculator"], "generator.rollout"),
     (["generator.max_model_len=128"], "generator.max_model_len"),
 ])
 def test_what_a_generators_own_config_says_otherwise_is_refused_naming_the_field(tmp_path, overrides, field):
     hub = new_hub(tmp_path, model={"lora": {"r": 8}, "quantization": "4bit"},
-                  rewards=[{"fn": "pipeline.tasks:reverse_reward"}], sampling={"max_tokens": 12})
+                  rewards=[{"fn": "builtin:reverse_reward"}], sampling={"max_tokens": 12})
     peer = Peer(hub, "gen-a")
     try:
         own, explicit = _own({}, overrides)
@@ -61,7 +61,7 @@ def test_what_a_generators_own_config_says_otherwise_is_refused_naming_the_field
         # the same values as the run's are no conflict: a generator given the learner's config file; what travels with
         # every lease anyway (sampling, the group size) is the run's, said in a warning
         same, explicit = _own({}, ["model.lora={r: 8}", "model.quantization=4bit", "sampling.max_tokens=9",
-                                   "rewards=[{fn: pipeline.tasks:reverse_reward}]", "trainer.lr=0.5",
+                                   "rewards=[{fn: builtin:reverse_reward}]", "trainer.lr=0.5",
                                    "trainer.group_size=8", "generator.max_num_seqs=3"])
         claims = runspec.claims(same, explicit)
         assert isinstance(peer.ask(P.SpecRequest("gen-a", claims)), P.RunSpec)

@@ -44,7 +44,7 @@ def test_jsonl_and_parquet_files(tmp_path):
 
 
 def test_reward_functions_are_loaded_by_name_and_weighted():
-    fns = load_reward_fns([RewardConfig("pipeline.tasks:echo_reward", 2.0), RewardConfig("pipeline.tasks:math_answer")])
+    fns = load_reward_fns([RewardConfig("builtin:echo_reward", 2.0), RewardConfig("builtin:math_answer")])
     totals, per_fn = score(fns, "3 1 2 0 =", ["3 3", "1"], [[6, 6], [4]], {"target": "3", "answer": "1"})
     assert per_fn == [[0.25, 0.0], [0.0, 1.0]]
     assert totals == [0.5, 1.0]
@@ -95,9 +95,9 @@ def test_conversational_prompts_reach_reward_functions_as_trl_hands_them():
 
 
 @pytest.mark.parametrize("fn,columns,completions", [
-    ("pipeline.tasks:echo_reward", {"target": "3"}, ["3 3 3 3 3 3 3 3", "3 1", ""]),
-    ("pipeline.tasks:reverse_reward", {"target": "54321"}, ["5 4 3 2 1", "54", "12345"]),
-    ("pipeline.tasks:math_answer", {"answer": "#### 72"}, ["so \\boxed{72}", "I think 71", "none"]),
+    ("builtin:echo_reward", {"target": "3"}, ["3 3 3 3 3 3 3 3", "3 1", ""]),
+    ("builtin:reverse_reward", {"target": "54321"}, ["5 4 3 2 1", "54", "12345"]),
+    ("builtin:math_answer", {"answer": "#### 72"}, ["so \\boxed{72}", "I think 71", "none"]),
 ])
 def test_every_reward_of_the_project_takes_both_of_trls_formats(fn, columns, completions):
     """The same completions scored in the standard format (strings) and in the conversational one (the prompt a list
@@ -145,7 +145,7 @@ def test_arith_eval_rows_come_from_the_held_out_split():
     from pipeline.tasks import arith_held_out_rows, load_eval_rows
 
     cfg = config_from_dict({"data": {"path": "builtin:arith", "size": 64, "seed": 5}, "eval": {"every": 2},
-                            "rewards": [{"fn": "pipeline.tasks:math_answer"}]})
+                            "rewards": [{"fn": "builtin:math_answer"}]})
     held = load_eval_rows(cfg)
     assert held == arith_held_out_rows(64, 5)
     assert not {_arithmetic(r) for r in held} & {_arithmetic(r) for r in load_rows(cfg.data)}

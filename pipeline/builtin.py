@@ -1,0 +1,38 @@
+"""The shipped functions by their `builtin:` names, as `data.path` names the builtin tasks: a config says
+`builtin:math_answer`, whatever module holds the function. The module paths they had before (`pipeline.tasks:
+math_answer`) still load: the config takes the builtin name in their place and a FutureWarning says so."""
+
+from __future__ import annotations
+
+import warnings
+
+FUNCTIONS = {  # name: the module:function it loads
+    "builtin:echo_reward": "pipeline.tasks:echo_reward",          # rewards: builtin:echo's
+    "builtin:reverse_reward": "pipeline.tasks:reverse_reward",    # rewards: builtin:reverse's
+    "builtin:math_answer": "pipeline.tasks:math_answer",          # rewards: the number after '####', else the last
+    "builtin:environment_reward": "generator.environment:get_reward",  # rewards: each environment's get_reward()
+    "builtin:single_turn": "generator.rollout:single_turn",       # generator.rollout: one completion per sample
+    "builtin:calculator": "generator.calculator:rollout",         # generator.rollout: one calculator call allowed
+    "builtin:calculator_agent": "generator.calculator_agent:agent",  # generator.agent: an openai-client agent
+}
+OLD = {path: name for name, path in FUNCTIONS.items()}
+
+
+def canonical(spec: str, field: str) -> str:
+    """The name a config keeps for `spec`: a shipped function's old module path becomes its builtin name (with a
+    FutureWarning naming `field`); anything else is kept as given."""
+    if spec in OLD:
+        warnings.warn(f"{field}: {spec!r} is deprecated; name it {OLD[spec]!r} (the same function)", FutureWarning,
+                      stacklevel=2)
+        return OLD[spec]
+    return spec
+
+
+def module_path(spec: str) -> str:
+    """The `module:function` to import for `spec`: a builtin's, or `spec` itself. An unknown builtin name raises
+    ValueError with the names there are."""
+    if not spec.startswith("builtin:"):
+        return spec
+    if spec not in FUNCTIONS:
+        raise ValueError(f"{spec!r} is not a builtin function; there are {', '.join(FUNCTIONS)}")
+    return FUNCTIONS[spec]
