@@ -31,7 +31,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from pipeline.config import Config
 
@@ -89,12 +89,9 @@ class Engine:
         self._update_lock = asyncio.Lock()
         self._tap: bool | None = None  # the workers keep the sampled log-probs (None: not asked yet)
         self._tap_lock = asyncio.Lock()
-        # nccl: receive while generating, through the workers' receiver threads (None: unstaged). Whether there
-        # is room for them is asked with the first version of each process group.
-        self._want_staging = cfg.weights.staging
-        self._ask_staging = cfg.weights.staging
-        self._receivers: _Receivers | None = None
-        self._timeout_s = cfg.weights.collective_timeout_s
+        # nccl: receive while generating, through the workers' receiver threads, where there is room for them
+        # (weights/nccl.py asks with the first version of each process group)
+        self.staging = cfg.weights.staging
         # of the last swap: the pause (drain), the load call, in the workers; staged: the receive before it
         self.last_swap_ms: dict[str, float] = {}
 
@@ -190,48 +187,13 @@ class Engine:
             seqs = min(seqs, blocks * block // vc.model_config.max_model_len)
         return max(1, seqs)
 
-    async def load(self, source: bytes | str, crc32: int | None, version: int) -> float:
-        """Swap in weights `version` (a blob, or the path of a file; crc32=None: already verified);
-        returns milliseconds the engine stopped generating."""
-        return await self._swap(version, "load_weights_blob", (source, crc32))
+    async def rpc(self, method: str, *args) -> list:
+        """Call `method` of every worker (generator/worker_ext.py) outside a swap; their results."""
+        return await self.llm.collective_rpc(method, args=args)
 
-    async def load_collective(self, version: int, manifest: list) -> float:
-        """Swap in weights `version` received from the learner's broadcast (nccl transport)."""
-        from weights.plan import buckets
-
-        if self._ask_staging:  # the first version of this process group: room on every worker?
-            addresses = await self.llm.collective_rpc("prepare_staging", args=(manifest, self._timeout_s))
-            self._ask_staging = False
-            if all(addresses):
-                self._receivers = _Receivers(addresses, manifest)
-            else:
-                await self.llm.collective_rpc("drop_staging")
-                log.warning("no GPU memory for the staging buffers (%.2f GB): receiving each version inside the "
-                            "swap; lower generator.gpu_memory_utilization to stage it",
-                            sum(size for *_, size in buckets(manifest)) / 1e9)
-        if self._receivers is None:
-            return await self._swap(version, "load_weights_collective", (manifest,))
-        if manifest != self._receivers.manifest:
-            raise RuntimeError("nccl transport: the manifest changed after the staging buffers were made")
-        receive_ms = await self._receivers.receive(version, self._timeout_s)
-        stopped_ms = await self._swap(version, "apply_collective", (version,))
-        self.last_swap_ms["receive"] = receive_ms
-        return stopped_ms
-
-    async def load_ipc(self, version: int, manifest: list, ipc) -> float:
-        """Swap in weights `version` from the learner's buffers on this GPU (ipc transport; ipc: P.IpcHandles)."""
-        return await self._swap(version, "apply_ipc", (manifest, asdict(ipc)))
-
-    async def init_collective(self, host: str, info) -> None:
-        """Join a (new) process group with the learner; a receiver of the previous group is dropped."""
-        self._drop_receivers()
-        self._ask_staging = self._want_staging
-        self._timeout_s = info.timeout_s  # info: pipeline.protocol.CollectiveSetup
-        await self.llm.collective_rpc("init_collective", args=(host, info.port, info.world_size, info.backend,
-                                                                info.timeout_s))
-
-    async def _swap(self, version: int, method: str, args: tuple) -> float:
-        """Load through the workers' `method`; returns milliseconds the engine stopped generating (drain: the
+    async def swap(self, version: int, method: str, *args) -> float:
+        """Swap in weights `version` through the workers' `method` (a transport's worker mixin, weights/base.py),
+        called with `args` between two engine steps; returns milliseconds the engine stopped generating (drain: the
         pause; inflight: the slowest worker's call)."""
         drain = self.mode == "drain"
         async with self._update_lock:
@@ -284,11 +246,6 @@ class Engine:
     async def weights_checksum(self) -> float:
         return (await self.llm.collective_rpc("weights_checksum"))[0]
 
-    def _drop_receivers(self) -> None:
-        if self._receivers is not None:
-            self._receivers.close()
-            self._receivers = None
-
     def dead(self) -> bool:
         """The engine core died (crashed, killed): every request fails from now on."""
         return self.llm is not None and self.llm.errored
@@ -300,7 +257,6 @@ class Engine:
         return f"; engine core exit codes {codes}" if codes else ""
 
     def shutdown(self) -> None:
-        self._drop_receivers()
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None  # collected now, not during interpreter teardown (AsyncLLM.__del__ fails there)
@@ -336,47 +292,6 @@ def _served_lora_args(cfg: Config) -> dict:
         return {}
     rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= cfg.model.lora.r)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": slots, "max_cpu_loras": 4 * slots + 8}
-
-
-class _Receivers:
-    """The generator's end of the workers' receiver threads (generator.worker_ext.Receiver): one PAIR socket
-    each. `receive` asks all of them for a version (each started receiving it when the learner announced it on
-    the group's store) and waits until every one has it in its buffers."""
-
-    def __init__(self, addresses: list[str], manifest: list):
-        import zmq
-        import zmq.asyncio
-
-        self.manifest = manifest
-        self.ctx = zmq.asyncio.Context()
-        self.socks = []
-        for address in addresses:
-            sock = self.ctx.socket(zmq.PAIR)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self.socks.append(sock)
-
-    async def receive(self, version: int, timeout_s: float) -> float:
-        """Milliseconds until the slowest worker had it."""
-        import msgpack
-
-        for sock in self.socks:
-            await sock.send(msgpack.packb(version))
-        try:
-            replies = await asyncio.wait_for(asyncio.gather(*(s.recv() for s in self.socks)), timeout_s + 10)
-        except TimeoutError:  # a receive that started answers within timeout_s: this one never did
-            raise RuntimeError(f"nccl transport: weights v{version} not received within {timeout_s + 10:g} s "
-                               "(never announced to the workers)") from None
-        replies = [msgpack.unpackb(r) for r in replies]
-        for got, _, error in replies:
-            if error or got != version:
-                raise RuntimeError(f"nccl transport: weights v{version} not received: {error or f'got v{got}'}")
-        return max(ms for _, ms, _ in replies)
-
-    def close(self) -> None:
-        for sock in self.socks:
-            sock.close(linger=0)
-        self.ctx.term()
 
 
 @contextlib.contextmanager

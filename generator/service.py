@@ -48,6 +48,7 @@ from pipeline.host import host_identity, remove_receiver_dir, remove_stale
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt
 from weights import VersionGone, receiver
+from weights.base import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class Generator:
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.leave_now = asyncio.Event()  # a second signal: stop waiting for anything, Leave, exit
         self.welcomed = False  # the current session registered
+        self.receiver: Receiver | None = None  # the session's weights receiver (weights/base.py), once welcomed
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
         self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
         self.session = ""  # of the last registration: shown when registering again under the same id
@@ -244,6 +246,9 @@ class Generator:
                 t.cancel()
             self.groups.clear()
             self.held.clear()
+            if self.receiver is not None:  # its transport's hold ends with the registration (nccl's staging)
+                self.receiver.close()
+                self.receiver = None
             client.close()
             if hasattr(self, "push"):
                 self.push.close(linger=2000)

@@ -330,12 +330,12 @@ class HubConfig:
 
 @dataclass
 class WeightsConfig:
-    transport: Literal["auto", "zmq", "shm", "nccl", "ipc"] = "auto"
-    """auto: ipc for a generator on the learner's own GPU (one GPU, tensor_parallel 1), nccl for generators on GPUs
-    other than the learner's, else shm on the learner's host, zmq across hosts. nccl: broadcast from the
-    learner's GPU to each generator's GPUs (one process group per generator, made when it registers; gloo on
-    CPU). ipc: the generator's workers copy each version out of buckets on the learner's GPU, shared over CUDA
-    IPC (weights/ipc.py)."""
+    transport: str = "auto"
+    """auto, or a transport of pipeline/transports.py: zmq, shm, nccl, ipc. auto: ipc for a generator on the
+    learner's own GPU (one GPU, tensor_parallel 1), nccl for generators on GPUs other than the learner's, else shm
+    on the learner's host, zmq across hosts. nccl: broadcast from the learner's GPU to each generator's GPUs (one
+    process group per generator, made when it registers; gloo on CPU). ipc: the generator's workers copy each
+    version out of buckets on the learner's GPU, shared over CUDA IPC (weights/ipc.py)."""
     chunk_mb: int = 16
     """Chunk size of the zmq transport."""
     delta: bool = False

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline import builtin
+from pipeline.transports import TRANSPORTS
 
 
 class ConfigError(ValueError):
@@ -202,6 +203,9 @@ def check_config(cfg) -> None:
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     check_environment(g)
+    if cfg.weights.transport not in ("auto", *TRANSPORTS):
+        raise ConfigError(f"weights.transport: {cfg.weights.transport!r} is not one of "
+                          f"{', '.join(map(repr, ('auto', *TRANSPORTS)))}")
     for i, r in enumerate(cfg.rewards):
         if ":" not in r.fn:
             raise ConfigError(f"rewards[{i}].fn: expected 'module:function', got {r.fn!r}")

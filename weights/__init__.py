@@ -3,55 +3,31 @@
     transport  learner side (a sender)                 generator side (a receiver)
     zmq        files.FileSender: a blob the hub serves  zmq.ZmqReceiver: pulls the blob in chunks (any host)
     shm        files.FileSender: the blob in /dev/shm   shm.ShmReceiver: reads the learner's file (same host)
-    nccl       nccl.NcclSender: broadcasts from the     nccl.NcclReceiver, and generator/worker_ext.py inside vLLM's
-               learner's GPU (gloo on CPU)              workers
+    nccl       nccl.NcclSender: broadcasts from the     nccl.NcclReceiver; in vLLM's workers nccl.CollectiveWorker
+               learner's GPU (gloo on CPU)              and the staged receive (staging.py)
     ipc        ipc.IpcSender: buckets shared over CUDA  ipc.IpcReceiver: the engine's workers copy them into the
-               IPC on the learner's GPU                 weights (a generator on the learner's own GPU)
+               IPC on the learner's GPU                 weights (ipc.IpcWorker; a generator on the learner's GPU)
 What a version is made of (manifest, buckets, the safetensors blob) is weights/plan.py, which both sides use.
 The hub picks a generator's transport once, at registration (`pick`), and names it in the Welcome; the
 generator builds the receiver of that name (`receiver`). A version reaches a generator by one route: a
 WeightsReady the hub pushes on the generator's control connection (`file` for the file transports, a
 `manifest` for nccl, with the buffers' handles for ipc).
 
-A sender (learner/publisher.py drives it; rank 0 only):
-    available() -> bool                      (static) usable here, for `weights.transport: auto`
-    join(register, ident, version)           a generator of this transport registers (hub thread, hub lock held):
-                                             its setup for the Welcome (P.CollectiveSetup) or None
-    leave(generator_id, again)               it drains, leaves, or registers again
-    begin(version, manifest, published_at)   a version is being gathered: True to get its buckets as they are packed
-    bucket(flat)                             one packed bucket (on `device`, None: wherever the learner packs)
-    end()                                    after the version's last bucket, or when its publishing failed: release
-                                             what begin took (called on every sender whose begin returned True)
-    wanted() -> bool                         wants the version's CPU copy: `send` runs in the background
-    send(version, named, published_at)
-    on_applied(generator_id, version)        a generator applied a version (hub thread, hub lock held)
-    metrics() -> dict                        of the last version
-    shutdown()                               the run ends: release what lives outside the process
-    transports                               set by `senders`: the transports it serves
-    latest                                   set by the publisher: latest(fn, background=False) calls
-                                             fn(version, named) with the newest version's CPU copy (late joiners)
-A receiver's `apply` that raises `VersionGone` skips that version: a newer one is, or will be, announced (the
-generator goes on with it, in the same session); any other error makes the generator register again.
-Adding a transport: its sender, its receiver, its line in TRANSPORTS, and its name among the choices of
-`weights.transport` (pipeline/config.py); `auto` picks among ipc, nccl, shm and zmq (`pick`).
+A transport is three classes (weights/base.py: Sender, Receiver, Worker, each method a no-op unless the transport
+needs it), named on its line of pipeline/transports.py. Adding one is its module and that line; `auto` picks among
+ipc, nccl, shm and zmq (`pick`). tests/unit/test_transports.py adds a toy one.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from pipeline.transports import TRANSPORTS
+
 
 class VersionGone(Exception):
     """The announced version can no longer be had (a newer one replaced it before it was read): skip it, take the
     newest announced. Not a reason to register again."""
-
-
-TRANSPORTS = {  # name: (the learner's sender, the generator's receiver); senders of one class are one object
-    "zmq": ("weights.files:FileSender", "weights.zmq:ZmqReceiver"),
-    "shm": ("weights.files:FileSender", "weights.shm:ShmReceiver"),
-    "nccl": ("weights.nccl:NcclSender", "weights.nccl:NcclReceiver"),
-    "ipc": ("weights.ipc:IpcSender", "weights.ipc:IpcReceiver"),
-}
 
 
 def _load(spec: str):

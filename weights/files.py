@@ -19,6 +19,7 @@ from pipeline import host
 from pipeline import protocol as P
 from pipeline.host import private_dir, remove_dir, write_private
 from weights import delta
+from weights.base import Sender, Worker
 
 
 def shm_dir(run_id: str) -> Path:
@@ -99,7 +100,7 @@ async def verify_file(path: str, ready: P.WeightsReady) -> str:
     return path
 
 
-class FileSender:
+class FileSender(Sender):
     """The learner's side of the file transports (zmq and shm share it: one blob serves both). Each version's
     CPU copy is serialised into a safetensors blob in a background thread, written to /dev/shm while a
     generator uses shm, kept by the hub for zmq pulls, and announced. Only while some generator uses a file
@@ -109,16 +110,12 @@ class FileSender:
     device = None  # packs wherever the learner does
 
     def __init__(self, cfg, hub, run_id: str):
-        self.hub, self.run_id, self.transport, self.delta = hub, run_id, cfg.weights.transport, cfg.weights.delta
-        self.latest = None  # set by the publisher
+        super().__init__(cfg, hub, run_id)
+        self.transport, self.delta = cfg.weights.transport, cfg.weights.delta
         self.transports = {self.transport}  # set by weights.senders: the ones it serves
         self.serialize_ms = 0.0  # of the last announced blob
         self.sizes = (0, 0)  # of the last version: bytes of the blob, of its delta (0: none)
         self._last: tuple[int, bytes] | None = None  # (version, blob): the base of the next delta
-
-    @staticmethod
-    def available() -> bool:
-        return True
 
     def join(self, register: P.Register, ident: bytes, version: int) -> None:
         """The newest file version right after the Welcome, on the one route versions take; if the newest
@@ -128,18 +125,6 @@ class FileSender:
             self.hub.server.push(ident, P.encode(last))
         if self.latest is not None and (last is None or last.version < version):
             self.latest(self._send_newest, background=True)
-
-    def leave(self, generator_id: str, again: bool = False) -> None:
-        pass
-
-    def begin(self, version: int, plan, published_at: float) -> bool:
-        return False
-
-    def bucket(self, flat) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
 
     def wanted(self) -> bool:
         return self.hub.wants_blobs(self.transports)
@@ -162,12 +147,6 @@ class FileSender:
         self.sizes = (len(blob), len(diff) if diff is not None else 0)
         self.serialize_ms = (time.perf_counter() - start) * 1000
 
-    def on_applied(self, generator_id: str, version: int) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass  # the learner removes the run's shm folder (remove_shm)
-
     def _send_newest(self, version: int, named) -> None:
         last = self.hub.weights.last_ready
         if last is None or last.version < version:
@@ -176,3 +155,35 @@ class FileSender:
     def metrics(self) -> dict:
         return {"sync/serialize_ms": self.serialize_ms, "sync/blob_bytes": self.sizes[0],
                 "sync/delta_bytes": self.sizes[1]}
+
+
+class BlobWorker(Worker):
+    """In each vLLM worker: a version's safetensors blob, or the file holding it, loaded (both file transports).
+    A path, not tensors, crosses collective_rpc: tensors given as its arguments would arrive as lists in
+    multi-process mode. The checksum is verified here, where the bytes are finally read, unless the receiver
+    verified the file already (outside the engine's pause)."""
+
+    def load_weights_blob(self, source: bytes | str, crc32: int | None = None) -> list:
+        """Load a safetensors blob (bytes) or file (path; memory-mapped, read straight to this worker's
+        device). `crc32=None`: the caller has verified the file already, outside the engine's pause."""
+        from safetensors.torch import load, load_file
+
+        from weights.plan import checksum
+
+        start = time.perf_counter()
+        if isinstance(source, str):
+            if crc32 is not None:
+                with open(source, "rb") as f:
+                    _check(checksum(f.read()), crc32)
+            tensors = load_file(source, device=str(getattr(self, "device", "cpu")))
+        else:
+            if crc32 is not None:
+                _check(checksum(source), crc32)
+            tensors = load(source)
+        self._in_step_gap(lambda: self._load_named(list(tensors.items())))
+        return [(time.perf_counter() - start) * 1000, ""]
+
+
+def _check(got: int, announced: int) -> None:
+    if got != announced:
+        raise ValueError(f"weights checksum mismatch: got crc32 {got:#x}, announced {announced:#x}")

@@ -26,11 +26,13 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from pipeline import protocol as P
+from weights.base import Receiver, Sender, Worker
 from weights.plan import Packer, buckets, manifest
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ def open_buffers(ipc: P.IpcHandles, manifest: list, device) -> list[torch.Tensor
     return out
 
 
-class IpcSender:
+class IpcSender(Sender):
     """The learner's side: one set of shared buckets on its GPU, written when every generator of this transport
     has applied the version before, then announced with their handles."""
 
@@ -85,14 +87,12 @@ class IpcSender:
         if not torch.cuda.is_available():
             raise ValueError("weights.transport ipc: the learner has no CUDA device to share its buffers from "
                              "(use auto, shm or zmq)")
-        self.hub = hub
+        super().__init__(cfg, hub, run_id)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = cfg.weights.collective_timeout_s
         self.changed = threading.Condition()
         self.applied: dict[str, int] = {}  # generator id: the version it applied last (-1: none yet)
         self.failed: set[str] = set()  # dropped, or its workers could not open the buffers: `auto` gives it shm
-        self.latest = None  # set by the publisher
-        self.transports = {"ipc"}
         # the publisher (from `begin` to `end`) vs. a joiner's first version; taken before the
         # publisher's own lock on both paths
         self.write_lock = threading.Lock()
@@ -154,12 +154,6 @@ class IpcSender:
 
     def end(self) -> None:
         self.write_lock.release()
-
-    def wanted(self) -> bool:
-        return False
-
-    def send(self, version: int, named, published_at: float) -> None:
-        pass
 
     def metrics(self) -> dict:
         return {"sync/ipc_wait_ms": self.wait_ms}
@@ -237,22 +231,34 @@ class IpcSender:
         self.hub.announce(P.WeightsReady(version, published_at, manifest=self.plan, ipc=self.ipc), None, to=to)
 
 
-class IpcReceiver:
+class IpcReceiver(Receiver):
     """The generator's side: every version is copied out of the learner's buffers by the engine's workers, in
     order (the learner waits for each to be applied before writing the next)."""
 
     name = via = "ipc"
     in_order = True
 
-    def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
-        pass
-
     def accepts(self, ready: P.WeightsReady) -> bool:
         return ready.ipc is not None
 
-    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
-        pass
-
     async def apply(self, ready: P.WeightsReady, engine) -> float:
         check_handles(ready.ipc, ready.manifest)
-        return await engine.load_ipc(ready.version, ready.manifest, ready.ipc)
+        return await engine.swap(ready.version, "apply_ipc", ready.manifest, asdict(ready.ipc))
+
+
+class IpcWorker(Worker):
+    """In each vLLM worker: a version copied out of the learner's shared buffers."""
+
+    def apply_ipc(self, manifest: list, ipc: dict) -> list:
+        """Copy a version out of the learner's buffers, shared over CUDA IPC (weights/ipc.py), into the weights
+        between two engine steps; the buffers are opened once (again when the learner's handles change)."""
+        from weights.plan import unpack_all
+
+        start = time.perf_counter()
+        handles = P.IpcHandles(ipc["uuid"], [P.IpcBuffer(**b) for b in ipc["buffers"]])
+        if getattr(self, "_ipc", None) is None or self._ipc[0] != handles:
+            self._ipc, self._copies = (handles, open_buffers(handles, manifest, self.device)), None
+        flats = self._ipc[1]
+        named = unpack_all(flats, manifest, buckets(manifest))
+        note = self._in_step_gap(lambda: self._copy_in(manifest, named, flats))
+        return [(time.perf_counter() - start) * 1000, note]

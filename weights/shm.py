@@ -27,7 +27,7 @@ class ShmReceiver(ZmqReceiver):
     async def apply(self, ready: P.WeightsReady, engine) -> float:
         path = await self.fetch(ready)
         try:
-            return await engine.load(path, None, ready.version)
+            return await engine.swap(ready.version, "load_weights_blob", path, None)
         finally:
             if self.via == self.name:  # our link, not a pulled file (kept as the next delta's base)
                 Path(path).unlink(missing_ok=True)

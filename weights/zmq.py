@@ -16,6 +16,7 @@ import os
 from pipeline import protocol as P
 from pipeline.host import private_dir, receiver_dir
 from weights import VersionGone
+from weights.base import Receiver
 from weights.files import ChecksumMismatch, verify_file
 
 KEEP = 2  # the newest versions always served
@@ -73,14 +74,15 @@ class Blobs:
         return P.WeightsChunk(msg.version, msg.offset, memoryview(blob)[max(0, msg.offset):end], len(blob))
 
 
-class ZmqReceiver:
+class ZmqReceiver(Receiver):
     """The generator's side: several chunks in flight, each written where it belongs in a local file."""
 
     name = "zmq"
     in_order = False  # a file may skip to the newest announced version
 
     def __init__(self, client, chunk_bytes: int, generator_id: str = "", window: int = 4):
-        self.client, self.chunk, self.window, self.generator_id = client, chunk_bytes, window, generator_id
+        super().__init__(client, chunk_bytes, generator_id)
+        self.window = window
         self.dir = receiver_dir()
         self.via = self.name
         self.fetched = 0  # bytes pulled, blobs and deltas
@@ -88,13 +90,10 @@ class ZmqReceiver:
     def accepts(self, ready: P.WeightsReady) -> bool:
         return ready.file is not None
 
-    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
-        pass
-
     async def apply(self, ready: P.WeightsReady, engine) -> float:
         """Fetch and verify the version, then load it; returns milliseconds the engine stopped generating."""
         path = await self.fetch(ready)
-        return await engine.load(path, None, ready.version)
+        return await engine.swap(ready.version, "load_weights_blob", path, None)
 
     async def fetch(self, ready: P.WeightsReady) -> str:
         if not (self.dir / "owner").exists():

@@ -70,7 +70,7 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             task = asyncio.create_task(engine.generate([4, 5, 6, 3], 8, long))
             await asyncio.sleep(0.1)
             assert not task.done()
-            await engine.load(blobs[1], checksum(blobs[1]), 1)
+            await engine.swap(1, "load_weights_blob", blobs[1], checksum(blobs[1]))
             # while it runs vLLM cannot reset the prefix cache: the prompt labelled version 1 must still not reuse
             # the KV version 0 computed; its log-prob equals that of a fresh computation on version 1 (the cache
             # reset once the engine is idle)
@@ -90,14 +90,14 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
             engine.mode = "drain"
             task = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long))
             await asyncio.sleep(0.1)
-            await engine.load(blobs[2], checksum(blobs[2]), 2)
+            await engine.swap(2, "load_weights_blob", blobs[2], checksum(blobs[2]))
             outs = await task
             assert {(o.first_version, o.last_version) for o in outs} == {(1, 1)}
             fresh = await engine.generate([4, 5, 6, 3], 2, dataclasses.replace(long, max_tokens=4))
             assert [o.first_version for o in fresh] == [2, 2]
             # a corrupted blob is refused by its checksum and the engine keeps version 2
             with pytest.raises(Exception, match="checksum mismatch"):
-                await engine.load(blobs[1], checksum(blobs[1]) ^ 1, 3)
+                await engine.swap(3, "load_weights_blob", blobs[1], checksum(blobs[1]) ^ 1)
             assert engine.version == 2
             assert await engine.weights_checksum() == pytest.approx(before * 1.2, rel=1e-4)
         finally:

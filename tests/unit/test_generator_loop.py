@@ -20,6 +20,7 @@ from pipeline.config import config_from_dict
 from pipeline.host import remove_receiver_dir
 from pipeline.tasks import echo_rows
 from tests.unit.peers import VOCAB, encode
+from weights.base import Receiver
 from weights.nccl import NcclReceiver
 from weights.plan import checksum, serialize
 
@@ -33,6 +34,7 @@ class FakeEngine:
         self.last_swap_ms: dict[str, float] = {}
         self.is_dead = False
         self.seqs = 64  # sequences it runs at once
+        self.staging = False  # nccl: no staged receive
 
     def concurrent_sequences(self) -> int:
         return self.seqs
@@ -48,8 +50,8 @@ class FakeEngine:
         v = self.version
         return [Completion([prompt_ids[0]] * 4, [-0.5] * 4, "length", v, v, 1.0) for _ in range(n)]
 
-    async def load(self, source, crc32, version):
-        assert crc32 is None  # the receiver verified the file before the engine pauses
+    async def swap(self, version, method, source, crc32):
+        assert method == "load_weights_blob" and crc32 is None  # the receiver verified the file before the pause
         with open(source, "rb") as f:
             self.loaded.append((version, checksum(f.read())))
         self.version = version
@@ -152,11 +154,15 @@ async def test_a_drain_is_reported_at_once_and_takes_no_more_broadcasts(tmp_path
         await asyncio.sleep(1.0)
         return await fast(*args, **kw)
 
-    async def load_collective(version, manifest):
+    load_file = engine.swap
+
+    async def swap(version, method, *args):  # nccl, once it is one: unstaged, inside the swap
+        if method != "load_weights_collective":
+            return await load_file(version, method, *args)
         engine.collective_loads.append(version)
         return 1.0
 
-    engine.generate, engine.load_collective = generate, load_collective
+    engine.generate, engine.swap = generate, swap
     async with running(cfg, tmp_path, engine) as (hub, gen):
         await _until(lambda: gen.groups)
         gen.receiver = NcclReceiver()  # as an nccl generator
@@ -298,11 +304,11 @@ async def test_a_reward_function_that_raises_is_an_error_of_the_run_with_its_tra
 class DyingOnLoad(FakeEngine):
     """Its engine core dies while a new version is being loaded."""
 
-    async def load(self, source, crc32, version):
+    async def swap(self, version, method, *args):
         if version >= 1:
             self.is_dead = True
             raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
-        return await super().load(source, crc32, version)
+        return await super().swap(version, method, *args)
 
 
 async def test_an_engine_that_dies_while_loading_weights_ends_the_generator_not_a_reconnect_loop(tmp_path):
@@ -321,10 +327,10 @@ async def test_an_engine_that_dies_while_loading_weights_ends_the_generator_not_
 class RefusingOnLoad(FakeEngine):
     """Its engine refuses version 1's tensors every time (alive: as vLLM's worker raising in collective_rpc)."""
 
-    async def load(self, source, crc32, version):
+    async def swap(self, version, method, *args):
         if version >= 1:
             raise AttributeError("'WeightsMapper' object has no attribute 'get_rename_mapper'")
-        return await super().load(source, crc32, version)
+        return await super().swap(version, method, *args)
 
 
 async def test_a_version_that_fails_to_load_every_time_ends_the_generator_with_the_error(tmp_path, monkeypatch):
@@ -460,7 +466,7 @@ async def test_a_second_signal_leaves_at_once_whatever_is_still_running(tmp_path
     assert [e["event"] for e in _events(tmp_path) if e.get("generator") == gen.id][-2:] == ["drain", "leave"]
 
 
-class StuckSetup:
+class StuckSetup(Receiver):
     """A weights receiver whose start (nccl: meeting the learner in a process group) never ends."""
 
     in_order = True

@@ -1,5 +1,5 @@
-"""The staged receive's thread (generator.worker_ext.Receiver) and the generator's end of it
-(generator.engine._Receivers), over a real gloo group, its TCPStore and real ZeroMQ sockets in one process:
+"""The staged receive's thread (weights.staging.StagingThread) and the generator's end of it
+(weights.staging.StagingClient), over a real gloo group, its TCPStore and real ZeroMQ sockets in one process:
 each version the learner announces on the store is received whole before the generator asks for it, a stale
 or missing version is refused, and a learner that never sends, or never announces, fails the receive with
 its reason."""
@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from generator.engine import _Receivers
 from generator.worker_ext import WeightLoader
 from pipeline.netutil import free_port
 from weights.nccl import Peer, make_group
 from weights.plan import Packer, manifest
+from weights.staging import StagingClient
 
 TIMEOUT_S = 5.0
 
@@ -74,7 +74,7 @@ async def test_each_announced_version_is_received_whole_then_applied(groups, kee
     peer, learner, gen, port = groups
     worker = FakeWorker(gen, port, keeps)
     plan = manifest(_weights(1).items())
-    receivers = _Receivers([worker.prepare_staging(plan, TIMEOUT_S)], plan)
+    receivers = StagingClient([worker.prepare_staging(plan, TIMEOUT_S)], plan)
     try:
         for version in (1, 2, 3):
             sent = _weights(version)
@@ -110,7 +110,7 @@ async def test_a_version_never_sent_or_never_announced_fails_the_receive(groups,
     peer, _, gen, port = groups
     worker = FakeWorker(gen, port)
     plan = manifest(_weights(1).items())
-    receivers = _Receivers([worker.prepare_staging(plan, 1.0)], plan)
+    receivers = StagingClient([worker.prepare_staging(plan, 1.0)], plan)
     try:
         if announced:
             peer.announce(1)

@@ -401,7 +401,8 @@ class LoadingEngine:
     def __init__(self, before_open=lambda: None):
         self.before_open, self.loaded = before_open, []
 
-    async def load(self, source, crc32, version):
+    async def swap(self, version, method, source, crc32):
+        assert method == "load_weights_blob"
         self.before_open()
         self.loaded.append((version, load_file(source)["w"].clone()))
         return 1.0

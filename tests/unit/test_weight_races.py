@@ -94,10 +94,10 @@ class RacingEngine(FakeEngine):
         super().__init__()
         self.publish_before_open = publish_before_open
 
-    async def load(self, source, crc32, version):
+    async def swap(self, version, method, *args):
         if version == 1:
             self.publish_before_open()
-        return await super().load(source, crc32, version)
+        return await super().swap(version, method, *args)
 
 
 async def test_an_shm_file_removed_while_the_generator_loads_it_is_loaded_without_registering_again(tmp_path):

@@ -1,0 +1,96 @@
+"""The three parts of a weight transport, and what each does by default (nothing): a transport overrides only what
+it uses. pipeline/transports.py names each transport's three; weights/__init__.py builds them.
+
+Sender: the learner's side (learner/publisher.py drives it; rank 0 only). Built with the run's config, the hub
+(hub/serving.py: the transports' side of registration, announcements and zmq pulls) and the run id.
+Receiver: the generator's side (generator/service.py drives it), one per registration: it meets the learner at
+`start`, takes each version the hub announces (`apply`) into the engine through the engine's one swap method,
+`engine.swap(version, method, args)`, which calls `method` of every vLLM worker between two engine steps (and
+`engine.rpc(method, args)` outside swaps), and releases what it holds at `close`.
+Worker: a mixin of the vLLM worker extension (generator/worker_ext.py composes one of each transport's): the
+methods `swap` and `rpc` name, run inside every worker. They may use the extension's core: `_load_named(named)`
+loads (name, tensor) pairs (merging an adapter version first), `_in_step_gap(fn)` runs `fn` between two engine
+steps, `_copy_in(manifest, named, buffers)` loads through the recorded copy plan (generator/copyplan.py).
+"""
+
+from __future__ import annotations
+
+from pipeline import protocol as P
+
+
+class Sender:
+    transports: set[str]  # set by weights.senders: the transports this object serves
+    latest = None  # set by the publisher: latest(fn, background=False) calls fn(version, named) with the newest
+    # version's CPU copy (late joiners)
+
+    def __init__(self, cfg, hub, run_id: str):
+        self.hub, self.run_id = hub, run_id
+
+    @staticmethod
+    def available() -> bool:
+        """Usable here, for `weights.transport: auto`."""
+        return True
+
+    def join(self, register: P.Register, ident: bytes, version: int):
+        """A generator of this transport registers (hub thread, hub lock held): its setup for the Welcome
+        (P.CollectiveSetup) or None."""
+        return None
+
+    def leave(self, generator_id: str, again: bool = False) -> None:
+        """It drains, leaves, or registers again."""
+
+    def begin(self, version: int, plan: list, published_at: float) -> bool:
+        """A version is being gathered: True to get its buckets as they are packed."""
+        return False
+
+    def bucket(self, flat) -> None:
+        """One packed bucket (on the learner's device)."""
+
+    def end(self) -> None:
+        """After the version's last bucket, or when its publishing failed: release what `begin` took (called on every
+        sender whose begin returned True)."""
+
+    def wanted(self) -> bool:
+        """Wants the version's CPU copy: `send` runs in the background."""
+        return False
+
+    def send(self, version: int, named, published_at: float) -> None:
+        """The version's CPU copy, (name, tensor) pairs."""
+
+    def on_applied(self, generator_id: str, version: int) -> None:
+        """A generator applied a version (hub thread, hub lock held)."""
+
+    def metrics(self) -> dict:
+        """Of the last version."""
+        return {}
+
+    def shutdown(self) -> None:
+        """The run ends: release what lives outside the process."""
+
+
+class Receiver:
+    name = via = ""  # its transport; `via`: the one the last version came by (shm may fall back to zmq)
+    in_order = False  # True: every version must be received, in order (a broadcast the learner is sending)
+
+    def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
+        self.client, self.chunk, self.generator_id = client, chunk_bytes, generator_id
+
+    def accepts(self, ready: P.WeightsReady) -> bool:
+        """An announcement of this transport's kind."""
+        return False
+
+    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
+        """Meet the learner once registered (`host`: the hub's)."""
+
+    async def apply(self, ready: P.WeightsReady, engine) -> float:
+        """Take version `ready.version` into the engine; milliseconds the engine stopped generating. Raising
+        weights.VersionGone skips the version (a newer one is, or will be, announced); any other error makes the
+        generator register again."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """The registration ends: release what `start` and `apply` made."""
+
+
+class Worker:
+    """A transport's methods in every vLLM worker (see the module's docstring)."""
