@@ -49,8 +49,8 @@ class AgentRollout:
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._sample(engine, ctx)) for _ in range(ctx.n)]
-        except* AgentFailed as failed:
-            raise failed.exceptions[0] from None
+        except* AgentFailed as raised:
+            raise raised.exceptions[0] from None
         runs = [t.result() for t in tasks]
         out = []
         for t, (session, answer, failed) in enumerate(runs):

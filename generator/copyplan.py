@@ -24,12 +24,12 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def record(load: Callable[[], object], sources: list[torch.Tensor],
-           params: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, object]], str]:
+           params: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, torch.Tensor | float]], str]:
     """Run `load` (which reads `sources`, writes `params`) and return ([(destination view, source view or
     fill value)], "") in order, or ([], why it cannot be replayed)."""
     src_ptrs = {_storage(s) for s in sources}
     param_ptrs = {_storage(p) for p in params}
-    ops: list[tuple[torch.Tensor, object]] = []
+    ops: list[tuple[torch.Tensor, torch.Tensor | float]] = []
     refused: list[str] = []
 
     class Recorder(TorchDispatchMode):
@@ -63,7 +63,7 @@ def record(load: Callable[[], object], sources: list[torch.Tensor],
     return ([], "; ".join(sorted(set(refused)))) if refused else (ops, "")
 
 
-def replay(ops: list[tuple[torch.Tensor, object]]) -> None:
+def replay(ops: list[tuple[torch.Tensor, torch.Tensor | float]]) -> None:
     with torch.no_grad():
         for dst, src in ops:
             if isinstance(src, torch.Tensor):

@@ -21,13 +21,18 @@ reads the routes' annotations, and `Request` is imported where the app is made.)
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pipeline import protocol as P
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("generator.service")
 ENDED = 4096  # ended sessions whose keys are remembered (their late calls told so, not just refused)
@@ -148,7 +153,7 @@ class ToolCalls:
         # a call the model wrote wrong is no call, not an error of the run; vLLM's parsers log each with its traceback
         # (set here: vLLM's logging setup, when its engine starts, resets it)
         self.log.setLevel(logging.CRITICAL)
-        request = ChatCompletionRequest(model="policy", messages=[], tools=tools or None)
+        request = ChatCompletionRequest.model_validate({"model": "policy", "messages": [], "tools": tools or None})
         found = self.parser(tok).extract_tool_calls(text, request)
         return (found.content, list(found.tool_calls)) if found.tools_called else (text, [])
 
@@ -170,7 +175,7 @@ class Endpoint:
         self.tool_calls = tool_calls  # reads the calls of a request that offers tools
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, None] = {}  # keys of the latest sessions that ended, oldest first
-        self.server = None
+        self.server: uvicorn.Server | None = None
         self.port = 0
         self._task: asyncio.Task | None = None
         self._starting = asyncio.Lock()
@@ -185,22 +190,18 @@ class Endpoint:
                 await self._start()
 
     async def _start(self) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=0, log_level="warning",
-                                                    access_log=False, lifespan="off"))
-        self.server.install_signal_handlers = lambda: None  # the generator's own handlers stay
-        self._task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
+        self.server = server = _server(self.app())
+        self._task = asyncio.create_task(server.serve())
+        while not server.started:
             if self._task.done():
                 self._task.result()  # the server could not start: its error
                 raise RuntimeError("the agent endpoint stopped while starting")
             await asyncio.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.port = server.servers[0].sockets[0].getsockname()[1]
         log.info("agent endpoint on %s", self.base_url)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None and self.server is not None:
             self.server.should_exit = True
             await self._task
             self._task = None
@@ -338,3 +339,22 @@ def _response(kind: str, body: dict, out, prompt_tokens: int, choice: dict) -> d
             "model": body.get("model", "policy"), "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
                       "total_tokens": prompt_tokens + len(out.token_ids)}}
+
+
+def _server(app) -> "uvicorn.Server":
+    """uvicorn's server of `app` on a free local port, without signal handlers of its own: the generator's stay.
+    uvicorn up to 0.28 installed them in `install_signal_handlers`; later ones replace SIGINT's and SIGTERM's for as
+    long as `serve` runs (`capture_signals`), so a SIGTERM, the generator's drain, also stopped the endpoint that the
+    agents of the groups still draining talk to."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def install_signal_handlers(self) -> None:
+            pass
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                                 lifespan="off"))

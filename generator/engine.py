@@ -31,9 +31,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import Config
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +78,11 @@ class Engine:
         # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
         # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
         with _sigint_blocked():  # its processes never act on a terminal's Ctrl-C (below)
-            self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+            self.llm: Any = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)  # None: shut down
         self.mode = g.update_mode
         # generator.lora_mode adapter: each adapter version a vLLM LoRA adapter, id version + 1 (generator/served.py)
         self.served = cfg.model.lora is not None and g.lora_mode == "adapter"
-        self._lora = None  # the LoRARequest of the newest version: every new request uses it
+        self._lora: LoRARequest | None = None  # the newest version's (adapter mode): every new request uses it
         self.eos_id = eos_id
         self.version = 0
         self.run_id = ""  # the run whose weights are loaded ("": the model as loaded from disk)
@@ -107,9 +112,10 @@ class Engine:
                  time.perf_counter() - start)
 
     async def generate(self, prompt_ids: list[int], n: int, sampling, seed: int | None = None,
-                       stop: list[int] = ()) -> list[Completion]:
+                       stop: Sequence[int] = ()) -> list[Completion]:
         """n completions of `prompt_ids`; `stop`: token ids that end a completion besides EOS (kept in it)."""
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         from generator.sampled_logprobs import request_key
@@ -126,7 +132,7 @@ class Engine:
         await self._gate.wait()
         rid = f"r{next(self._ids)}"
         active = self._active[rid] = _Active(self.version, self.version)
-        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"w{self._loads}"}
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"w{self._loads}")
         start = time.perf_counter()
         final = None
         try:
@@ -134,6 +140,7 @@ class Engine:
                 final = out
         finally:
             del self._active[rid]
+        assert final is not None, "vLLM returned no output"
         if tapped:  # kept in the worker: one call for the whole group
             keys = [request_key(rid, n, c.index) for c in final.outputs]
             logprobs = (await self.llm.collective_rpc("take_sampled_logprobs",
@@ -155,7 +162,7 @@ class Engine:
             async with self._tap_lock:
                 if self._tap is None:
                     await self.keep_logprobs_in_workers(True)
-        return self._tap
+        return bool(self._tap)
 
     async def keep_logprobs_in_workers(self, on: bool) -> bool:
         """Have the workers keep the sampled tokens' log-probs and hand a group's over when it ends
@@ -288,7 +295,7 @@ def _served_lora_args(cfg: Config) -> dict:
     """vLLM's LoRA settings for generator.lora_mode adapter: the smallest rank it serves at or above model.lora.r;
     `adapter_slots` adapters in a batch; room in memory for more, since a long request keeps an old one."""
     slots = adapter_slots(cfg)
-    if not slots:
+    if not slots or cfg.model.lora is None:
         return {}
     rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= cfg.model.lora.r)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": slots, "max_cpu_loras": 4 * slots + 8}

@@ -83,7 +83,8 @@ class EnvironmentRollout(AgentRollout):
         """The token ids the template puts after an assistant turn that called tools: their replies, then the
         generation prompt (TRL's _get_tool_suffix_ids: a stand-in conversation, cut after its end-of-turn token)."""
         call = {"type": "function", "function": {"name": replies[0]["name"], "arguments": {}}}
-        stand_in = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        stand_in: list[dict] = [{"role": "user", "content": "dummy"},
+                                {"role": "assistant", "content": "", "tool_calls": [call]}]
         head = self.render(tok, stand_in, schemas, generate=False)
         head = _through_last(head, tok.eos_token_id)
         full = self.render(tok, stand_in + replies, schemas)
@@ -107,12 +108,12 @@ def get_reward(environments=None, **kwargs) -> list[float | None]:
     """A reward function: each sample's environment's own get_reward() (TRL adds it as a reward source by itself;
     here list it in `rewards`). A sample that failed (generator.agent_timeout_s) is scored 0 whatever this says."""
     if environments is None:
-        raise ValueError("generator.environment:get_reward scores the instances of generator.rollout environment; "
+        raise ValueError("builtin:environment_reward scores the instances of generator.rollout environment; "
                          "this run has none")
     out = []
     for env in environments:
         value = env.get_reward()
-        out.append(asyncio.run(value) if inspect.isawaitable(value) else value)  # scoring runs in a thread
+        out.append(asyncio.run(value) if inspect.iscoroutine(value) else value)  # scoring runs in a thread
     return out
 
 

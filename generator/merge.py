@@ -82,7 +82,7 @@ def _read(root: Path, names: list[str], dtype: torch.dtype, device, quantized: s
             for n in names:
                 if where[n] == file:
                     w = f.get_tensor(n).to(device, dtype)
-                    out[n] = learner_base(w, quantization) if n in quantized else w
+                    out[n] = learner_base(w, quantization) if quantization and n in quantized else w
     return out
 
 

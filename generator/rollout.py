@@ -18,6 +18,7 @@ sampled, its trajectory is split into several `Trajectory` objects (`trajectory`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline import protocol as P
 from pipeline.tasks import TrainerState, score
@@ -32,7 +33,7 @@ class AgentFailed(Exception):
 class Context:
     n: int  # samples in the group
     sampling: P.Sampling  # the lease's: max_tokens bounds every trajectory's tokens after the prompt
-    tokenizer: object
+    tokenizer: Any  # the run's transformers tokenizer (its stubs type decode as str | list[str])
     item: P.PromptItem  # the prompt as leased (its text or messages, its dataset columns)
 
 

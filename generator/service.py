@@ -110,7 +110,7 @@ class Generator:
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.leave_now = asyncio.Event()  # a second signal: stop waiting for anything, Leave, exit
         self.welcomed = False  # the current session registered
-        self.receiver: Receiver | None = None  # the session's weights receiver (weights/base.py), once welcomed
+        self.receiver = Receiver()  # the session's weights receiver (weights/base.py); this one accepts nothing
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
         self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
         self.session = ""  # of the last registration: shown when registering again under the same id
@@ -246,9 +246,8 @@ class Generator:
                 t.cancel()
             self.groups.clear()
             self.held.clear()
-            if self.receiver is not None:  # its transport's hold ends with the registration (nccl's staging)
-                self.receiver.close()
-                self.receiver = None
+            self.receiver.close()  # its transport's hold ends with the registration (nccl's staging)
+            self.receiver = Receiver()
             client.close()
             if hasattr(self, "push"):
                 self.push.close(linger=2000)
@@ -299,7 +298,8 @@ class Generator:
             for t in done:
                 t.result()  # surfaces PeerLost / Reregister
                 if t is not leases:
-                    raise RuntimeError(f"background task {t.get_coro().__name__} ended unexpectedly")
+                    raise RuntimeError(f"background task {getattr(t.get_coro(), '__name__', t.get_name())} ended "
+                                       "unexpectedly")
         finally:
             for t in tasks:
                 t.cancel()
@@ -414,6 +414,11 @@ class Generator:
 
     async def _leases(self) -> None:
         room = asyncio.Event()
+
+        def settled(task: asyncio.Task) -> None:  # a group ended: its lease may be done, and there is room
+            self._settled(self.groups.pop(task, None))
+            room.set()
+
         cap = self.inflight_cap()
         log.info("generator %s: up to %d groups in flight", self.id, cap)
         while not self.stopping:
@@ -447,6 +452,8 @@ class Generator:
                 continue
             if isinstance(reply, P.Error):
                 raise P.ProtocolError(f"lease refused: {reply.message}")
+            if not isinstance(reply, P.Lease):
+                raise P.ProtocolError(f"a lease request answered with {reply.tag}")
             self.held[reply.lease_id] = len(reply.groups)  # reported from now on, while it waits for weights too
             # k = 0: generate only on the newest weights; always on weights of this run. A lease that cannot start
             # (the hub took it back, or a drain began: a draining nccl/ipc generator receives no more versions) is
@@ -458,7 +465,7 @@ class Generator:
             for item in reply.groups:
                 task = asyncio.create_task(self._group(reply, item))
                 self.groups[task] = reply.lease_id
-                task.add_done_callback(lambda t: (self._settled(self.groups.pop(t, None)), room.set()))
+                task.add_done_callback(settled)
         while self.groups:  # draining: let the groups in flight finish
             await asyncio.sleep(0.05)
 

@@ -65,11 +65,12 @@ class Spec:
 
     @property
     def adapter_slots(self) -> int:
+        assert self.built is not None, "no engine built yet"
         return adapter_slots(self.built)
 
     async def close(self) -> None:
         """Stop what the rollout strategy runs (an agent's endpoint)."""
-        if hasattr(self.rollout, "aclose"):
+        if self.rollout is not None and hasattr(self.rollout, "aclose"):
             await self.rollout.aclose()
 
     async def adopt(self, ask) -> str:

@@ -14,6 +14,7 @@ weights on its way in (generator/merge.py), whatever carried it.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from pipeline.transports import TRANSPORTS
 
@@ -22,6 +23,15 @@ class Core:
     """What every transport's worker mixin loads through: a version's (name, tensor) pairs into the engine's weights
     (merged first when they are an adapter's), the copy plan, the learner's quantized base, vLLM's LoRA adapters,
     and the sampled log-probs' hook."""
+
+    # vLLM's worker, which this class extends, has these (declared for the type checker: no values, so nothing
+    # shadows the worker's own)
+    vllm_config: Any
+    model_runner: Any
+    # the copy plan of the staged and ipc paths (_copy_in): recorded for one manifest, checked once
+    _copies: list | None
+    _copies_manifest: list
+    _copies_checked: bool
 
     def _load_named(self, named: list) -> None:
         """Every loading path ends here: an adapter version (model.lora) is merged into base weights first

@@ -93,7 +93,7 @@ class Evaluation:
         rnd = self._oldest()
         if rnd is None or n <= 0:
             return None
-        items = {}
+        items: dict[int, P.PromptItem] = {}
         while rnd.pending and len(items) < n:
             pid = rnd.pending.pop(0)
             try:

@@ -28,19 +28,18 @@ with that error.
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
-import random
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hub import leases, operators
 from hub.evaluation import Evaluation
 from hub.faults import Faults
 from hub.journal import Journal
+from hub.leases import LeaseDesk
 from hub.ledger import PromptLedger
+from hub.operators import Operators
 from hub.prompts import Prompts
 from hub.registry import GENERATOR_ID, GeneratorInfo, Registry
 from hub.server import Server
@@ -97,8 +96,6 @@ class Hub:
         limits = P.Limits(bytes=min(cfg.hub.max_message_mb * 2**20, 2 * t.group_size * parts * sample
                                     + 4 * cfg.generator.max_model_len + 2**16),
                           containers=2 * t.group_size * parts + 16)  # the group, its samples list, each sample, rewards
-        # lease ids never repeat across learner restarts: a late rollout for an old lease is recognised
-        self.lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
         if state:
             self.ledger.restore(state)
             self.counters.update(state.get("counters", {}))
@@ -111,6 +108,10 @@ class Hub:
         self.weights = WeightServing(cfg, self, run_id, version)  # builds the weight senders (weights/__init__.py)
         self.journal = Journal(run_dir, cfg.hub.journal_kib_per_minute, self.counters)
         self.faults = Faults(cfg, self.ledger, self.registry, self.journal, self.counters, self.failed)
+        self.desk = LeaseDesk(cfg, self.ledger, self.registry, self.evaluation, self.prompts, self.faults, self.journal,
+                              self.counters, self.lock, self.sampling)
+        self.operators = Operators(cfg, self.ledger, self.registry, self.journal, self.counters, run_dir, run_id,
+                                   self.auth is not None)
         if cfg.hub.host not in ("127.0.0.1", "localhost", "::1") and self.auth is None:
             log.warning("hub binds %s without auth.keys (hub.allow_insecure): anyone who reaches it can register, "
                         "send rollouts and change the run", cfg.hub.host)
@@ -158,8 +159,10 @@ class Hub:
                 return self._on_register(msg, ident, user)
             if isinstance(msg, P.SpecRequest):
                 return self._on_spec_request(msg, user)
-            gen, error = self.registry.speaker(msg.generator_id, ident, user)
+            # what is left is a generator's message, each with a generator_id (mypy sees only a Message)
+            gen, error = self.registry.speaker(msg.generator_id, ident, user)  # type: ignore[attr-defined]
             if gen is None:
+                assert error is not None  # speaker says why it has no generator
                 return error if error.fatal else self._refuse(f"{type(msg).__name__} for {error.message}")
             return handler(msg, gen)
 
@@ -188,7 +191,7 @@ class Hub:
                 self._drop_generator(gen.generator_id, "heartbeat timeout")
             for gen in [g for g in self.registry.generators.values() if g.leaving]:
                 self._left_when_in(gen)
-            leases.expire_old(self, now)
+            self.desk.expire_old(now)
 
     # ---- generators ---------------------------------------------------------------------------------
 
@@ -228,7 +231,7 @@ class Hub:
         if why := self.registry.quarantined(user or msg.generator_id):
             return P.Error(f"registration refused: {why}", stop=True)
         why = (runspec.conflict(msg.claims, self.cfg) or msg.problem
-               or (msg.fingerprints and runspec.fingerprint_conflict(msg.fingerprints, self.fingerprints)))
+               or (runspec.fingerprint_conflict(msg.fingerprints, self.fingerprints) if msg.fingerprints else ""))
         if why:
             return self._refuse_spec(msg.generator_id, user, why)
         return P.RunSpec(self.run_id, runspec.spec_of(self.cfg), self.spec_digest, self.fingerprints)
@@ -276,7 +279,7 @@ class Hub:
             self.registry.drains(gen)
             self.weights.leave(msg.generator_id)
             self.journal.event("drain", gen.principal, generator=msg.generator_id)
-        return P.HeartbeatReply(self.version, leases.reconcile(self, msg, gen), self.cfg.trainer.max_staleness)
+        return P.HeartbeatReply(self.version, self.desk.reconcile(msg, gen), self.cfg.trainer.max_staleness)
 
     def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
         if why := self._unpublished(msg.version, 0):
@@ -323,7 +326,7 @@ class Hub:
     # ---- leases (hub/leases.py) ------------------------------------------------------------------
 
     def _on_lease_request(self, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
-        return leases.request(self, msg, gen)
+        return self.desk.request(msg, gen, self.version, self.complete)
 
     # ---- rollouts and failed groups -----------------------------------------------------------------
 
@@ -430,13 +433,13 @@ class Hub:
     # ---- operators (hub/operators.py) ----------------------------------------------------------------
 
     def _on_status_request(self, msg: P.StatusRequest) -> P.Message:
-        return operators.status(self)
+        return self.operators.status(self.version, self.failure)
 
     def _on_set_request(self, msg: P.SetRequest) -> P.Message:
-        return operators.set_knob(self, msg)
+        return self.operators.set_knob(msg, self.version, self.next_step())
 
     def status(self) -> P.StatusReply:
-        return operators.status(self)
+        return self.operators.status(self.version, self.failure)
 
     # ---- the learner's thread -----------------------------------------------------------------------
 

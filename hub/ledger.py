@@ -100,7 +100,8 @@ class PromptLedger:
     def take(self, n: int, principal: str, confirmed: Callable[[set[str]], bool]) -> list[Key]:
         """Up to n pending prompts (the next epoch is added when needed), leaving at the front those `principal`
         failed while another may still try them (`confirmed(failed_by)` is False)."""
-        out, skipped = [], []
+        out: list[Key] = []
+        skipped: list[Key] = []
         while len(out) < n and (self.pending or self._refill()):
             if len(self.pending) <= self.fresh:  # the front is the untouched rest of the epoch
                 self.fresh -= 1
@@ -276,8 +277,7 @@ class PromptLedger:
         out = [k for lease in self.leases.values() for k in lease.items]
         out += [(g.epoch, g.prompt_id) for g, *_ in self.buffer] + [(g.epoch, g.prompt_id) for g in self.in_step]
         out += itertools.islice(self.pending, len(self.pending) - self.fresh)
-        seen = set()
-        listed = [list(k) for k in out if not self.done(k) and not (k in seen or seen.add(k))]
+        listed = [list(k) for k in dict.fromkeys(out) if not self.done(k)]  # each once, in order
         return {"format": STATE_FORMAT, "prompts": self.n_prompts, "seed": self.seed, "next_epoch": self.next_epoch,
                 "pending": listed, "fresh": self.fresh, "trained_groups": self.trained}
 

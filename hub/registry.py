@@ -111,7 +111,7 @@ class Registry:
 
     def active_principals(self) -> set[str]:
         """The principals of the generators not draining, kept (the same set) until a generator registers, leaves or
-        drains: every lease request asks for them (hub.leases.share), and walking a thousand generators for each
+        drains: every lease request asks for them (LeaseDesk.share), and walking a thousand generators for each
         took the hub's whole core."""
         if self._active is None:
             self._active = {g.principal for g in self.generators.values() if not g.draining}

@@ -93,7 +93,7 @@ class Server:
         self.wake()
         if hasattr(self, "_thread"):
             self._thread.join(timeout=5)
-        for s in (self.control, self.rollouts, self._wake_rx, self._wake_tx, self.auth and self.auth.zap):
+        for s in (self.control, self.rollouts, self._wake_rx, self._wake_tx, self.auth.zap if self.auth else None):
             if s is not None:
                 s.close(linger=0)
         self.ctx.term()
@@ -131,7 +131,7 @@ class Server:
 
     def _loop(self) -> None:
         poller = zmq.Poller()
-        for s in (self.control, self.rollouts, self._wake_rx, self.auth and self.auth.zap):
+        for s in (self.control, self.rollouts, self._wake_rx, self.auth.zap if self.auth else None):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         next_tick = 0.0

@@ -9,6 +9,8 @@ a few chunks in flight each (a version being pulled is kept until its generator 
 
 from __future__ import annotations
 
+import mmap
+
 from pipeline import protocol as P
 from pipeline.config import env_flag
 from pipeline.host import host_identity
@@ -54,7 +56,7 @@ class WeightServing:
         for sender in set(self.senders.values()):
             sender.on_applied(generator_id, version)
 
-    def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | None, to: list[str] | None,
+    def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | mmap.mmap | None, to: list[str] | None,
                  delta: bytes | None = None, transports: set[str] | None = None) -> None:
         """A file version goes to every generator of `transports` (None: every one); a broadcast to those in `to`."""
         self.newest = max(self.newest, ready.version)

@@ -99,7 +99,7 @@ def _check_sample(s: P.Sample, where: str, prompt_len: int, min_version: int, ve
         raise Rejected("length", f"{where}: prompt + completion of {prompt_len + len(tokens)} tokens, "
                                  f"generator.max_model_len is {shape.max_model_len}")
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
-        bad = int(tokens[(tokens < 0) | (tokens >= shape.vocab_size)][0])
+        bad: int | float = int(tokens[(tokens < 0) | (tokens >= shape.vocab_size)][0])
         raise Rejected("token_id", f"{where}.token_ids: {bad} lies outside the vocabulary [0, {shape.vocab_size})")
     logprobs = P.unpack_floats(s.logprobs)
     if not np.isfinite(logprobs).all() or (logprobs > 0).any():

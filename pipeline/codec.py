@@ -78,7 +78,9 @@ class Message:
 
 def encode(msg: Message, rid: int = 0) -> bytes:
     body = {"v": SCHEMA_VERSION, "k": msg.tag, "r": rid}
-    for name in _field_names(type(msg)):
+    names = _field_names(type(msg))
+    assert names is not None  # a Message is a dataclass
+    for name in names:
         body[name] = _to_wire(getattr(msg, name))
     return msgpack.packb(body, use_bin_type=True)
 
@@ -121,7 +123,8 @@ def decode(data, limit: int | None = None, limits: Limits = FROM_PEER) -> tuple[
     if not isinstance(body, dict):
         raise ProtocolError(f"expected a message map, got {type(body).__name__}")
     kind = body.pop("k", None)
-    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+    # annotated `type`: mypy takes a type[Message] for unhashable (the functools.cache calls below)
+    cls: type | None = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message kind {kind!r}")
     version = body.pop("v", None)
@@ -169,7 +172,9 @@ def _unpack(data, nbytes: int, limits: Limits) -> Any:
 
 @functools.cache
 def _names(cls: type) -> frozenset[str]:
-    return frozenset(_field_names(cls))
+    names = _field_names(cls)
+    assert names is not None  # decode's class is a Message
+    return frozenset(names)
 
 
 @functools.cache
@@ -186,7 +191,7 @@ def _check_depth(body: Any, limit: int) -> None:
     """Nesting of arrays and maps at most `limit`, level by level (iterative: the containers are already counted)."""
     level, depth = [body], 1
     while level:
-        deeper = []
+        deeper: list[dict | list] = []
         for value in level:
             if type(value) is dict:
                 value = value.values()
@@ -229,7 +234,7 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         return _dict_checker(*map(_checker, typing.get_args(tp)))
     if origin is list:
         return _list_checker(_checker(typing.get_args(tp)[0]))
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _dataclass_checker(tp)
     if tp is float:
         def check_float(v):

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.config import Config, save_config
@@ -242,7 +243,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         # launch.yaml while the learner starts (generator/spec.py), and registers once the hub answers
         later = []
         for i in range(cfg.run.generators):
-            mine = gpus[i % len(gpus)] if gpus else None
+            mine = str(gpus[i % len(gpus)]) if gpus else None  # a str already (RunConfig.__post_init__)
             if mine is not None and mine not in started and not _shares_gpu(mine, cfg.run.learner_gpus):
                 start(i, mine, "beside the learner")
             else:
@@ -277,20 +278,20 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     return rc
 
 
-def _shares_gpu(gpus: str, learner_gpus: str | None) -> bool:
+def _shares_gpu(gpus: str, learner_gpus: str | int | None) -> bool:
     """Whether the GPU set `gpus` ("2,3") and the learner's overlap (no learner GPUs given: it may use any)."""
     if not learner_gpus:
         return True
     return bool(set(gpus.split(",")) & set(str(learner_gpus).split(",")))
 
 
-def _stopped(received: list[int]) -> None:
+def _stopped(received: Sequence[int]) -> None:
     if received:
         raise KeyboardInterrupt
 
 
-def _gpus(gpus: str | None) -> list[str]:
-    return ["--gpus", gpus] if gpus else []
+def _gpus(gpus: str | int | None) -> list[str]:
+    return ["--gpus", str(gpus)] if gpus else []
 
 
 def _wait_for_hub(run_dir: Path, learner: Child, token: str, received: list[int], timeout: float = 600) -> str:
@@ -312,7 +313,7 @@ def _wait_for_hub(run_dir: Path, learner: Child, token: str, received: list[int]
 
 
 def _wait_registered(run_dir: Path, generators: list[Child], learner: Child, timeout: float = 900,
-                     received: list[int] = ()) -> None:
+                     received: Sequence[int] = ()) -> None:
     """Until each of `generators` has registered at the hub (its engine is up) or exited."""
     from pipeline.metrics import read_jsonl
 

@@ -187,7 +187,7 @@ class LeaseRequest(Message):
 @dataclass
 class WeightsApplied(Message):
     tag: ClassVar[str] = "weights_applied"
-    generator_id: str = text(GENERATOR_ID)
+    generator_id: str = field(metadata={"max_len": GENERATOR_ID})  # required: mypy reads text() as a default
     version: int
     load_ms: float = 0.0
     via: str = text(16, "")  # the transport that delivered it
@@ -201,7 +201,7 @@ class GroupFailed(Message):
     generator.agent_failure requeue: lease it again)."""
 
     tag: ClassVar[str] = "group_failed"
-    generator_id: str = text(GENERATOR_ID)
+    generator_id: str = field(metadata={"max_len": GENERATOR_ID})  # required: mypy reads text() as a default
     lease_id: int
     epoch: int
     prompt_id: int
@@ -361,7 +361,7 @@ class Error(Message):
 class RolloutGroup(Message):
     tag: ClassVar[str] = "rollout_group"
     lease_id: int
-    generator_id: str = text(GENERATOR_ID)
+    generator_id: str = field(metadata={"max_len": GENERATOR_ID})  # required: mypy reads text() as a default
     prompt_id: int
     epoch: int
     prompt_ids: bytes  # int32 little-endian
@@ -423,7 +423,7 @@ def trajectory_of(samples: list) -> list[int]:
 
 def trajectory_rewards(samples: list[Sample]) -> list[float]:
     """The reward of each trajectory of a group, in order (its samples share it)."""
-    first = {}
+    first: dict[int, float] = {}
     for t, s in zip(trajectory_of(samples), samples, strict=True):
         first.setdefault(t, s.reward)
     return [first[t] for t in sorted(first)]

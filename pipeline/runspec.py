@@ -52,7 +52,7 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def _plain(value: Any) -> Any:
     """A config value as plain data (dataclasses as dicts, tuples as lists), as msgpack carries it."""
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _plain(dataclasses.asdict(value))
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

@@ -15,6 +15,7 @@ Without keys nothing is authenticated, so the hub binds loopback only unless `hu
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq looks for the ZAP handle
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def make_keys(root: Path, generators: list[str] = ("generator",), operators: list[str] = ("operator",)) -> list[Path]:
+def make_keys(root: Path, generators: Sequence[str] = ("generator",),
+              operators: Sequence[str] = ("operator",)) -> list[Path]:
     """Create the hub's pair (once) and the named generator and operator pairs; returns the files written."""
     root = Path(root)
     written = []
@@ -100,9 +102,10 @@ def check_exposure(cfg: Config) -> None:
 def user_of(frame: zmq.Frame) -> str:
     """The user id the ZAP handler gave the connection a message came from ("" without keys)."""
     try:
-        return frame.get("User-Id") or ""
+        user = frame.get("User-Id")  # a str (pyzmq types every property int | str)
     except zmq.ZMQError:
         return ""
+    return user if isinstance(user, str) else ""
 
 
 def has_role(user: str, role: str) -> bool:
@@ -126,9 +129,10 @@ class ServerAuth:
         if not keys_dir:
             return None
         auth = cls(Path(keys_dir))
-        auth.public, auth.secret = _load(auth.root / f"{HUB}.key_secret", "auth.keys")
-        if not auth.secret:
+        public, secret = _load(auth.root / f"{HUB}.key_secret", "auth.keys")
+        if not secret:
             raise ConfigError(f"auth.keys: {auth.root / HUB}.key_secret holds no secret key")
+        auth.public, auth.secret = public, secret
         auth.reload()
         return auth
 
@@ -159,6 +163,7 @@ class ServerAuth:
     def answer(self) -> int:
         """Answer the pending ZAP requests: 200 with user id "ROLES:KEY" for a listed key, 400 otherwise. Returns
         how many it refused."""
+        assert self.zap is not None  # bound (bind_zap) before the hub polls it
         refused = self.refused
         while self.zap.poll(0):
             frames = self.zap.recv_multipart()

@@ -54,7 +54,7 @@ def build_smollm2(dest: Path) -> Path:
                                                      quantization_config=GgufConfig(dequantize=True))
         model.config.quantization_config = None  # an ordinary bf16 checkpoint from here on
         if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]  # undeclared: typed as torch's Module attributes
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if not (tmp / "config.json").exists():  # transformers saves on rank 0 of a process group only

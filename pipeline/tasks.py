@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from pipeline import builtin
 from pipeline.config import DataConfig, RewardConfig
@@ -151,7 +152,7 @@ def arith_rows(size: int, seed: int, held_out: bool = False) -> list[dict]:
     `level`. Training rows and held-out rows (`held_out`) come from disjoint problems: each side draws only the
     problems `is_held_out` gives it, so no seed of one can produce a problem of the other."""
     rng = random.Random(f"arith:{seed}:{'held-out' if held_out else 'train'}")
-    rows = []
+    rows: list[dict] = []
     while len(rows) < size:
         level = ARITH_MIX[len(rows) % len(ARITH_MIX)]
         question, steps, key = _arith_problem(level, rng)
@@ -251,7 +252,7 @@ def math_answer(prompts, completions, completion_ids=None, answer=None, **_) -> 
     return out
 
 
-def is_conversational(prompt) -> bool:
+def is_conversational(prompt) -> TypeGuard[list[dict]]:
     """TRL's conversational format: a list of {"role": ..., "content": ...} messages."""
     return isinstance(prompt, list) and bool(prompt) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
@@ -266,7 +267,7 @@ def encode_prompt(tokenizer, cfg: DataConfig, prompt: str | list) -> list[int]:
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=not last, continue_final_message=last,
                                             tokenize=True)
     elif cfg.chat_template:
-        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
+        messages: list[dict] = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     else:
@@ -317,14 +318,14 @@ def score(fns, prompt: str | list, completions: list[str], completion_ids: list[
     if is_conversational(prompt):  # as TRL: an assistant message the prompt started is completed
         bootstrap = prompt[-1]["content"] if prompt[-1]["role"] == "assistant" else ""
         head = prompt[:-1] if bootstrap else prompt
-        prompts = [[dict(m) for m in head] for _ in range(n)]
-        completions = [[{"role": "assistant", "content": bootstrap + c}] for c in completions]
+        prompts: list = [[dict(m) for m in head] for _ in range(n)]
+        shown: list = [[{"role": "assistant", "content": bootstrap + c}] for c in completions]
     else:
-        prompts = [prompt] * n
+        prompts, shown = [prompt] * n, completions
     per_fn = []
     for name, fn, _ in fns:
         try:
-            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
+            values = fn(prompts=prompts, completions=shown, completion_ids=completion_ids,
                         trainer_state=trainer_state, **kwargs)
             values = [float("nan") if v is None else float(v) for v in values]
         except Exception:

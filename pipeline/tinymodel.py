@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import env_flag
 
@@ -18,7 +19,8 @@ VOCAB = ["<pad>", "<eos>", "<unk>", "="] + [str(d) for d in range(10)] + ["+", "
 PAD_ID, EOS_ID = 0, 1
 # conversational prompts: each message's text, then "=" for the answer (the echo task's prompts end in " =")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
-SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2)
 
 
 def cache_root() -> Path:
@@ -54,7 +56,7 @@ def build_tiny_model(dest: Path, seed: int = 0) -> Path:
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(tmp)
-    cfg = Qwen2Config(
+    cfg = Qwen2Config(  # type: ignore[call-arg]  # torch_dtype: transformers 5 takes it undeclared (deprecated)
         vocab_size=len(VOCAB), max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", **SHAPE,
     )

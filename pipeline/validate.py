@@ -108,7 +108,7 @@ def check_value(name: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r}")
         return [check_value(f"{name}[{i}]", item_tp, v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, name)
     if tp is bool:
         if not isinstance(value, bool):

@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace, argv: list[str] | None) -> int:
     cfg, run_dir = service.prepare(args)
+    assert run_dir is not None  # prepare gives the learner its run directory
     from learner.launch import end_with_parent, run_ranks, world_size
 
     run_dir.mkdir(parents=True, exist_ok=True)

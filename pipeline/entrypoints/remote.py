@@ -35,6 +35,7 @@ def set_knobs(args: argparse.Namespace, argv: list[str] | None) -> int:
             if isinstance(reply, P.Error):
                 print(f"pipeline set: {reply.message}", file=sys.stderr)
                 return 2
+            assert isinstance(reply, P.SetReply)  # the hub answers a SetRequest with SetReply or Error
             print(f"{key} = {reply.value!r} (from step {reply.from_step})")
         return 0
     except P.PeerLost as e:

@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace, argv: list[str] | None) -> int:
     cfg, run_dir = service.prepare(args)
+    assert run_dir is not None  # prepare gives `run` its run directory
     from pipeline.launcher import launch
 
     return launch(cfg, run_dir, resume=args.resume is not None, profile=args.profile)

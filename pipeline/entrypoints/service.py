@@ -61,7 +61,8 @@ def prepare(args) -> tuple[Config, Path | None]:
 
         check_exposure(cfg)
         if not env_flag("RANK"):  # more ranks than GPUs given is refused here, not in torch.cuda.set_device
-            world_size(cfg.trainer.ranks, args.gpus or (cfg.run.learner_gpus if args.command == "run" else None))
+            gpus = args.gpus or (cfg.run.learner_gpus if args.command == "run" else None)
+            world_size(cfg.trainer.ranks, None if gpus is None else str(gpus))  # a str (RunConfig.__post_init__)
         if resume is not None and checks:  # another model or LoRA scale than the run's is refused at start
             for change in check_resume(cfg, resume.resolve()):
                 print(f"pipeline {args.command}: resuming with {change} (RUN_DIR/config.yaml has the first)",

@@ -214,6 +214,38 @@ async def test_groups_that_start_the_endpoint_together_all_reach_it(tok):
         assert not any(o.finish_reason.startswith("agent_") for o in outs)
 
 
+async def test_a_sigterm_while_the_endpoint_serves_is_the_generators_and_the_endpoint_goes_on():
+    """The generator drains on SIGTERM (its handler on the loop); uvicorn >= 0.29 replaced SIGINT's and SIGTERM's
+    handlers while it served, so the drain also stopped the endpoint the draining groups' agents talk to."""
+    import os
+    import signal
+    import urllib.request
+
+    from generator.endpoint import Endpoint
+
+    loop, heard = asyncio.get_running_loop(), asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, heard.set)
+    endpoint = Endpoint()
+    try:
+        await endpoint.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(heard.wait(), 5)
+        await asyncio.sleep(0.3)  # a server told to exit is gone by now
+        assert endpoint.server is not None and not endpoint.server.should_exit
+        url = endpoint.base_url + "/models"
+
+        def get() -> int:
+            try:
+                return urllib.request.urlopen(url, timeout=5).status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert await asyncio.to_thread(get) in (200, 401, 404)  # it answers (a key is needed, or no such route)
+    finally:
+        await endpoint.stop()
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 async def test_a_history_rewritten_between_turns_splits_the_trajectory_and_counts_it(tok):
     cfg = _cfg(agent=f"{__name__}:editing_agent")
     engine = ScriptedEngine(tok, ["Seventeen and twenty-five.", "42"])

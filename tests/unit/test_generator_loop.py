@@ -392,8 +392,6 @@ async def test_a_lease_size_set_at_run_time_reaches_the_generators(tmp_path):
     what their engine has room for and the hub grants up to its own value."""
     import copy
 
-    from hub import operators
-
     cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "max_staleness": 0, "total_steps": 5},
                             "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})
     sizes = []
@@ -403,7 +401,7 @@ async def test_a_lease_size_set_at_run_time_reaches_the_generators(tmp_path):
         await _until(lambda: len(hub.ledger.buffer) >= 8)
         assert set(sizes) <= {2}
         with hub.lock:
-            reply = operators.set_knob(hub, P.SetRequest("generator.lease_size", 6))
+            reply = hub._on_set_request(P.SetRequest("generator.lease_size", 6))
         assert isinstance(reply, P.SetReply) and gen.cfg.generator.lease_size == 2
         await asyncio.to_thread(hub.take_batch, 0)
         publish(hub, 1)
