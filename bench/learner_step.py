@@ -60,7 +60,7 @@ def main() -> int:
                             "generator": {"max_model_len": args.prompt_tokens + args.completion_tokens}},
                            args.set)
     init_distributed()
-    engine = build_engine(cfg, str(path))
+    engine, extras = build_engine(cfg, str(path))
     vocab = engine.module.config.vocab_size
     times, stats = [], {}
     for i in range(2 + args.steps):
@@ -68,7 +68,7 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        stats = train_step(engine, batch, cfg, i, 0)
+        stats = train_step(engine, extras, batch, cfg, i, 0)
         if cuda:
             torch.cuda.synchronize()
         if i >= 2:
@@ -81,9 +81,9 @@ def main() -> int:
            "peak_gpu_gib": round(stats["learner/peak_gpu_gib"], 2) if cuda else None,  # of forwards and backwards
            "reserved_gpu_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None}
     if args.profile:
-        out["profile"] = profile(engine, cfg, args, vocab)
+        out["profile"] = profile(engine, extras, cfg, args, vocab)
     if args.syncs:
-        out["syncs"] = syncs(engine, cfg, args, vocab)
+        out["syncs"] = syncs(engine, extras, cfg, args, vocab)
     print(out, flush=True)
     write_result(result_name("learner_step", args.size, *([args.name] if args.name else [])),
                  "python -m bench.learner_step " + " ".join(sys.argv[1:]), f"Qwen2.5 shape {args.size}, random weights",
@@ -92,7 +92,7 @@ def main() -> int:
     return 0
 
 
-def syncs(engine, cfg, args, vocab: int) -> dict:
+def syncs(engine, extras, cfg, args, vocab: int) -> dict:
     """One step with torch.cuda's sync debug mode on: each synchronising call warns, and the warnings are counted
     by the last three frames outside torch that led to it (site-packages paths shortened). {"total", "by_caller"}."""
     import traceback
@@ -117,7 +117,7 @@ def syncs(engine, cfg, args, vocab: int) -> dict:
     warnings.simplefilter("always")
     torch.cuda.set_sync_debug_mode(1)
     try:
-        train_step(engine, batch, cfg, 98, 0)
+        train_step(engine, extras, batch, cfg, 98, 0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning, warnings.filters[:] = shown, filters
@@ -126,7 +126,7 @@ def syncs(engine, cfg, args, vocab: int) -> dict:
     return {"total": sum(counts.values()), "by_caller": ranked}
 
 
-def profile(engine, cfg, args, vocab: int) -> dict:
+def profile(engine, extras, cfg, args, vocab: int) -> dict:
     """One step under the profiler: the 15 operators that take the most device time (self time, ms), the 15 that
     take the most host time, and the share of the step's wall time in which the GPU ran a kernel (near 1: the
     step is bound by the GPU's work; well below: by the host launching it)."""
@@ -139,7 +139,7 @@ def profile(engine, cfg, args, vocab: int) -> dict:
     batch = groups(args.batch_size, args.group_size, args.prompt_tokens, args.completion_tokens, vocab, 99)
     with torch_profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        train_step(engine, batch, cfg, 99, 0)
+        train_step(engine, extras, batch, cfg, 99, 0)
         if cuda:
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6

@@ -120,7 +120,7 @@ def micro_batches(rows: list[Row], token_budget: int) -> list[list[Row]]:
     return out
 
 
-def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
+def collate(rows: list[Row], pad_id: int, device) -> dict:
     """Right-padded tensors (to `padded` length); position t of mask, mu, adv and prox describes token t+1."""
     L = padded(max(r.length for r in rows))
     n = len(rows)
@@ -143,7 +143,7 @@ def collate(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
         temp[i] = r.temperature
         if r.prox is not None:
             prox[i, p - 1:p + c - 1] = torch.from_numpy(r.prox)
-    out = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp, lag=lags)
+    out: dict = dict(input_ids=ids, attention_mask=attn, mask=mask, mu=mu, adv=adv, temperature=temp, lag=lags)
     if all(r.prox is not None for r in rows):
         out["prox"] = prox
     out["entropy_at"] = entropy_positions(mask)

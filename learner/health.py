@@ -33,7 +33,7 @@ class StepHealth:
     def __init__(self, max_lag: int):
         self.max_lag = max_lag
         self.sums: torch.Tensor | None = None  # on the learner's device: no synchronisation per micro-batch
-        self.weights: list[torch.Tensor] = []  # exp(x) of this rank's trained tokens
+        self.weights: list[tuple[torch.Tensor, torch.Tensor]] = []  # (exp(x), mask) of this rank's micro-batches
 
     def add(self, batch: dict, logits: torch.Tensor, prox: torch.Tensor, stats: dict, seq_kept: torch.Tensor) -> None:
         """One micro-batch: `batch["mask"]` the trained tokens, `seq_kept` [rows] 0 for a sample the sequence

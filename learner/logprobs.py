@@ -153,11 +153,11 @@ def _keeps_logits(model) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do)."""
     model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes it through
-    return _forward_takes_logits_to_keep(type(model))
+    return _forward_takes_logits_to_keep(type(model))  # type: ignore[arg-type]  # mypy#11470: a class is hashable
 
 
 @functools.cache
-def _forward_takes_logits_to_keep(cls: type) -> bool:
+def _forward_takes_logits_to_keep(cls: type[torch.nn.Module]) -> bool:
     """Once per model class, not per micro-batch: the step's host time is what bounds it."""
     try:
         return "logits_to_keep" in inspect.signature(cls.forward).parameters

@@ -22,6 +22,8 @@ micro-batch contributes its sum / the update's total).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -43,7 +45,7 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
 
 def token_loss(logp: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, variant: str, clip_eps: float = 0.2,
                is_cap: float = 2.0, prox: torch.Tensor | None = None,
-               token_mask: tuple[float, float] = (0.5, 2.0)) -> tuple[torch.Tensor, dict]:
+               token_mask: Sequence[float] = (0.5, 2.0)) -> tuple[torch.Tensor, dict]:
     """Per-token loss (same shape as logp) and detached per-token statistics of the correction: `is_weight`
     (the weight applied), `clipped` (the ratio's clip acted), `masked` (the token mask left it out)."""
     prox = logp.detach() if prox is None else prox

@@ -5,10 +5,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.config import Config, TrainerConfig
+
+if TYPE_CHECKING:
+    from learner.adapters import AdaptersOff
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,17 @@ def init_distributed(timeout_s: float = TrainerConfig.rank_timeout_s) -> tuple[i
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_engine(cfg: Config, model_path: str):
+@dataclass
+class Extras:
+    """What the learner keeps beside DeepSpeed's engine (nothing is added to the engine itself)."""
+
+    guard: FiniteGuard  # the finite-step guard, on the optimizer the engine steps
+    reference: torch.nn.Module | AdaptersOff | None = None  # trainer.kl_coef > 0: the KL penalty's frozen model
+    bytes_per_token: float = 0.0  # learner/step.py's MemoryWatch: the most a micro-batch took so far
+
+
+def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
+    """(DeepSpeed's engine, the learner's Extras beside it)."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
@@ -74,6 +89,7 @@ def build_engine(cfg: Config, model_path: str):
     }
     # A torch optimizer instead of DeepSpeed's: no FusedAdam JIT build (slow, and broken on arch 9.0a).
     fused = torch.cuda.is_available()
+    optimizer: GuardedAdamW
     if lean:
         from deepspeed.accelerator import get_accelerator
 
@@ -83,17 +99,16 @@ def build_engine(cfg: Config, model_path: str):
         optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
     guard = FiniteGuard(model, optimizer, per_micro_batch=not lean)  # hooks before DeepSpeed wraps them
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    engine.finite_guard = guard
-    engine.reference = None
+    extras = Extras(guard)
     if t.kl_coef > 0 and cfg.model.lora is not None:  # the base itself, adapters off: no second copy
         from learner.adapters import AdaptersOff
 
-        engine.reference = AdaptersOff(engine.module)
+        extras.reference = AdaptersOff(engine.module)
     elif t.kl_coef > 0:  # the frozen initial model of the KL penalty: a whole copy on each rank, in the run's dtype
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device).eval()
         ref.config.use_cache = False
-        engine.reference = ref.requires_grad_(False)
-    return engine
+        extras.reference = ref.requires_grad_(False)
+    return engine, extras
 
 
 def run_dtype(cfg: Config) -> torch.dtype:
@@ -110,6 +125,7 @@ def load_quantized(cfg: Config, model_path: str, dtype: torch.dtype):
     from pipeline.quantization import bnb_config, exact_on_cpu, quantized_modules, quantized_names
 
     q = cfg.model.quantization
+    assert q is not None  # called for model.quantization only
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=bnb_config(q, dtype),
                                                  device_map={"": device})
@@ -154,6 +170,7 @@ class GuardedAdamW(torch.optim.AdamW):
     zeroing, copying the unchanged master weights back), but neither weights nor optimizer state change."""
 
     skip = False
+    grad_norm: torch.Tensor | None  # set by a FiniteGuard that measures the gradients at the step's end
 
     def step(self, closure=None):
         if self.skip:
@@ -300,7 +317,8 @@ def gathered_weights(engine, zero_stage: int, named: list | None = None,
 
 def _groups(named, limit: int) -> Iterator[list]:
     """Consecutive (name, ZeRO-3 parameter) pairs, in lists of at most `limit` full bytes (or one pair)."""
-    group, size = [], 0
+    group: list = []
+    size = 0
     for name, p in named:
         n = p.ds_numel * p.element_size()
         if group and size + n > limit:

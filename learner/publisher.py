@@ -57,6 +57,7 @@ class WeightPublisher:
         finally:
             for sender in live:
                 sender.end()  # also when the gather failed: nothing waits on a version that never ends
+        assert self._latest is not None  # the gather made it
         _, buffers, copied = self._latest
         for pending in self._pending:
             pending.result()  # surfaces a failure of the previous version's sends
@@ -130,7 +131,7 @@ class HostCopy:
     does not. Buckets are held on the device until then, up to `limit` bytes (past it: copied at once,
     and waited for)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.held: list[tuple[dict, list, torch.Tensor]] = []  # (buffers, [(name, view)], bucket): not copied yet
         self.limit, self.waited_ms = INFLIGHT_BYTES, 0.0

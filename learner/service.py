@@ -1,8 +1,8 @@
-"""The learner service: the training loop, which reads like the algorithm.
+"""The learner service: the training loop (`Learner`), which reads like the algorithm.
 
     for step in version .. total_steps:
         groups = hub.take_batch(step)          # waits only when generation is behind
-        stats  = train_step(engine, groups)    # GRPO loss with off-policy correction, one optimizer step
+        stats  = train_step(engine, extras, groups)  # GRPO loss with off-policy correction, one optimizer step
         if the step was not finite: its prompts are leased again, nothing is published (stop after N in a row)
         publisher.publish(step + 1)            # the new weights version goes to every generator
         hub.finish_step(step + 1)              # its groups are trained: admission moves on
@@ -22,7 +22,6 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import msgpack
@@ -30,7 +29,7 @@ import torch
 
 from hub.hub import DatasetExhausted, Hub
 from learner import checkpoint
-from learner.model import build_engine, init_distributed
+from learner.model import Extras, build_engine, init_distributed
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
 from learner.step import train_step
@@ -41,8 +40,7 @@ from pipeline import trace
 from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
-from pipeline.metrics import MetricsWriter, plot, read_jsonl, truncate_metrics
-from pipeline.staleness import behaviour_version
+from pipeline.metrics import MetricsWriter, plot, read_jsonl, step_record, truncate_metrics
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
 from weights.files import remove_shm
@@ -82,7 +80,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
     if resume:
         reapply_changes(cfg, run_dir)
     with trace.span("build engine", "startup"):
-        engine = build_engine(cfg, model_path)
+        engine, extras = build_engine(cfg, model_path)
     kind = version_kind(cfg, engine.module).kind  # a checkpoint of the other kind is refused
     version, hub_state = checkpoint.load(engine, run_dir, kind) if resume else (0, None)
     if resume and rank == 0:
@@ -112,7 +110,8 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
             publisher.publish(version)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
         try:
-            version = train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id, what)
+            version = Learner(cfg, engine, extras, hub, publisher, metrics, run_dir, rank, world, pad_id,
+                              what).run(version)
             if metrics is not None:
                 metrics.close()
             publisher.flush()
@@ -124,6 +123,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
                 raise
             raise lost from e
         if rank == 0:
+            assert hub is not None  # rank 0's, started above
             if cfg.eval.every:  # the last version's evaluation (eval.jsonl), a while at most
                 hub.evaluations(wait_s=cfg.hub.lease_timeout_s)
             plot(run_dir)
@@ -181,64 +181,77 @@ def _write_hub_json(run_dir: Path, hub: dict) -> None:
     os.replace(tmp, run_dir / "hub.json")
 
 
-def train(cfg, engine, hub, publisher, metrics, run_dir, version, rank, world, pad_id, what=None) -> int:
-    """Train from `version` to trainer.total_steps (or until the dataset is exhausted); returns the last version.
-    `what`: what the weights mean, recorded with each checkpoint (rank 0's). Each step's phases are timed
-    (learner/timeline.py): its record says where its time went, and a profiled run's trace shows it."""
-    last_tokens, last_time, start = (hub.counters["tokens"] if hub else 0), time.perf_counter(), time.perf_counter()
-    step, skipped = version, 0
-    times = StepTimes(hub)
+class Learner:
+    """One rank's trainer, its parts as attributes (`main` builds them): `run` trains from a version to
+    trainer.total_steps (or until the dataset is exhausted), `step` is one step as the algorithm reads. Each step's
+    phases are timed (learner/timeline.py): its record says where its time went, and a profiled run's trace shows
+    it. `extras`: build_engine's, beside the engine; `what`: what the weights mean, recorded with each checkpoint."""
 
-    def save(version: int) -> None:
-        checkpoint.save(engine, run_dir, version, hub.snapshot() if hub else None, rank, cfg.trainer.keep_checkpoints,
-                        what)
+    def __init__(self, cfg: Config, engine, extras: Extras, hub: Hub | None, publisher: WeightPublisher,
+                 metrics: MetricsWriter | None, run_dir: Path, rank: int, world: int, pad_id: int, what=None):
+        self.cfg, self.engine, self.extras, self.hub, self.publisher = cfg, engine, extras, hub, publisher
+        self.metrics, self.run_dir, self.rank, self.world, self.pad_id, self.what = metrics, run_dir, rank, world, \
+            pad_id, what
+        self.times = StepTimes(hub)
+        self.skipped = 0  # steps not finite in a row
+        self.started = self.last_time = time.perf_counter()
+        self.last_tokens = hub.counters["tokens"] if hub else 0
 
-    while step < cfg.trainer.total_steps:
-        with times.phase("wait"):
-            groups, drop_stats, knobs, end = next_batch(hub, step, cfg, rank, world, engine.device)
+    def run(self, version: int) -> int:
+        """Train from `version`; returns the last version."""
+        step: int | None = version
+        while step is not None and step < self.cfg.trainer.total_steps:
+            version, step = step, self.step(step)
+        with trace.span("final checkpoint", "learner"):
+            self.save(version if step is None else step)
+        return version if step is None else step
+
+    def step(self, step: int) -> int | None:
+        """The step from version `step`: the version it made (`step` again when it was not finite), None when the run
+        ends early."""
+        with self.times.phase("wait"):
+            groups, drop_stats, knobs, end = next_batch(self.hub, step, self.cfg, self.rank, self.world,
+                                                        self.engine.device)
         if end:
             log.warning("%s", end)
-            break
-        with times.phase("train"):
-            stats = train_step(engine, groups, cfg, step, pad_id, knobs)
+            return None
+        assert groups is not None  # next_batch returns none only with `end`
+        with self.times.phase("train"):
+            stats = train_step(self.engine, self.extras, groups, self.cfg, step, self.pad_id, knobs)
         if stats["skipped"]:
-            skipped += 1
-            times.end(step, skipped=True)
-            _skipped(hub, step, stats, len(groups), skipped, cfg.trainer.max_skipped_steps)
-            continue
-        skipped = 0
-        step_end = time.time()
-        with times.phase("publish"):
-            sync_ms = publisher.publish(step + 1, step_end)
-            step += 1
-            if hub is not None:
-                hub.finish_step(step)  # its groups are trained; admission moves on
-        if rank == 0:  # the step's record before its checkpoint: a crash between them loses no record
-            with times.phase("record"):
-                now = time.perf_counter()
-                tokens = hub.counters["tokens"]
-                record = {
-                    "step": step - 1, "version": step, **stats, **drop_stats, **times.record(),
-                    "sync/weights_ms": sync_ms, "time/elapsed_s": now - start, **publisher.metrics(),
-                    "throughput/tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
-                    "generators": len(hub.registry.generators), "max_staleness": knobs["trainer.max_staleness"],
-                    "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
-                    "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
-                    **{f"hub/{k}": v for k, v in dict(hub.counters).items()},  # a copy: the hub's thread adds keys
-                }
-                for done in hub.evaluations():  # rounds finished since the last step (all of them are in eval.jsonl)
-                    record.update({"eval/version": done["version"],
-                                   **{k: v for k, v in done.items() if k.startswith("eval/")}})
-                last_tokens, last_time = tokens, now
-                metrics.write(record)
-        every = cfg.trainer.checkpoint_every
-        if every and step % every == 0 and step < cfg.trainer.total_steps:
-            with times.phase("checkpoint"):
-                save(step)
-        times.end(step - 1)
-    with trace.span("final checkpoint", "learner"):
-        save(step)
-    return step
+            self.skipped += 1
+            self.times.end(step, skipped=True)
+            _skipped(self.hub, step, stats, len(groups), self.skipped, self.cfg.trainer.max_skipped_steps)
+            return step
+        self.skipped = 0
+        with self.times.phase("publish"):
+            sync_ms = self.publisher.publish(step + 1, time.time())
+            if self.hub is not None:
+                self.hub.finish_step(step + 1)  # its groups are trained; admission moves on
+        if self.hub is not None:  # rank 0: the step's record before its checkpoint (a crash between loses no record)
+            with self.times.phase("record"):
+                self.record(self.hub, step, {**stats, **drop_stats}, knobs, groups, sync_ms)
+        every, total = self.cfg.trainer.checkpoint_every, self.cfg.trainer.total_steps
+        if every and (step + 1) % every == 0 and step + 1 < total:
+            with self.times.phase("checkpoint"):
+                self.save(step + 1)
+        self.times.end(step)
+        return step + 1
+
+    def record(self, hub: Hub, step: int, stats: dict, knobs: dict, groups: list, sync_ms: float) -> None:
+        now, tokens = time.perf_counter(), hub.counters["tokens"]
+        rate = (tokens - self.last_tokens) / max(1e-6, now - self.last_time)
+        assert self.metrics is not None  # rank 0's
+        self.metrics.write(step_record(
+            step, {**stats, **self.times.record()}, sync_ms=sync_ms, elapsed_s=now - self.started,
+            publisher=self.publisher.metrics(), tokens_per_s=rate,
+            generators=len(hub.registry.generators), max_staleness=knobs["trainer.max_staleness"], groups=groups,
+            counters=dict(hub.counters), evaluations=hub.evaluations()))  # (a copy: the hub's thread adds keys)
+        self.last_tokens, self.last_time = tokens, now
+
+    def save(self, version: int) -> None:
+        checkpoint.save(self.engine, self.run_dir, version, self.hub.snapshot() if self.hub else None, self.rank,
+                        self.cfg.trainer.keep_checkpoints, self.what)
 
 
 def next_batch(hub: Hub | None, step: int, cfg: Config, rank: int, world: int, device) -> tuple[list | None, dict,
@@ -256,7 +269,8 @@ def next_batch(hub: Hub | None, step: int, cfg: Config, rank: int, world: int, d
             return groups, {"staleness/dropped": dropped}, knobs, end
 
 
-def _take(hub: Hub, step: int, wait_s: float | None) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
+def _take(hub: Hub | None, step: int, wait_s: float | None) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
+    assert hub is not None  # rank 0's
     try:
         groups, stats, knobs = hub.take_batch(step, wait_s)
     except DatasetExhausted as e:
@@ -276,8 +290,8 @@ def _skipped(hub, step: int, stats: dict, n_groups: int, in_a_row: int, limit: i
                         f"the weights of version {step} were kept. Check trainer.lr, the rewards and the data")
 
 
-def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world: int, device) -> tuple[list, dict,
-                                                                                                       str]:
+def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world: int, device) -> tuple[list | None,
+                                                                                                       dict, str]:
     """Send rank 0's batch to every rank, encoded with the wire codec (no pickle), with the run-time knobs it was
     built under (`pipeline set` reaches rank 0's hub, which read them once for the batch: every rank trains the step
     with that one snapshot) and why the run ends, if it does. `groups` None: no batch yet, rank 0 waits on."""

@@ -28,14 +28,15 @@ from learner.batching import Row, build_rows, collate, micro_batches, padded
 from learner.health import StepHealth
 from learner.logprobs import forward_logprobs
 from learner.loss import masked_sum, token_loss
+from learner.model import Extras
 from pipeline import protocol as P
 from pipeline.config import Config, runtime_values
 
 
-def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int,
+def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int,
                knobs: dict | None = None) -> dict:
-    """`knobs`: the run-time knobs the batch was built under (`Hub.take_batch`, the same on every rank); None: as
-    `cfg` holds them now (one read)."""
+    """`extras`: what build_engine made beside the engine. `knobs`: the run-time knobs the batch was built under
+    (`Hub.take_batch`, the same on every rank); None: as `cfg` holds them now (one read)."""
     t = cfg.trainer
     knobs = knobs or runtime_values(cfg)
     rows, stats = build_rows(groups, step, t.scale_rewards, (cfg.sampling.max_tokens, t.overlong_buffer,
@@ -44,15 +45,15 @@ def train_step(engine, groups: list[P.RolloutGroup], cfg: Config, step: int, pad
     for group in engine.optimizer.param_groups:
         group["lr"] = lr  # a run-time change of trainer.lr applies from the batch it came before
     parts = split(rows, t.minibatches, step)
-    budget = token_budget(engine, t.micro_batch_tokens)
-    memory = MemoryWatch(engine)
+    budget = token_budget(engine, t.micro_batch_tokens, extras.bytes_per_token)
+    memory = MemoryWatch(extras)
     if len(parts) > 1:
         proximal(engine, [r for part in parts[1:] for r in part], budget, pad_id, rows, groups)
     health = StepHealth(max((r.lag for r in rows), default=0))  # the lags present (<= k), whatever k is
     losses, norms, applied = [], [], 0
     try:
         for i, part in enumerate(parts):
-            loss, grad_norm, finite = _update(engine, part, cfg, budget, pad_id, rows, groups, health, memory,
+            loss, grad_norm, finite = _update(engine, extras, part, cfg, budget, pad_id, rows, groups, health, memory,
                                               needs_prox=i > 0)
             losses.append(loss)
             norms.append(grad_norm)
@@ -85,31 +86,30 @@ AUTO_FIRST_TOKENS = 8192  # micro_batch_tokens 0: the budget of the first step, 
 AUTO_SHARE = 0.8  # of the memory free at a step that its largest micro-batch may take
 
 
-def token_budget(engine, configured: int) -> int:
+def token_budget(engine, configured: int, per_token: float) -> int:
     """The micro-batch token budget of this step: `configured`, or with 0 the tokens that fit in AUTO_SHARE of the
     GPU memory free now (the device's free memory plus what this process's allocator holds unused), at the bytes
-    per token the largest micro-batch took so far. Every rank takes the smallest rank's budget (the ranks must run
-    the same micro-batches)."""
+    per token the largest micro-batch took so far (`per_token`, 0: none yet). Every rank takes the smallest rank's
+    budget (the ranks must run the same micro-batches)."""
     if configured > 0:
         return configured
     if not torch.cuda.is_available():
         return AUTO_FIRST_TOKENS
-    per_token = getattr(engine, "bytes_per_token", 0.0)
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     budget = max(AUTO_FIRST_TOKENS // 8, int(AUTO_SHARE * free / per_token)) if per_token > 0 else AUTO_FIRST_TOKENS
-    budget = torch.tensor([budget], device=engine.device)
+    smallest = torch.tensor([budget], device=engine.device)
     if _world() > 1:  # every rank, every step: the same collectives
-        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-    return int(budget.item())
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return int(smallest.item())
 
 
 class MemoryWatch:
     """Bytes of GPU memory per token that a micro-batch's forward and backward take above the memory held before
-    it (activations, logits, gradients), the largest seen: `engine.bytes_per_token`, which `token_budget` divides
+    it (activations, logits, gradients), the largest seen: `extras.bytes_per_token`, which `token_budget` divides
     the free memory by."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, extras: Extras):
+        self.extras = extras
         self.on = torch.cuda.is_available()
         self.peak = 0  # the most memory allocated during the step's forwards and backwards
 
@@ -122,7 +122,7 @@ class MemoryWatch:
         if self.on and tokens:
             peak = torch.cuda.max_memory_allocated()
             self.peak = max(self.peak, peak)
-            self.engine.bytes_per_token = max(getattr(self.engine, "bytes_per_token", 0.0), (peak - self.base) / tokens)
+            self.extras.bytes_per_token = max(self.extras.bytes_per_token, (peak - self.base) / tokens)
 
 
 def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[Row], groups) -> None:
@@ -141,9 +141,9 @@ def proximal(engine, rows: list[Row], budget: int, pad_id: int, all_rows: list[R
             flat[offsets[j]:offsets[j + 1]] = logp[i, p - 1:p + len(r.completion) - 1]
     if _world() > 1:
         dist.all_reduce(flat)
-    flat = flat.cpu().numpy()
+    host = flat.cpu().numpy()
     for j, r in enumerate(rows):
-        r.prox = flat[offsets[j]:offsets[j + 1]].copy()
+        r.prox = host[offsets[j]:offsets[j + 1]].copy()
 
 
 def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
@@ -164,8 +164,8 @@ def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
         yield batch, mb
 
 
-def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows, groups, health: StepHealth,
-            memory: MemoryWatch, needs_prox: bool = False):
+def _update(engine, extras: Extras, part: list[Row], cfg: Config, budget: int, pad_id: int, rows, groups,
+            health: StepHealth, memory: MemoryWatch, needs_prox: bool = False):
     """One optimizer step on `part`: (this rank's share of its loss as a device value, gradient norm, whether it
     was applied). `needs_prox`: a later part of several, measured against the proximal log-probs of the batch's
     starting weights, which each of its rows must have (the current weights would silently turn decoupled and
@@ -190,26 +190,26 @@ def _update(engine, part: list[Row], cfg: Config, budget: int, pad_id: int, rows
         logp, logits = forward_logprobs(engine, batch)
         prox = batch.get("prox", logp.detach())
         loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap, prox, t.token_mask)
-        if engine.reference is not None:  # trainer.kl_coef: k3 of KL(learner || initial model), per token
+        if extras.reference is not None:  # trainer.kl_coef: k3 of KL(learner || initial model), per token
             with torch.no_grad():
-                ref = forward_logprobs(engine.reference, batch)[0]
+                ref = forward_logprobs(extras.reference, batch)[0]
             ref_kl = torch.exp(ref - logp) - (ref - logp) - 1
             loss_tok = loss_tok + t.kl_coef * ref_kl
             st["ref_kl"] = ref_kl.detach()
         kept = seq_kept(prox, batch, t.seq_mask)
         loss = masked_sum(loss_tok, batch["mask"] * kept[:, None]) / total_tokens
         health.add(batch, logits, prox, st, kept)
-        engine.finite_guard.add_loss(loss)
+        extras.guard.add_loss(loss)
         engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
         memory.end(batch["input_ids"].numel())
         if last:
-            finite = engine.finite_guard.step_is_finite(engine.device)
-            grad_norm = _grad_norm(engine)
-            engine.finite_guard.optimizer.skip = not finite
+            finite = extras.guard.step_is_finite(engine.device)
+            grad_norm = _grad_norm(extras)
+            extras.guard.optimizer.skip = not finite
         try:
             engine.step()
         finally:
-            engine.finite_guard.optimizer.skip = False
+            extras.guard.optimizer.skip = False
         total_loss += loss.detach().float()
     if grad_norm < 0 and finite:
         grad_norm = float(engine.get_global_grad_norm() or 0.0)
@@ -241,10 +241,10 @@ def seq_kept(prox: torch.Tensor, batch: dict, bounds: list[float] | None) -> tor
         return ((g >= bounds[0]) & (g <= bounds[1])).to(mask.dtype)
 
 
-def _grad_norm(engine) -> float:
+def _grad_norm(extras: Extras) -> float:
     """Gradient norm before clipping. Without ZeRO the finite guard measured it (FiniteGuard.grad_norm; MixedAdamW
     clips by it). ZeRO 1-3 optimizers compute it in step(): -1, read after the step."""
-    norm = engine.finite_guard.grad_norm
+    norm = extras.guard.grad_norm
     return -1.0 if norm is None else float(norm)
 
 

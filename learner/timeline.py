@@ -21,7 +21,7 @@ from pipeline import trace
 
 
 class StepTimes:
-    def __init__(self, hub):
+    def __init__(self, hub) -> None:
         """`hub`: rank 0's (its thread's busy seconds and its generators' stages), None on other ranks."""
         self.hub = hub
         self.hub_before: dict = dict(hub.server.busy) if hub is not None else {}

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
+
+from pipeline.staleness import behaviour_version
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,23 @@ class MetricsWriter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def step_record(step: int, stats: dict, *, sync_ms: float, elapsed_s: float, publisher: dict, tokens_per_s: float,
+                generators: int, max_staleness: int, groups: list, counters: dict, evaluations: list[dict]) -> dict:
+    """One learner step's metrics.jsonl record: its version, its stats and phases (`stats`), the weights' sync, the
+    throughput, the groups it trained (epoch, prompt, behaviour version, generator), the hub's counters (hub/...)
+    and the evaluation rounds finished since the last record (eval/...; all of them are in eval.jsonl)."""
+    record = {
+        "step": step, "version": step + 1, **stats, "sync/weights_ms": sync_ms, "time/elapsed_s": elapsed_s,
+        **publisher, "throughput/tokens_per_s": tokens_per_s, "generators": generators, "max_staleness": max_staleness,
+        "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
+        "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
+        **{f"hub/{k}": v for k, v in counters.items()},
+    }
+    for done in evaluations:
+        record.update({"eval/version": done["version"], **{k: v for k, v in done.items() if k.startswith("eval/")}})
+    return record
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -15,6 +15,9 @@ steps, `_copy_in(manifest, named, buffers)` loads through the recorded copy plan
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from pipeline import protocol as P
 
 
@@ -94,3 +97,11 @@ class Receiver:
 
 class Worker:
     """A transport's methods in every vLLM worker (see the module's docstring)."""
+
+    # what the mixins use of vLLM's worker and of the extension's Core, declared for the type checker: no values, so
+    # nothing here shadows theirs (the mixins come before Core in WeightLoader's bases)
+    device: Any  # vLLM's worker's torch.device
+    _copies: list | None  # Core's copy plan: None records it anew
+    _load_named: Callable[[list], None]
+    _in_step_gap: Callable[[Callable[[], Any]], Any]
+    _copy_in: Callable[[list, list, list | None], str]

@@ -11,6 +11,7 @@ a delta is a count, each chunk's compressed length (uint32 each), then the chunk
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import zlib
@@ -22,17 +23,17 @@ CHUNK = 16 * 2**20
 THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-def encode(base: bytes, new: bytes) -> bytes | None:
+def encode(base: bytes | bytearray | mmap.mmap, new: bytes | bytearray | mmap.mmap) -> bytes | None:
     """The delta from `base` to `new`, or None when their layouts differ (then only the full blob will do)."""
     if len(base) != len(new) or _header(base) != _header(new):
         return None
-    base, new = np.frombuffer(base, np.uint8), np.frombuffer(new, np.uint8)
+    old, cur = np.frombuffer(base, np.uint8), np.frombuffer(new, np.uint8)
 
     def chunk(start: int) -> bytes:
-        return zlib.compress(np.bitwise_xor(base[start:start + CHUNK], new[start:start + CHUNK]).data, 1)
+        return zlib.compress(np.bitwise_xor(old[start:start + CHUNK], cur[start:start + CHUNK]).data, 1)
 
     with ThreadPoolExecutor(THREADS) as pool:
-        chunks = list(pool.map(chunk, range(0, len(new), CHUNK)))
+        chunks = list(pool.map(chunk, range(0, len(cur), CHUNK)))
     return struct.pack(f"<I{len(chunks)}I", len(chunks), *map(len, chunks)) + b"".join(chunks)
 
 
@@ -60,6 +61,6 @@ def apply(base, delta) -> np.ndarray:
     return out
 
 
-def _header(blob: bytes) -> bytes:
+def _header(blob: bytes | bytearray | mmap.mmap) -> bytes | bytearray:
     (n,) = struct.unpack("<Q", blob[:8])
     return blob[:8 + n]

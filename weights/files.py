@@ -92,6 +92,7 @@ async def verify_file(path: str, ready: P.WeightsReady) -> str:
 
     size, got = await asyncio.to_thread(crc)
     want = ready.file
+    assert want is not None  # an announcement of a file transport (the receivers' accepts)
     if size != want.size or got != want.checksum:
         raise ChecksumMismatch(
             f"weights v{ready.version}: {path} has {size} bytes with crc32 {got:#x}, announced {want.size} bytes "
@@ -115,7 +116,7 @@ class FileSender(Sender):
         self.transports = {self.transport}  # set by weights.senders: the ones it serves
         self.serialize_ms = 0.0  # of the last announced blob
         self.sizes = (0, 0)  # of the last version: bytes of the blob, of its delta (0: none)
-        self._last: tuple[int, bytes] | None = None  # (version, blob): the base of the next delta
+        self._last: tuple[int, bytes | bytearray | mmap.mmap] | None = None  # (version, blob): the next delta's base
 
     def join(self, register: P.Register, ident: bytes, version: int) -> None:
         """The newest file version right after the Welcome, on the one route versions take; if the newest

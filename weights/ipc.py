@@ -102,7 +102,8 @@ class IpcSender(Sender):
         self.written = -1  # the version in the buffers
         self.files: set[str] = set()  # CUDA's files in /dev/shm made while exporting the buffers
         self.wait_ms = 0.0  # of the last version: waiting for generators to apply the one before
-        self._version, self._published_at, self._to, self._next = -1, 0.0, [], 0
+        self._version, self._published_at, self._next = -1, 0.0, 0
+        self._to: list[str] = []
 
     @staticmethod
     def available() -> bool:
@@ -242,12 +243,15 @@ class IpcReceiver(Receiver):
         return ready.ipc is not None
 
     async def apply(self, ready: P.WeightsReady, engine) -> float:
+        assert ready.ipc is not None  # accepts() took it
         check_handles(ready.ipc, ready.manifest)
         return await engine.swap(ready.version, "apply_ipc", ready.manifest, asdict(ready.ipc))
 
 
 class IpcWorker(Worker):
     """In each vLLM worker: a version copied out of the learner's shared buffers."""
+
+    _ipc: tuple[P.IpcHandles, list[torch.Tensor]]  # the learner's handles and their buffers, once opened
 
     def apply_ipc(self, manifest: list, ipc: dict) -> list:
         """Copy a version out of the learner's buffers, shared over CUDA IPC (weights/ipc.py), into the weights

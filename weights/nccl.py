@@ -21,6 +21,7 @@ import datetime
 import logging
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from pipeline import protocol as P
 from weights.base import Receiver, Sender, Worker
 from weights.plan import Packer, manifest
-from weights.staging import StagingClient, announce_key
+from weights.staging import StagingClient, StagingThread, announce_key
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 def make_group(store, rank: int, world: int, backend: str, timeout_s: float, device=None):
     """A process group on `store`, checked with one broadcast from rank 0 (NCCL creates its communicator
     lazily: without it a rank that never comes would only be noticed at the first real broadcast)."""
+    group: Any  # ProcessGroupNCCL or ProcessGroupGloo: torch's stubs give their common base no collectives
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s + 30)  # the watchdog fires after our own wait
@@ -76,7 +78,7 @@ def let_go(group, work, timeout_s: float) -> None:
 class Peer:
     def __init__(self, generator_id: str, store, world: int, loaded_version: int):
         self.generator_id, self.store, self.world, self.loaded_version = generator_id, store, world, loaded_version
-        self.group = None
+        self.group: Any = None  # its process group (make_group), from joining until dropped
         self.ready = False  # joined and holding the current version: new versions are broadcast to it
         self.failed = False
         self.closed = threading.Event()  # dropped: its rendezvous stops waiting, which frees the thread and store
@@ -315,6 +317,8 @@ class NcclReceiver(Receiver):
 
     async def start(self, engine, host: str, welcome: P.Welcome) -> None:
         info = welcome.collective
+        if info is None:
+            raise P.ProtocolError("Welcome: the nccl transport without its process group's setup (collective)")
         self.ask_staging, self.timeout_s = engine.staging, info.timeout_s
         await engine.rpc("init_collective", host, info.port, info.world_size, info.backend, info.timeout_s)
 
@@ -350,6 +354,8 @@ class NcclReceiver(Receiver):
 class CollectiveWorker(Worker):
     """In each vLLM worker: its end of the generator's process group with the learner, and each version received
     over it, staged (a StagingThread) or inside the swap."""
+
+    _receiver: StagingThread | None  # prepare_staging's, until drop_staging
 
     def init_collective(self, host: str, port: int, world: int, backend: str, timeout_s: float) -> int:
         """Join this generator's process group with the learner (rank 0); worker i is rank 1 + i."""
@@ -436,8 +442,9 @@ class CollectiveWorker(Worker):
 
         start = time.perf_counter()
         rec = self._receiver
+        assert rec is not None  # the receiver asks for the swap only once prepare_staging made it
         got, flats = rec.received or (None, None)
-        if got != version:
+        if got != version or flats is None:  # (flats is None only when got is)
             raise RuntimeError(f"nccl transport: weights v{version} to apply, but the receiver holds v{got}")
         rec.received = None
         try:

@@ -73,7 +73,8 @@ class Packer:
 
     def __init__(self, manifest: list, device, emit):
         self.plan, self.device, self.emit = buckets(manifest), device, emit
-        self.k, self.n, self.flat = 0, 0, None
+        self.k, self.n = 0, 0
+        self.flat: torch.Tensor | None = None  # the bucket being filled
 
     def add(self, t: torch.Tensor) -> None:
         idx, offs, size = self.plan[self.k]

@@ -47,14 +47,16 @@ class ShmReceiver(ZmqReceiver):
     def _link(self, ready: P.WeightsReady) -> str | None:
         """A name of the learner's file in this receiver's folder, or None if there is no such file (not written,
         removed already, or another /dev/shm than the learner's)."""
-        if not ready.file.shm_path:
+        file = ready.file
+        assert file is not None  # accepts() took it
+        if not file.shm_path:
             return None
         if not (self.dir / "owner").exists():
             private_dir(self.dir)
         link = self.dir / f"shm-v{ready.version}.safetensors"  # not weights-v*: the zmq pull's files
         link.unlink(missing_ok=True)
         try:
-            os.link(ready.file.shm_path, link)
+            os.link(file.shm_path, link)
         except OSError:
             return None
         return str(link)

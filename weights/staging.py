@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 
 def announce_key(i: int) -> str:
@@ -126,7 +127,7 @@ class StagingThread:
 
         import torch
 
-        flats = self.staging or ahead
+        flats = cast(list, self.staging or ahead)  # ahead: the buffers _fresh made, without staging ones
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             works = [self.group.broadcast(flat, 0) for flat in flats]
             for w in works:

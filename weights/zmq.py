@@ -32,7 +32,7 @@ class Blobs:
 
     def __init__(self, chunk_bytes: int):
         self.chunk_bytes = chunk_bytes
-        self.by_version: dict[int, bytes] = {}
+        self.by_version: dict[int, bytes | bytearray | mmap.mmap] = {}
         self.deltas: dict[int, bytes] = {}  # weights.delta: version -> the delta from the version before
         self.pulling: dict[str, int] = {}  # generator id -> the version it pulls (from its first chunk to `done`)
         self.newest = -1
@@ -71,7 +71,8 @@ class Blobs:
             self.pulling[generator_id] = msg.version
             self._trim()  # the version it pulled before, if any, is no longer kept for it
         end = min(len(blob), msg.offset + min(msg.length, self.chunk_bytes))
-        return P.WeightsChunk(msg.version, msg.offset, memoryview(blob)[max(0, msg.offset):end], len(blob))
+        data = memoryview(blob)[max(0, msg.offset):end]  # a view, not a copy: msgpack packs any buffer
+        return P.WeightsChunk(msg.version, msg.offset, data, len(blob))  # type: ignore[arg-type]
 
 
 class ZmqReceiver(Receiver):
@@ -96,27 +97,29 @@ class ZmqReceiver(Receiver):
         return await engine.swap(ready.version, "load_weights_blob", path, None)
 
     async def fetch(self, ready: P.WeightsReady) -> str:
+        file = ready.file
+        assert file is not None  # accepts() took it
         if not (self.dir / "owner").exists():
             private_dir(self.dir)
-        path = self.dir / f"weights-v{ready.version}.safetensors"
-        base = self.dir / f"weights-v{ready.file.delta_base}.safetensors"
-        if ready.file.delta_base < 0 or not base.exists():
+        target = self.dir / f"weights-v{ready.version}.safetensors"
+        base = self.dir / f"weights-v{file.delta_base}.safetensors"
+        if file.delta_base < 0 or not base.exists():
             self._remove_all_but(None)  # no delta to apply: the old files are not needed while the blob comes
         try:
-            if ready.file.delta_base < 0 or not base.exists():
+            if file.delta_base < 0 or not base.exists():
                 raise FileNotFoundError
             self.via = f"{self.name}-delta"
-            await self._fetch_delta(ready, base, path)
-            path = await verify_file(str(path), ready)
+            await self._fetch_delta(ready, base, target)
+            path = await verify_file(str(target), ready)
         except (FileNotFoundError, ChecksumMismatch, ValueError, P.ProtocolError):  # the full blob will do
             self.via = self.name
             try:
-                await self._pull(ready, path, False, ready.file.size,
-                                 os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+                await self._pull(ready, target, False, file.size,
+                                 os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
             except VersionGone:
-                path.unlink(missing_ok=True)  # a part of a blob: never the base of a delta
+                target.unlink(missing_ok=True)  # a part of a blob: never the base of a delta
                 raise
-            path = await verify_file(str(path), ready)
+            path = await verify_file(str(target), ready)
         self._remove_all_but(path)  # the engine has loaded the previous version; this one is the next base
         return path
 
@@ -129,14 +132,16 @@ class ZmqReceiver(Receiver):
         from weights.delta import apply
         from weights.plan import checksum
 
-        buf = bytearray(ready.file.delta_size)
+        file = ready.file
+        assert file is not None  # accepts() took it
+        buf = bytearray(file.delta_size)
         await self._pull(ready, path, True, len(buf), buf)
-        if checksum(buf) != ready.file.delta_checksum:
+        if checksum(buf) != file.delta_checksum:
             raise ChecksumMismatch(f"weights v{ready.version}: delta crc32 mismatch")
         blob = await asyncio.to_thread(lambda: apply(base.read_bytes(), buf))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(blob.data)
         self.fetched += len(buf)
 
     async def _pull(self, ready: P.WeightsReady, path, delta: bool, size: int, into) -> None:

@@ -24,14 +24,14 @@ def test_micro_batches_sized_from_free_memory_grow_after_the_first_step(model_ca
 
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "micro_batch_tokens": 0}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     before = {n: t.clone() for n, t in gathered_weights(engine, 0)}
-    first = train_step(engine, _groups(8), cfg, 0, PAD_ID)
-    assert first["learner/micro_batch_tokens"] == AUTO_FIRST_TOKENS and engine.bytes_per_token > 0
+    first = train_step(engine, extras, _groups(8), cfg, 0, PAD_ID)
+    assert first["learner/micro_batch_tokens"] == AUTO_FIRST_TOKENS and extras.bytes_per_token > 0
     assert first["learner/peak_gpu_gib"] > 0
     free = torch.cuda.mem_get_info()[0]
-    second = train_step(engine, _groups(8), cfg, 1, PAD_ID)
-    assert second["learner/micro_batch_tokens"] >= 0.5 * free / engine.bytes_per_token > AUTO_FIRST_TOKENS
+    second = train_step(engine, extras, _groups(8), cfg, 1, PAD_ID)
+    assert second["learner/micro_batch_tokens"] >= 0.5 * free / extras.bytes_per_token > AUTO_FIRST_TOKENS
     assert not first["skipped"] and not second["skipped"]
     assert any(not torch.equal(before[n], t) for n, t in gathered_weights(engine, 0))
 

@@ -55,14 +55,14 @@ def run(path: str, spec: dict, rank: int, world: int) -> None:
     from pipeline.tinymodel import PAD_ID, resolve_model_path
 
     cfg = config_from_dict(spec["config"])
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     stats = []
     for step in range(spec["steps"]):
         batch, knobs = (groups(8), runtime_values(cfg)) if rank == 0 else (None, {})
         if rank == 0 and "live_lr" in spec:
             cfg.trainer.lr = spec["live_lr"]
         batch, knobs, _ = broadcast_batch(batch, knobs, cfg, "", rank, world, engine.device)
-        stats.append(train_step(engine, batch, cfg, step, PAD_ID, knobs))
+        stats.append(train_step(engine, extras, batch, cfg, step, PAD_ID, knobs))
     weights = {name: t.detach().clone() for name, t in gathered_weights(engine, cfg.trainer.zero_stage)}
     torch.save({"weights": weights, "stats": stats}, path)
 

@@ -37,11 +37,11 @@ def _distinct_groups(n: int) -> list[P.RolloutGroup]:
     return out
 
 
-def _state(engine, stage: int) -> dict:
+def _state(engine, extras, stage: int) -> dict:
     weights = {name: t.detach().clone() for name, t in gathered_weights(engine, stage)}
     moments = {i: {k: v.detach().clone() for k, v in s.items() if torch.is_tensor(v)}
-               for i, s in enumerate(engine.finite_guard.optimizer.state.values())}
-    masters = getattr(engine.finite_guard.optimizer, "masters", [])  # MixedAdamW (ZeRO 0)
+               for i, s in enumerate(extras.guard.optimizer.state.values())}
+    masters = getattr(extras.guard.optimizer, "masters", [])  # MixedAdamW (ZeRO 0)
     moments["masters"] = {str(i): m.detach().clone() for i, m in enumerate(masters)}
     return {"weights": weights, "moments": moments}
 
@@ -56,15 +56,15 @@ def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage, dtype):
     init_distributed()
     cfg = config_from_dict({"model": {"dtype": dtype}, "trainer": {"zero_stage": stage, "batch_size": 4,
                                                                    "group_size": 2}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
-    assert not train_step(engine, _groups(4), cfg, 0, PAD_ID)["skipped"]  # a normal step: moments exist now
-    before = _state(engine, stage)
-    stats = train_step(engine, _groups(4, reward=math.nan), cfg, 1, PAD_ID)
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    assert not train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)["skipped"]  # a normal step: moments exist now
+    before = _state(engine, extras, stage)
+    stats = train_step(engine, extras, _groups(4, reward=math.nan), cfg, 1, PAD_ID)
     assert stats["skipped"] and not math.isfinite(stats["loss"])
-    assert _same(before, _state(engine, stage))  # weights and optimizer state exactly as before
-    stats = train_step(engine, _groups(4), cfg, 1, PAD_ID)  # and training goes on
+    assert _same(before, _state(engine, extras, stage))  # weights and optimizer state exactly as before
+    stats = train_step(engine, extras, _groups(4), cfg, 1, PAD_ID)  # and training goes on
     assert not stats["skipped"] and math.isfinite(stats["loss"])
-    after = _state(engine, stage)
+    after = _state(engine, extras, stage)
     assert not _same(before, after)
     assert all(torch.isfinite(t).all() for t in after["weights"].values())
 
@@ -78,8 +78,8 @@ def test_without_zero_a_bf16_model_steps_fp32_masters_clipped_by_the_guards_norm
     init_distributed()
     cfg = config_from_dict({"model": {"dtype": "bfloat16"},
                             "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "grad_clip": 0.01}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
-    opt = engine.finite_guard.optimizer
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    opt = extras.guard.optimizer
     assert engine.optimizer is opt and isinstance(opt, MixedAdamW)
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
     assert {b.dtype for n, b in engine.module.named_buffers() if "inv_freq" in n} == {torch.float32}
@@ -95,7 +95,7 @@ def test_without_zero_a_bf16_model_steps_fp32_masters_clipped_by_the_guards_norm
         return step(self, closure)
 
     monkeypatch.setattr(MixedAdamW, "step", spy)
-    stats = train_step(engine, _distinct_groups(4), cfg, 0, PAD_ID)
+    stats = train_step(engine, extras, _distinct_groups(4), cfg, 0, PAD_ID)
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in seen["grads"]]))
     assert float(seen["norm"]) == pytest.approx(float(norm), rel=1e-5) and stats["grad_norm"] == pytest.approx(
         float(norm), rel=1e-5)
@@ -117,24 +117,24 @@ def test_a_checkpoint_restores_the_fp32_masters(model_cache, tmp_path):
     init_distributed()
     cfg = config_from_dict({"model": {"dtype": "bfloat16"}, "trainer": {"batch_size": 4, "group_size": 2,
                                                                         "lr": 1e-4}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
-    train_step(engine, _distinct_groups(4), cfg, 0, PAD_ID)
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    train_step(engine, extras, _distinct_groups(4), cfg, 0, PAD_ID)
     checkpoint.save(engine, tmp_path, 1, {}, rank=0)
-    resumed = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    resumed, resumed_extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     assert checkpoint.load(resumed, tmp_path)[0] == 1
-    assert _same(_state(engine, 0), _state(resumed, 0))
-    for e in (engine, resumed):
-        train_step(e, _distinct_groups(4), cfg, 1, PAD_ID)
-    assert _same(_state(engine, 0), _state(resumed, 0))
+    assert _same(_state(engine, extras, 0), _state(resumed, resumed_extras, 0))
+    for e, x in ((engine, extras), (resumed, resumed_extras)):
+        train_step(e, x, _distinct_groups(4), cfg, 1, PAD_ID)
+    assert _same(_state(engine, extras, 0), _state(resumed, resumed_extras, 0))
     # a checkpoint of the DeepSpeed wrapper that ran this step before (its state_dict's layout) resumes too
     state = engine.optimizer.state_dict()
     masters = state.pop("masters")
     older = {"cur_scale": 1.0, "optimizer_state_dict": state, "fp32_groups": [masters]}
-    again = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    again, again_extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     again.optimizer.load_state_dict(older)
     assert all(torch.equal(a, b) for a, b in zip(again.optimizer.masters, engine.optimizer.masters, strict=True))
-    assert _same({"weights": {}, "moments": _state(engine, 0)["moments"]},
-                 {"weights": {}, "moments": _state(again, 0)["moments"]})
+    assert _same({"weights": {}, "moments": _state(engine, extras, 0)["moments"]},
+                 {"weights": {}, "moments": _state(again, again_extras, 0)["moments"]})
 
 
 def test_compiled_layers_train_as_the_eager_model_does(model_cache):
@@ -144,11 +144,11 @@ def test_compiled_layers_train_as_the_eager_model_does(model_cache):
     out = {}
     for compiled in (False, True):
         cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "compile": compiled}})
-        engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
-        start = _state(engine, 0)["weights"]
-        stats = train_step(engine, _distinct_groups(4), cfg, 0, PAD_ID)
+        engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+        start = _state(engine, extras, 0)["weights"]
+        stats = train_step(engine, extras, _distinct_groups(4), cfg, 0, PAD_ID)
         layers = [m for m in engine.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-        out[compiled] = (stats["loss"], stats["grad_norm"]), _state(engine, 0)["weights"], len(layers)
+        out[compiled] = (stats["loss"], stats["grad_norm"]), _state(engine, extras, 0)["weights"], len(layers)
     assert out[False][2] == 0 and out[True][2] == engine.module.config.num_hidden_layers
     (eager_loss, eager, _), (loss, weights, _) = out[False], out[True]
     assert list(weights) == list(eager)
@@ -165,24 +165,24 @@ def test_several_minibatches_measure_each_update_against_the_proximal_policy(mod
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01,
                                         "micro_batch_tokens": 0}})  # 0: sized from GPU memory; on CPU the default
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
-    one = train_step(engine, _groups(8), cfg, 0, PAD_ID)
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    one = train_step(engine, extras, _groups(8), cfg, 0, PAD_ID)
     assert one["updates"] == 1 and one["correction/clip_frac"] == 0 and one["learner/micro_batch_tokens"] == 8192
     cfg.trainer.minibatches = 4
-    four = train_step(engine, _groups(8), cfg, 1, PAD_ID)
+    four = train_step(engine, extras, _groups(8), cfg, 1, PAD_ID)
     assert four["updates"] == 4 and four["correction/clip_frac"] > 0.05
     cfg.trainer.lr = 0.0
-    still = train_step(engine, _groups(8), cfg, 2, PAD_ID)
+    still = train_step(engine, extras, _groups(8), cfg, 2, PAD_ID)
     assert still["updates"] == 4 and still["correction/clip_frac"] == 0
 
 
 def test_the_kl_penalty_measures_the_distance_to_the_frozen_initial_model(model_cache):
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "kl_coef": 0.1}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
-    first = train_step(engine, _groups(4), cfg, 0, PAD_ID)
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    first = train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)
     assert first["kl/reference"] < 1e-6  # the weights are still the initial ones
-    later = [train_step(engine, _groups(4), cfg, step, PAD_ID)["kl/reference"] for step in (1, 2)]
+    later = [train_step(engine, extras, _groups(4), cfg, step, PAD_ID)["kl/reference"] for step in (1, 2)]
     assert later[-1] > 1e-4
 
 
@@ -195,7 +195,7 @@ def test_completion_logprobs_match_the_log_softmax_of_the_whole_logits(model_cac
 
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     groups = _groups(2)
     groups[1].prompt_ids = P.pack_ints([4, 5, 3, 6, 7, 8])
     batch = collate(build_rows(groups, 0, True)[0], PAD_ID, engine.device)
@@ -215,14 +215,14 @@ def test_running_out_of_gpu_memory_names_the_micro_batch_budget(model_cache, mon
 
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 512}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
 
     def oom(model, batch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 11.56 GiB")
 
     monkeypatch.setattr(learner.step, "forward_logprobs", oom)
     with pytest.raises(torch.OutOfMemoryError, match=r"up to 512 tokens \(trainer.micro_batch_tokens=512\): lower it"):
-        train_step(engine, _groups(4), cfg, 0, PAD_ID)
+        train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)
 
 
 def test_the_steps_health_costs_grow_with_the_lags_present_not_with_k(model_cache, monkeypatch):
@@ -241,9 +241,9 @@ def test_the_steps_health_costs_grow_with_the_lags_present_not_with_k(model_cach
     monkeypatch.setattr(learner.step, "StepHealth", Spy)
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 10**6}})
-    engine = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     groups = _distinct_groups(4)
     for s in groups[0].samples:
         s.first_version = s.last_version = 2
-    stats = train_step(engine, groups, cfg, 2, PAD_ID)
+    stats = train_step(engine, extras, groups, cfg, 2, PAD_ID)
     assert sizes == [2] and {"mismatch/kl_lag0", "mismatch/kl_lag2"} <= set(stats)

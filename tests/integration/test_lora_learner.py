@@ -38,13 +38,13 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     cfg = config_from_dict({"model": {"lora": {"r": 4, "alpha": 8}, "quantization": quantization}, "trainer": {
         "zero_stage": stage, "batch_size": 4, "group_size": 2, "lr": 0.01, "kl_coef": 0.1}})
     path = resolve_model_path("builtin:tiny")
-    engine = build_engine(cfg, path)
+    engine, extras = build_engine(cfg, path)
     base0, adapter0 = _split(engine)
     assert all(".lora_" in n for n in adapter0) and len(adapter0) == 2 * 7 * 2
     integers = [n for n, p in base0.items() if not p.is_floating_point()]  # bitsandbytes' packed weights
     assert len(integers) == (0 if quantization is None else 2 * 7)
     for step in range(2):
-        stats = train_step(engine, _distinct_groups(4), cfg, step, PAD_ID)
+        stats = train_step(engine, extras, _distinct_groups(4), cfg, step, PAD_ID)
         assert not stats["skipped"]
     base1, adapter1 = _split(engine)
     assert all(torch.equal(base0[n], base1[n]) for n in base0)  # bit-identical
@@ -57,7 +57,7 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     saved = states["module"]
     assert saved and all(".lora_" in n for n in saved)  # the adapter alone, not the base
 
-    fresh = build_engine(cfg, path)
+    fresh, fresh_extras = build_engine(cfg, path)
     assert any(not torch.equal(adapter1[n], p) for n, p in fresh.module.named_parameters() if n in adapter1)
     version, _ = checkpoint.load(fresh, tmp_path, kind)
     assert version == 2
@@ -65,13 +65,13 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     assert all(torch.equal(adapter1[n], adapter2[n]) for n in adapter1)
     assert all(torch.equal(base0[n], base2[n]) for n in base0)
     # the optimizer state came back too: the next step of both is the same
-    a = train_step(engine, _distinct_groups(4), cfg, 2, PAD_ID)
-    b = train_step(fresh, _distinct_groups(4), cfg, 2, PAD_ID)
+    a = train_step(engine, extras, _distinct_groups(4), cfg, 2, PAD_ID)
+    b = train_step(fresh, fresh_extras, _distinct_groups(4), cfg, 2, PAD_ID)
     assert a["loss"] == pytest.approx(b["loss"]) and a["grad_norm"] == pytest.approx(b["grad_norm"])
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(AdapterVersion(engine.module).named(),
                                                             AdapterVersion(fresh.module).named(), strict=True))
 
-    full = build_engine(config_from_dict({"trainer": {"zero_stage": stage}}), path)
+    full, _ = build_engine(config_from_dict({"trainer": {"zero_stage": stage}}), path)
     with pytest.raises(checkpoint.CheckpointError, match="holds a LoRA adapter"):
         checkpoint.load(full, tmp_path, "full")
     if quantization is not None:  # trained on the quantized base: a LoRA run on the plain base is another run
@@ -84,4 +84,4 @@ def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_
     dropped = sorted(saved)[0]
     torch.save({**states, "module": {k: v for k, v in saved.items() if k != dropped}}, states_file)
     with pytest.raises(checkpoint.CheckpointError, match=r"1 missing, e\.g\. \['" + dropped.replace(".", r"\.")):
-        checkpoint.load(build_engine(cfg, path), tmp_path, kind)
+        checkpoint.load(build_engine(cfg, path)[0], tmp_path, kind)
