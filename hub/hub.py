@@ -49,6 +49,7 @@ from pipeline import protocol as P
 from pipeline import runspec
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
+from weights.base import Announcer
 
 if TYPE_CHECKING:
     import mmap
@@ -105,7 +106,8 @@ class Hub:
         self.evaluation.start(version)
         self.auth = ServerAuth.load(cfg.auth.keys)
         self.server = Server(cfg.hub.host, cfg.hub.port, self.auth, limits, self, self.counters)
-        self.weights = WeightServing(cfg, self, run_id, version)  # builds the weight senders (weights/__init__.py)
+        announcer: Announcer = self  # what the weight senders may ask of it (the type checker holds it to that)
+        self.weights = WeightServing(cfg, self, run_id, version, announcer)  # builds the senders (weights/__init__.py)
         self.journal = Journal(run_dir, cfg.hub.journal_kib_per_minute, self.counters)
         self.faults = Faults(cfg, self.ledger, self.registry, self.journal, self.counters, self.failed)
         self.desk = LeaseDesk(cfg, self.ledger, self.registry, self.evaluation, self.prompts, self.faults, self.journal,
@@ -525,6 +527,12 @@ class Hub:
         with self.lock:
             self.weights.announce(ready, blob, to, delta, transports)
         self.server.wake()
+
+    def push(self, ident: bytes, ready: P.WeightsReady) -> None:
+        self.server.push(ident, P.encode(ready))
+
+    def last_file_version(self) -> P.WeightsReady | None:
+        return self.weights.last_ready
 
     def drop(self, generator_id: str, reason: str) -> None:
         """Forget a generator (any thread; e.g. a weight sender gave up on it): its prompts are leased again, and its

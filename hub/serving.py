@@ -15,18 +15,19 @@ from pipeline import protocol as P
 from pipeline.config import env_flag
 from pipeline.host import host_identity
 from weights import pick, senders
+from weights.base import Announcer
 from weights.zmq import Blobs
 
 CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (the generator keeps 4 in flight)
 
 
 class WeightServing:
-    def __init__(self, cfg, hub, run_id: str, version: int):
+    def __init__(self, cfg, hub, run_id: str, version: int, announcer: Announcer):
         self.cfg, self.registry, self.server, self.run_id = cfg, hub.registry, hub.server, run_id
         self.newest = version  # announced: a rollout may already come from it
         self.last_ready: P.WeightsReady | None = None  # the newest file version
         self.blobs = Blobs(cfg.weights.chunk_mb * 2**20)
-        self.senders = senders(cfg, hub, run_id)  # by transport (weights/__init__.py); the publisher drives them
+        self.senders = senders(cfg, announcer, run_id)  # by transport (weights/__init__.py); the publisher drives them
         self._host = host_identity()[1]  # boot id, network namespace, /dev/shm: which generators share a host
 
     def join(self, msg: P.Register, ident: bytes, version: int) -> tuple[str, P.CollectiveSetup | None]:

@@ -35,7 +35,7 @@ def _load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def senders(cfg, hub, run_id: str) -> dict:
+def senders(cfg, announcer, run_id: str) -> dict:
     """The learner's senders by transport: the configured one's, or with `auto` every one available here."""
     names = list(TRANSPORTS) if cfg.weights.transport == "auto" else [cfg.weights.transport]
     made, out = {}, {}
@@ -44,7 +44,7 @@ def senders(cfg, hub, run_id: str) -> dict:
         if cfg.weights.transport == "auto" and not cls.available():
             continue
         if cls not in made:
-            made[cls] = cls(cfg, hub, run_id)
+            made[cls] = cls(cfg, announcer, run_id)
             made[cls].transports = set()
         out[name] = made[cls]
         out[name].transports.add(name)

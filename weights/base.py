@@ -1,8 +1,8 @@
 """The three parts of a weight transport, and what each does by default (nothing): a transport overrides only what
 it uses. pipeline/transports.py names each transport's three; weights/__init__.py builds them.
 
-Sender: the learner's side (learner/publisher.py drives it; rank 0 only). Built with the run's config, the hub
-(hub/serving.py: the transports' side of registration, announcements and zmq pulls) and the run id.
+Sender: the learner's side (learner/publisher.py drives it; rank 0 only). Built with the run's config, an
+`Announcer` (what it may ask of the hub: the hub is one) and the run id.
 Receiver: the generator's side (generator/service.py drives it), one per registration: it meets the learner at
 `start`, takes each version the hub announces (`apply`) into the engine through the engine's one swap method,
 `engine.swap(version, method, args)`, which calls `method` of every vLLM worker between two engine steps (and
@@ -15,10 +15,36 @@ steps, `_copy_in(manifest, named, buffers)` loads through the recorded copy plan
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline import protocol as P
+
+
+class Announcer(Protocol):
+    """What a sender may ask of the hub (hub/hub.py's Hub is one; the senders get it in place of the hub). Called on
+    the hub's thread under its lock (join, leave, on_applied) or on the learner's (the rest)."""
+
+    def announce(self, ready: P.WeightsReady, blob: bytes | bytearray | mmap.mmap | None, to: list[str] | None = None,
+                 delta: bytes | None = None, transports: set[str] | None = None) -> None:
+        """Push `ready` to the generators it concerns (`to`, or for a file version every one of `transports`), and
+        serve `blob` (and its `delta`) for zmq pulls."""
+
+    def push(self, ident: bytes, ready: P.WeightsReady) -> None:
+        """Push `ready` to the one generator on connection `ident` (a version right after its Welcome)."""
+
+    def last_file_version(self) -> P.WeightsReady | None:
+        """The newest file version announced."""
+
+    def drop(self, generator_id: str, reason: str) -> None:
+        """Drop a generator: its leases are re-queued, its next request tells it to register again."""
+
+    def wants_blobs(self, transports: set[str]) -> bool:
+        """Some generator of `transports` is registered, or none at all (the next one may be)."""
+
+    def uses_transport(self, name: str) -> bool:
+        """Some registered generator uses transport `name`."""
 
 
 class Sender:
@@ -26,8 +52,8 @@ class Sender:
     latest = None  # set by the publisher: latest(fn, background=False) calls fn(version, named) with the newest
     # version's CPU copy (late joiners)
 
-    def __init__(self, cfg, hub, run_id: str):
-        self.hub, self.run_id = hub, run_id
+    def __init__(self, cfg, announcer: Announcer, run_id: str):
+        self.announcer, self.run_id = announcer, run_id
 
     @staticmethod
     def available() -> bool:

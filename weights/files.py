@@ -19,7 +19,7 @@ from pipeline import host
 from pipeline import protocol as P
 from pipeline.host import private_dir, remove_dir, write_private
 from weights import delta
-from weights.base import Sender, Worker
+from weights.base import Announcer, Sender, Worker
 
 
 def shm_dir(run_id: str) -> Path:
@@ -110,8 +110,8 @@ class FileSender(Sender):
 
     device = None  # packs wherever the learner does
 
-    def __init__(self, cfg, hub, run_id: str):
-        super().__init__(cfg, hub, run_id)
+    def __init__(self, cfg, announcer: Announcer, run_id: str):
+        super().__init__(cfg, announcer, run_id)
         self.transport, self.delta = cfg.weights.transport, cfg.weights.delta
         self.transports = {self.transport}  # set by weights.senders: the ones it serves
         self.serialize_ms = 0.0  # of the last announced blob
@@ -121,20 +121,20 @@ class FileSender(Sender):
     def join(self, register: P.Register, ident: bytes, version: int) -> None:
         """The newest file version right after the Welcome, on the one route versions take; if the newest
         version has no blob (none yet, or it went by broadcast only), one is made in the background."""
-        last = self.hub.weights.last_ready
+        last = self.announcer.last_file_version()
         if last is not None:
-            self.hub.server.push(ident, P.encode(last))
+            self.announcer.push(ident, last)
         if self.latest is not None and (last is None or last.version < version):
             self.latest(self._send_newest, background=True)
 
     def wanted(self) -> bool:
-        return self.hub.wants_blobs(self.transports)
+        return self.announcer.wants_blobs(self.transports)
 
     def send(self, version: int, named, published_at: float) -> None:
         from weights.plan import checksum, serialize
 
         start = time.perf_counter()
-        if self.transport == "shm" or self.hub.uses_transport("shm"):
+        if self.transport == "shm" or self.announcer.uses_transport("shm"):
             shm_path, blob = serialize_to_shm(self.run_id, version, named)
         else:
             shm_path, blob = "", serialize(named)
@@ -144,12 +144,13 @@ class FileSender(Sender):
             if diff is not None:
                 file.delta_base, file.delta_size, file.delta_checksum = version - 1, len(diff), checksum(diff)
         self._last = (version, blob) if self.delta else None
-        self.hub.announce(P.WeightsReady(version, published_at, file), blob, delta=diff, transports=self.transports)
+        self.announcer.announce(P.WeightsReady(version, published_at, file), blob, delta=diff,
+                                transports=self.transports)
         self.sizes = (len(blob), len(diff) if diff is not None else 0)
         self.serialize_ms = (time.perf_counter() - start) * 1000
 
     def _send_newest(self, version: int, named) -> None:
-        last = self.hub.weights.last_ready
+        last = self.announcer.last_file_version()
         if last is None or last.version < version:
             self.send(version, named, 0.0)
 

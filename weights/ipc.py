@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from pipeline import protocol as P
-from weights.base import Receiver, Sender, Worker
+from weights.base import Announcer, Receiver, Sender, Worker
 from weights.plan import Packer, buckets, manifest
 
 log = logging.getLogger(__name__)
@@ -83,11 +83,11 @@ class IpcSender(Sender):
     """The learner's side: one set of shared buckets on its GPU, written when every generator of this transport
     has applied the version before, then announced with their handles."""
 
-    def __init__(self, cfg, hub, run_id: str):
+    def __init__(self, cfg, announcer: Announcer, run_id: str):
         if not torch.cuda.is_available():
             raise ValueError("weights.transport ipc: the learner has no CUDA device to share its buffers from "
                              "(use auto, shm or zmq)")
-        super().__init__(cfg, hub, run_id)
+        super().__init__(cfg, announcer, run_id)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = cfg.weights.collective_timeout_s
         self.changed = threading.Condition()
@@ -202,7 +202,7 @@ class IpcSender(Sender):
         for g in late:
             why = f"ipc transport: did not apply weights v{self.written} within {self.timeout_s:.0f} s"
             log.warning("%s %s; dropped (it registers again, with another transport)", g, why)
-            self.hub.drop(g, why)
+            self.announcer.drop(g, why)
         self.wait_ms = (time.perf_counter() - start) * 1000
         return to
 
@@ -229,7 +229,7 @@ class IpcSender(Sender):
     def _announce(self, version: int, published_at: float, to: list[str]) -> None:
         torch.cuda.current_stream(self.device).synchronize()  # the copies are in before any generator reads
         self.written = version
-        self.hub.announce(P.WeightsReady(version, published_at, manifest=self.plan, ipc=self.ipc), None, to=to)
+        self.announcer.announce(P.WeightsReady(version, published_at, manifest=self.plan, ipc=self.ipc), None, to=to)
 
 
 class IpcReceiver(Receiver):

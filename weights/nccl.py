@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import protocol as P
-from weights.base import Receiver, Sender, Worker
+from weights.base import Announcer, Receiver, Sender, Worker
 from weights.plan import Packer, manifest
 from weights.staging import StagingClient, StagingThread, announce_key
 
@@ -95,8 +95,8 @@ class NcclSender(Sender):
     """The learner's side: a process group per generator, each version broadcast bucket by bucket while it is
     gathered, to the generators that joined before it started; a joiner gets the newest CPU copy."""
 
-    def __init__(self, cfg, hub, run_id: str):
-        super().__init__(cfg, hub, run_id)
+    def __init__(self, cfg, announcer: Announcer, run_id: str):
+        super().__init__(cfg, announcer, run_id)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         self.host, self.timeout_s = cfg.hub.host, cfg.weights.collective_timeout_s
@@ -114,7 +114,7 @@ class NcclSender(Sender):
         return torch.cuda.is_available()
 
     def join(self, register: P.Register, ident: bytes, version: int) -> P.CollectiveSetup:
-        loaded = register.loaded_version if register.loaded_run == self.hub.run_id else -1  # another run's: resend
+        loaded = register.loaded_version if register.loaded_run == self.run_id else -1  # another run's: resend
         # the current version comes by broadcast once the group is joined
         return P.CollectiveSetup(**self.open(register.generator_id, 1 + register.tensor_parallel, loaded))
 
@@ -138,7 +138,7 @@ class NcclSender(Sender):
                     self._fail(peer, f"could not be announced v{version} ({e})")
             self._sending = self.ready()
             if self._sending:
-                self.hub.announce(P.WeightsReady(version, published_at, manifest=plan), None,
+                self.announcer.announce(P.WeightsReady(version, published_at, manifest=plan), None,
                                   to=[p.generator_id for p in self._sending])
         except BaseException:
             self.join_lock.release()
@@ -172,7 +172,7 @@ class NcclSender(Sender):
                 return
             plan = manifest(named)
             peer.announce(version)
-            self.hub.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
+            self.announcer.announce(P.WeightsReady(version, manifest=plan), None, to=[peer.generator_id])
             Packer(plan, self.device or "cpu", lambda flat, idx, offs: self.broadcast([peer], flat)).pack(
                 t for _, t in named)
 

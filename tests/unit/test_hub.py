@@ -262,7 +262,8 @@ class FakeNccl(NcclSender):
     """weights.nccl.NcclSender as the hub drives it, without process groups."""
 
     def __init__(self, hub):
-        self.hub, self.lock, self.peers, self.failed, self.transports = hub, threading.Lock(), {}, set(), {"nccl"}
+        self.announcer, self.run_id = hub, hub.run_id
+        self.lock, self.peers, self.failed, self.transports = threading.Lock(), {}, set(), {"nccl"}
         self.opened, self.closed, self.letting_go = [], [], []
 
     def open(self, generator_id, world, loaded_version=-1):

@@ -69,7 +69,7 @@ def test_a_version_is_written_only_once_every_generator_applied_the_one_before(s
     sender.join(_register("a"), b"", 0)
     sender.join(_register("b"), b"", 0)
     sent = _publish(sender, 1)
-    ready, to = sender.hub.announced[-1]
+    ready, to = sender.announcer.announced[-1]
     assert (ready.version, sorted(to)) == (1, ["a", "b"])
     assert ready.ipc.uuid == "GPU-learner" and len(ready.ipc.buffers) == len(buckets(ready.manifest))
     for name, t in _held(sender).items():
@@ -83,7 +83,7 @@ def test_a_version_is_written_only_once_every_generator_applied_the_one_before(s
     assert torch.equal(_held(sender)["norm"], sent["norm"])
     sender.on_applied("b", 1)
     writing.join(5)
-    assert not writing.is_alive() and sender.hub.announced[-1][0].version == 2
+    assert not writing.is_alive() and sender.announcer.announced[-1][0].version == 2
     assert torch.equal(_held(sender)["norm"], _weights(2)["norm"])
 
 
@@ -94,9 +94,10 @@ def test_a_generator_that_does_not_apply_within_the_timeout_is_dropped(sender) -
     sender.on_applied("a", 1)
     sender.timeout_s = 0.2
     _publish(sender, 2)  # b never applied v1: dropped, a gets v2
-    assert sender.hub.announced[-1][1] == ["a"]
+    assert sender.announcer.announced[-1][1] == ["a"]
     assert "b" in sender.failed and "a" not in sender.failed
-    assert sender.hub.dropped == [("b", "ipc transport: did not apply weights v1 within 0 s")]  # it registers again
+    # it registers again
+    assert sender.announcer.dropped == [("b", "ipc transport: did not apply weights v1 within 0 s")]
     sender.leave("a", again=True)  # it applied versions: it may have ipc again
     sender.join(_register("c"), b"", 0)
     sender.leave("c", again=True)  # re-registers before applying anything (its workers could not open them)

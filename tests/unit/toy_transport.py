@@ -22,7 +22,7 @@ class ShelfSender(Sender):
         self.generators[register.generator_id] = ident
         if SHELF:  # the newest version right after the Welcome (hub thread, lock held: pushed, not announced)
             newest = max(SHELF)
-            self.hub.server.push(ident, P.encode(P.WeightsReady(newest, manifest=manifest(SHELF[newest]))))
+            self.announcer.push(ident, P.WeightsReady(newest, manifest=manifest(SHELF[newest])))
 
     def leave(self, generator_id: str, again: bool = False) -> None:
         self.generators.pop(generator_id, None)
@@ -32,7 +32,7 @@ class ShelfSender(Sender):
 
     def send(self, version: int, named, published_at: float) -> None:
         SHELF[version] = list(named)
-        self.hub.announce(P.WeightsReady(version, published_at, manifest=manifest(SHELF[version])), None,
+        self.announcer.announce(P.WeightsReady(version, published_at, manifest=manifest(SHELF[version])), None,
                           to=list(self.generators))
 
 
