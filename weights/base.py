@@ -47,6 +47,21 @@ class Announcer(Protocol):
         """Some registered generator uses transport `name`."""
 
 
+class Engine(Protocol):
+    """What a receiver may ask of the generator's engine (generator/engine.py's Engine is one)."""
+
+    staging: bool  # weights.staging: nccl receives each version into buffers of its own where there is room
+    last_swap_ms: dict[str, float]  # of the last swap, by phase; a receiver may add its own ("receive")
+
+    async def swap(self, version: int, method: str, *args) -> float:
+        """Swap in `version` through every worker's `method` between two engine steps; milliseconds stopped."""
+        ...
+
+    async def rpc(self, method: str, *args) -> list:
+        """Call every worker's `method` outside a swap; their results."""
+        ...
+
+
 class Sender:
     transports: set[str]  # set by weights.senders: the transports this object serves
     latest = None  # set by the publisher: latest(fn, background=False) calls fn(version, named) with the newest
@@ -108,10 +123,10 @@ class Receiver:
         """An announcement of this transport's kind."""
         return False
 
-    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
+    async def start(self, engine: Engine, host: str, welcome: P.Welcome) -> None:
         """Meet the learner once registered (`host`: the hub's)."""
 
-    async def apply(self, ready: P.WeightsReady, engine) -> float:
+    async def apply(self, ready: P.WeightsReady, engine: Engine) -> float:
         """Take version `ready.version` into the engine; milliseconds the engine stopped generating. Raising
         weights.VersionGone skips the version (a newer one is, or will be, announced); any other error makes the
         generator register again."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from pipeline import protocol as P
-from weights.base import Announcer, Receiver, Sender, Worker
+from weights.base import Announcer, Engine, Receiver, Sender, Worker
 from weights.plan import Packer, buckets, manifest
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class IpcReceiver(Receiver):
     def accepts(self, ready: P.WeightsReady) -> bool:
         return ready.ipc is not None
 
-    async def apply(self, ready: P.WeightsReady, engine) -> float:
+    async def apply(self, ready: P.WeightsReady, engine: Engine) -> float:
         assert ready.ipc is not None  # accepts() took it
         check_handles(ready.ipc, ready.manifest)
         return await engine.swap(ready.version, "apply_ipc", ready.manifest, asdict(ready.ipc))

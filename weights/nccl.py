@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import protocol as P
-from weights.base import Announcer, Receiver, Sender, Worker
+from weights.base import Announcer, Engine, Receiver, Sender, Worker
 from weights.plan import Packer, manifest
 from weights.staging import StagingClient, StagingThread, announce_key
 
@@ -315,14 +315,14 @@ class NcclReceiver(Receiver):
     def accepts(self, ready: P.WeightsReady) -> bool:
         return bool(ready.manifest) and ready.ipc is None
 
-    async def start(self, engine, host: str, welcome: P.Welcome) -> None:
+    async def start(self, engine: Engine, host: str, welcome: P.Welcome) -> None:
         info = welcome.collective
         if info is None:
             raise P.ProtocolError("Welcome: the nccl transport without its process group's setup (collective)")
         self.ask_staging, self.timeout_s = engine.staging, info.timeout_s
         await engine.rpc("init_collective", host, info.port, info.world_size, info.backend, info.timeout_s)
 
-    async def apply(self, ready: P.WeightsReady, engine) -> float:
+    async def apply(self, ready: P.WeightsReady, engine: Engine) -> float:
         from weights.plan import buckets
 
         version, plan = ready.version, ready.manifest

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline import protocol as P
 from pipeline.host import private_dir
+from weights.base import Engine
 from weights.files import verify_file
 from weights.zmq import ZmqReceiver
 
@@ -24,7 +25,7 @@ from weights.zmq import ZmqReceiver
 class ShmReceiver(ZmqReceiver):
     name = "shm"
 
-    async def apply(self, ready: P.WeightsReady, engine) -> float:
+    async def apply(self, ready: P.WeightsReady, engine: Engine) -> float:
         path = await self.fetch(ready)
         try:
             return await engine.swap(ready.version, "load_weights_blob", path, None)

@@ -16,7 +16,7 @@ import os
 from pipeline import protocol as P
 from pipeline.host import private_dir, receiver_dir
 from weights import VersionGone
-from weights.base import Receiver
+from weights.base import Engine, Receiver
 from weights.files import ChecksumMismatch, verify_file
 
 KEEP = 2  # the newest versions always served
@@ -91,7 +91,7 @@ class ZmqReceiver(Receiver):
     def accepts(self, ready: P.WeightsReady) -> bool:
         return ready.file is not None
 
-    async def apply(self, ready: P.WeightsReady, engine) -> float:
+    async def apply(self, ready: P.WeightsReady, engine: Engine) -> float:
         """Fetch and verify the version, then load it; returns milliseconds the engine stopped generating."""
         path = await self.fetch(ready)
         return await engine.swap(ready.version, "load_weights_blob", path, None)

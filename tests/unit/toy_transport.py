@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from pipeline import protocol as P
-from weights.base import Receiver, Sender, Worker
+from weights.base import Engine, Receiver, Sender, Worker
 from weights.plan import manifest
 
 SHELF: dict[int, list] = {}  # version: its (name, tensor) pairs
@@ -43,7 +43,7 @@ class ShelfReceiver(Receiver):
     def accepts(self, ready: P.WeightsReady) -> bool:
         return bool(ready.manifest) and ready.ipc is None
 
-    async def apply(self, ready: P.WeightsReady, engine) -> float:
+    async def apply(self, ready: P.WeightsReady, engine: Engine) -> float:
         return await engine.swap(ready.version, "load_from_shelf", ready.version)
 
 
