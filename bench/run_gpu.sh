@@ -89,6 +89,9 @@ ARITH="--task arith --model builtin:smollm2 --gpus --gpus-per-run 1 --gpu-memory
 ARITH="$ARITH --stagger ${STAGGER:-20}"
 ARITH="$ARITH --minibatches ${MINIBATCHES:-1}"  # at 1, tis and decoupled are one objective (learner/loss.py)
 MB=${MINIBATCHES:+_mb$MINIBATCHES}  # in the arith results' names
+machine() {  # the machine in a result's name, as bench/common.py's result_name writes it (h100x1, h200x4)
+  python3 -c "from bench.common import machine_key; print(machine_key())"
+}
 pack() {  # logs and run records (no weights, checkpoints or datasets) of the part into one small archive
   (cd /tmp && find bench-logs bench-runs -type f \( -name '*.log' -o -name '*.json' -o -name 'metrics.jsonl' \
      -o -name 'events.jsonl' -o -name 'eval.jsonl' -o -name '*.yaml' \) -size -4M 2>/dev/null \
@@ -147,7 +150,7 @@ run_part() {
     step learning_curves_0.5b 560 python3 -m bench.learning_curves --model 0.5b --warm-target 0.4 --ks 0,2 \
       --losses decoupled --seeds 1 --first-seed "${SEED:-0}" --steps 100 --lr 1e-5 --eval-every 0 --threshold 0.45 \
       --gpus --gpus-per-run 1 --gpu-memory 0.08 --parallel 2 --stagger 5 --timeout 500 \
-      --name "learning_curves_reverse_0.5b_lr1e-5_s${SEED:-0}"
+      --name "learning_curves_reverse_0.5b_lr1e-5_s${SEED:-0}_$(machine)"
     pack
     ;;
   learner)
@@ -161,7 +164,7 @@ run_part() {
     ;;
   arith-lr)  # the learning rate at which staleness costs the uncorrected loss something
     smollm2
-    tag=${MB}_${LOSS:-none}_calib
+    tag=${MB}_${LOSS:-none}_k08_$(machine)
     step learning_curves_arith_lr 560 bash -c 'for lr in '"${LRS:-1e-5 3e-5}"'; do python3 -m bench.learning_curves \
       '"$ARITH"' --ks 0,8 --losses '"${LOSS:-none}"' --seeds 1 --steps '"${STEPS:-80}"' --lr $lr --parallel 2 \
       --timeout 480 --name learning_curves_arith_smollm2_lr${lr}'"$tag"' & sleep 20; done; wait'
@@ -170,10 +173,10 @@ run_part() {
   learning-arith)
     smollm2
     ks=${KS:-0,1,2,4,8}
+    name=learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_${LOSS:-none}_k${ks//,/}_s${SEED:-0}${SEEDS:+n$SEEDS}
     step learning_curves_arith 560 python3 -m bench.learning_curves $ARITH --ks "$ks" \
       --losses "${LOSS:-none}" --seeds "${SEEDS:-1}" --first-seed "${SEED:-0}" --steps "${STEPS:-100}" --lr "${LR:-1e-5}" \
-      --parallel "${PARALLEL:-5}" --timeout 500 \
-      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_${LOSS:-none}_k${ks//,/}_s${SEED:-0}${SEEDS:+n$SEEDS}"
+      --parallel "${PARALLEL:-5}" --timeout 500 --name "${name}_$(machine)"
     pack
     ;;
   arith-alone)
@@ -181,7 +184,7 @@ run_part() {
     step learning_curves_arith_alone 560 python3 -m bench.learning_curves $ARITH --ks "${K:-0}" \
       --losses "${LOSS:-none}" --seeds 1 --first-seed "${SEED:-0}" --steps "${STEPS:-150}" --lr "${LR:-1e-5}" \
       --parallel 1 --timeout 500 \
-      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_alone_${LOSS:-none}_k${K:-0}_s${SEED:-0}"
+      --name "learning_curves_arith_smollm2_lr${LR:-1e-5}${MB}_alone_${LOSS:-none}_k${K:-0}_s${SEED:-0}_$(machine)"
     pack
     ;;
   vs-trl-arith)

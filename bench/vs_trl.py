@@ -11,10 +11,10 @@ samples per optimizer step, lr 1e-6, the parity reward.
                configs/gpu-single.yaml has it) at each k of --ks
 
 TRL's settings are its fastest for this workload (bench/trl_grpo.py says which). The result
-(vs_trl_0.5b_{1,2}gpu_MACHINE.json) holds both systems' figures and settings, and under `vs_trl` the ratio of
-our steps/min to TRL's at each k and at the best k, and TRL's step split into generation and training. The GPU
-memory peak is NVML's, every process on the GPU. One call of the GPU machine may be too short for TRL and every
-k: `--reuse-trl` reuses TRL's figures of an earlier run on the same machine.
+(vs_trl_0.5b_{1,2}gpu_KS_MACHINE.json, KS one kK for each k of --ks, e.g. k1k2) holds both systems' figures and
+settings, and under `vs_trl` the ratio of our steps/min to TRL's at each k and at the best k, and TRL's step split
+into generation and training. The GPU memory peak is NVML's, every process on the GPU. One call of the GPU machine
+may be too short for TRL and every k: `--reuse-trl` reuses TRL's figures of an earlier run on the same machine.
 
 TRL is not a dependency of the project: on a GPU host without a package index, bring trl 1.16.0, datasets
 4.8.5 and multiprocess 0.70.19 (py312) as wheels (see bench/README.md, part `vs-trl`).
@@ -99,7 +99,8 @@ def main() -> int:
               if o.get("steps_per_min") and trl.get("steps_per_min")}
     if ratios:
         ratios["best"] = max(ratios.values())
-    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu", _engines(args))
+    name = result_name("vs_trl", args.model_size, f"{args.gpus}gpu", _engines(args),
+                       "".join(f"k{k}" for k in sorted(set(ks))))  # two calls with other --ks keep their own files
     write_result(name, "python -m bench.vs_trl " + " ".join(sys.argv[1:]), f"random-weight Qwen2.5-{args.model_size} "
                  "shape, bf16", {"trl": trl, "ours": ours, "vs_trl": ratios}, workload=WORKLOAD)
     return 0 if ratios else 1
