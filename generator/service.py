@@ -202,7 +202,7 @@ class Generator:
                 raise NotRegistered(f"the run's spec refused: {why}")
             welcome = await self._unless_leaving(self._ask(P.Register(
                 self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
-                self.cfg.generator.tensor_parallel_size, self.session, getattr(self.engine, "run_id", ""),
+                self.cfg.generator.tensor_parallel_size, self.session, self.engine.run_id,
                 self.spec.digest, self.spec.fingerprints, self.spec.adapter_slots), timeout=10.0))
             if not isinstance(welcome, P.Welcome):
                 raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
@@ -282,7 +282,7 @@ class Generator:
 
     def _holds(self, version: int, exactly: bool = False) -> bool:
         """The engine holds weights of this run at `version` (or newer)."""
-        if getattr(self.engine, "run_id", "") != self.welcome.run_id:
+        if self.engine.run_id != self.welcome.run_id:
             return False
         return self.engine.version == version if exactly else self.engine.version >= version
 
@@ -315,7 +315,7 @@ class Generator:
                 self.tokens / max(1e-6, time.monotonic() - self.started), len(self.groups), sorted(self.held),
                 draining, self.pushed,
                 # progress, which the hub watches (a count that stops moving while it holds leases: a hung engine)
-                self.tokens + getattr(self.engine, "tokens_in_flight", lambda: 0)(), self.stages.report()))
+                self.tokens + self.engine.tokens_in_flight(), self.stages.report()))
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
@@ -371,10 +371,10 @@ class Generator:
             raise EngineDied(self._engine_error(e)) from e
 
     def engine_dead(self) -> bool:
-        return bool(getattr(self.engine, "dead", lambda: False)())
+        return self.engine is not None and self.engine.dead()
 
     def _engine_error(self, e: BaseException | None = None) -> str:
-        detail = getattr(self.engine, "death", lambda: "")()
+        detail = self.engine.death() if self.engine is not None else ""
         return (f"its vLLM engine died ({type(e).__name__ + ': ' + str(e) if e else 'found dead'}){detail}; the "
                 "engine's traceback, if it printed one, is above in this log")
 

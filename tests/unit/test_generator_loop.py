@@ -39,6 +39,9 @@ class FakeEngine:
     def concurrent_sequences(self) -> int:
         return self.seqs
 
+    def tokens_in_flight(self) -> int:
+        return 0
+
     def dead(self) -> bool:
         return self.is_dead
 
