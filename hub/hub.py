@@ -107,7 +107,8 @@ class Hub:
         self.auth = ServerAuth.load(cfg.auth.keys)
         self.server = Server(cfg.hub.host, cfg.hub.port, self.auth, limits, self, self.counters)
         announcer: Announcer = self  # what the weight senders may ask of it (the type checker holds it to that)
-        self.weights = WeightServing(cfg, self, run_id, version, announcer)  # builds the senders (weights/__init__.py)
+        # builds the senders (weights/__init__.py)
+        self.weights = WeightServing(cfg, self.registry, self.server, announcer, run_id, version)
         self.journal = Journal(run_dir, cfg.hub.journal_kib_per_minute, self.counters)
         self.faults = Faults(cfg, self.ledger, self.registry, self.journal, self.counters, self.failed)
         self.desk = LeaseDesk(cfg, self.ledger, self.registry, self.evaluation, self.prompts, self.faults, self.journal,

@@ -22,8 +22,8 @@ CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (th
 
 
 class WeightServing:
-    def __init__(self, cfg, hub, run_id: str, version: int, announcer: Announcer):
-        self.cfg, self.registry, self.server, self.run_id = cfg, hub.registry, hub.server, run_id
+    def __init__(self, cfg, registry, server, announcer: Announcer, run_id: str, version: int):
+        self.cfg, self.registry, self.server, self.run_id = cfg, registry, server, run_id
         self.newest = version  # announced: a rollout may already come from it
         self.last_ready: P.WeightsReady | None = None  # the newest file version
         self.blobs = Blobs(cfg.weights.chunk_mb * 2**20)

@@ -199,12 +199,15 @@ class Learner:
 
     def run(self, version: int) -> int:
         """Train from `version`; returns the last version."""
-        step: int | None = version
-        while step is not None and step < self.cfg.trainer.total_steps:
-            version, step = step, self.step(step)
+        step = version
+        while step < self.cfg.trainer.total_steps:
+            made = self.step(step)
+            if made is None:  # the run ends early
+                break
+            step = made
         with trace.span("final checkpoint", "learner"):
-            self.save(version if step is None else step)
-        return version if step is None else step
+            self.save(step)
+        return step
 
     def step(self, step: int) -> int | None:
         """The step from version `step`: the version it made (`step` again when it was not finite), None when the run

@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "started", False):
             raise  # past a service's start (service.prepare), its errors are its own
         if isinstance(e, ConfigError):
-            print(f"pipeline: config error: {e}", file=sys.stderr)
+            message = f"pipeline: config error: {e}"
+        elif isinstance(e, Refused):
+            message = f"pipeline: {e}"
         else:
-            print(f"pipeline {args.command}: {e}" if not isinstance(e, Refused) else f"pipeline: {e}", file=sys.stderr)
+            message = f"pipeline {args.command}: {e}"
+        print(message, file=sys.stderr)
         return 2
