@@ -28,8 +28,9 @@ import json
 import logging
 import os
 import signal
+from typing import Any
 
-from generator.endpoint import Endpoint, Part, Session, ToolCalls
+from generator.endpoint import Endpoint, Part, Session, ToolCalls, in_process_http
 from generator.rollout import AgentFailed, Context, Trajectory
 from pipeline.tasks import load_callable
 
@@ -43,7 +44,9 @@ class AgentRollout:
         g = cfg.generator
         self.agent = load_callable(g.agent, "generator.agent") if g.agent else None
         self.command, self.timeout, self.failure = list(g.agent_command), g.agent_timeout_s, g.agent_failure
-        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template), tool_calls=ToolCalls(g.tool_parser))
+        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template), tool_calls=ToolCalls(g.tool_parser),
+                                 max_model_len=g.max_model_len)
+        self._http: Any = None  # under every sample's openai client: the endpoint's app in-process (in_process_http)
 
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
@@ -58,6 +61,8 @@ class AgentRollout:
         return out
 
     async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
         await self.endpoint.stop()
 
     async def _sample(self, engine, ctx: Context) -> tuple[Session, str, str]:
@@ -83,9 +88,11 @@ class AgentRollout:
         if self.agent is not None:
             from openai import AsyncOpenAI
 
-            async with AsyncOpenAI(base_url=self.endpoint.base_url, api_key=session.key, max_retries=0,
-                                   timeout=self.timeout) as client:
-                answer = await self.agent(client, ctx.item)
+            if self._http is None:
+                self._http = in_process_http(self.endpoint.asgi)
+            client = AsyncOpenAI(base_url=self.endpoint.base_url, api_key=session.key, max_retries=0,
+                                 timeout=self.timeout, http_client=self._http)  # not closed: that closes the shared one
+            answer = await self.agent(client, ctx.item)
             return "" if answer is None else str(answer)
         return await self._command(session, ctx)
 

@@ -5,11 +5,16 @@
     POST /v1/completions        a prompt as text or token ids
     GET  /v1/models
 
-FastAPI served by uvicorn on the generator's own event loop, bound to 127.0.0.1 on a free port. Every request
-carries its session's key (`Authorization: Bearer KEY`, which the openai client sends as its api_key); a request
-without one, with an unknown one, or for a session that has ended is refused (401, 410). Sampling is the lease's
-(temperature, top_p): the behaviour policy the learner corrects for is the run's, so a request's own sampling
-parameters are refused where they differ, as are n > 1, streaming and stop strings (not supported).
+FastAPI served by uvicorn on the generator's own event loop, bound to 127.0.0.1 on a free port; an agent callable's
+openai client calls the same app in-process (`in_process_http`). Every request carries its session's key
+(`Authorization: Bearer KEY`, which the openai client sends as its api_key); a request without one, with an unknown
+one, or for a session that has ended is refused (401, 410). What the endpoint would not do as asked it refuses (400,
+the field named) rather than do something else: sampling is the lease's (temperature, top_p), the behaviour policy the
+learner corrects for, so any sampling or format field that would change it (top_k, penalties, logit_bias, seed,
+response_format, logprobs, tool_choice other than auto or none, n > 1, streaming, stop strings) and any field it does
+not know are refused (the tables CHAT and TEXT). A prompt of token ids outside the vocabulary or too long for
+generator.max_model_len is refused before the engine; a body past `max_body` bytes is refused (413); templates and
+tokenizing run off the event loop, which also runs the generator's heartbeats.
 
 Exact tokens. A session keeps what its model saw and sampled as token ids. A prompt whose text begins with the text of
 that context (the chat template rendering the history the model wrote, with a tool's reply after it) is that context's
@@ -23,11 +28,12 @@ reads the routes' annotations, and `Request` is imported where the app is made.)
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline import protocol as P
 
@@ -36,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("generator.service")
 ENDED = 4096  # ended sessions whose keys are remembered (their late calls told so, not just refused)
+# a request body's bytes, at most: these plus as many per token of generator.max_model_len (a longer body cannot fit
+# the context; unbounded, a 10 MB message took 12 s of the generator's CPU to tokenize)
+MAX_BODY, BODY_BYTES_PER_TOKEN = 2**20, 64
 
 
 @dataclass
@@ -68,8 +77,9 @@ class Session:
     """One sample's calls. `sampling.max_tokens` bounds the tokens after each part's context; a part ends where a
     prompt does not extend it, and a session makes at most P.MAX_PARTS of them."""
 
-    def __init__(self, key: str, engine, tokenizer, sampling: P.Sampling):
+    def __init__(self, key: str, engine, tokenizer, sampling: P.Sampling, max_model_len: int = 0):
         self.key, self.engine, self.tok, self.sampling = key, engine, tokenizer, sampling
+        self.max_model_len = max_model_len  # 0: unchecked here (the engine's own check)
         self.parts: list[Part] = []
         self.extra: dict = {}  # what the rollout strategy keeps with the sample (an environment's instance)
         self.calls = 0
@@ -94,7 +104,17 @@ class Session:
         async with self.lock:
             return await self._complete(prompt_ids, max_tokens)
 
+    async def complete_text(self, text: str, max_tokens: int | None) -> tuple[list[int], Any]:
+        """(the prompt's ids, its completion) of a prompt given as text, tokenized off the event loop (a long text
+        takes seconds): in the lock, so the text extends the context as the call before left it."""
+        async with self.lock:
+            ids = await asyncio.to_thread(self.extend, text)
+            return ids, await self._complete(ids, max_tokens)
+
     async def _complete(self, prompt_ids: list[int], max_tokens: int | None):
+        if self.max_model_len and len(prompt_ids) >= self.max_model_len:
+            raise Refused(400, f"the prompt is {len(prompt_ids)} tokens, and the context holds "
+                               f"generator.max_model_len={self.max_model_len}: no room for a completion")
         part = self._part_for(prompt_ids)
         left = self.sampling.max_tokens - (len(prompt_ids) - len(part.prompt_ids))
         if left <= 0:
@@ -170,12 +190,15 @@ class Endpoint:
     """The generator's endpoint: sessions by key, and the server (started on first use, on the running loop)."""
 
     def __init__(self, model_name: str = "policy", chat_template: str | None = None,
-                 tool_calls: ToolCalls | None = None):
+                 tool_calls: ToolCalls | None = None, max_model_len: int = 0):
         self.model_name, self.chat_template = model_name, chat_template  # None: the tokenizer's own
         self.tool_calls = tool_calls  # reads the calls of a request that offers tools
+        self.max_model_len = max_model_len  # a prompt as long is refused (400) before it reaches the engine
+        self.max_body = MAX_BODY + BODY_BYTES_PER_TOKEN * max_model_len  # bytes; a longer body is refused (413)
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, None] = {}  # keys of the latest sessions that ended, oldest first
         self.server: uvicorn.Server | None = None
+        self.asgi: Any = None  # the app the server serves, also called in-process (`in_process_http`)
         self.port = 0
         self._task: asyncio.Task | None = None
         self._starting = asyncio.Lock()
@@ -190,7 +213,8 @@ class Endpoint:
                 await self._start()
 
     async def _start(self) -> None:
-        self.server = server = _server(self.app())
+        self.asgi = self.app()
+        self.server = server = _server(self.asgi)
         self._task = asyncio.create_task(server.serve())
         while not server.started:
             if self._task.done():
@@ -208,7 +232,7 @@ class Endpoint:
 
     def open(self, engine, tokenizer, sampling: P.Sampling) -> Session:
         key = secrets.token_urlsafe(24)
-        self.sessions[key] = session = Session(key, engine, tokenizer, sampling)
+        self.sessions[key] = session = Session(key, engine, tokenizer, sampling, self.max_model_len)
         return session
 
     def close(self, session: Session) -> None:
@@ -249,12 +273,12 @@ class Endpoint:
             """A completion request's session (by its key) and body, refused where either is wrong."""
             session = self.session(request.headers.get("authorization"))
             try:
-                body = await request.json()
+                body = json.loads(await _body(request, self.max_body))
             except ValueError as e:
                 raise Refused(400, f"the request body is not JSON: {e}") from None
             if not isinstance(body, dict):
                 raise Refused(400, "the request body must be a JSON object")
-            _check_params(body, session.sampling)
+            _check_params(body, session.sampling, CHAT if request.url.path.endswith("/chat/completions") else TEXT)
             return session, body
 
         @app.get("/v1/models")
@@ -269,13 +293,13 @@ class Endpoint:
             if not isinstance(messages, list) or not messages:
                 raise Refused(400, "messages: a non-empty list of {role, content} is needed")
             try:
-                text = session.tok.apply_chat_template(messages, tools=body.get("tools"), add_generation_prompt=True,
-                                                       chat_template=self.chat_template, tokenize=False)
+                text = await asyncio.to_thread(session.tok.apply_chat_template, messages, tools=body.get("tools"),
+                                               add_generation_prompt=True, chat_template=self.chat_template,
+                                               tokenize=False)
             except Exception as e:
                 raise Refused(400, f"messages: the model's chat template cannot render them ({type(e).__name__}: "
                                    f"{e})") from None
-            ids = session.extend(text)
-            out = await session.complete(ids, _max_tokens(body))
+            ids, out = await session.complete_text(text, _max_tokens(body))
             message = {"role": "assistant", "content": session.tok.decode(out.token_ids, skip_special_tokens=True)}
             finish = _finish(out.finish_reason)
             if body.get("tools") and body.get("tool_choice") != "none" and self.tool_calls is not None:
@@ -295,12 +319,16 @@ class Endpoint:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                ids = session.extend(prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                ids = prompt
+                ids, out = await session.complete_text(prompt, _max_tokens(body))
+            elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                vocabulary = len(session.tok)
+                wrong = [t for t in prompt if not 0 <= t < vocabulary]
+                if wrong:
+                    raise Refused(400, f"prompt: token ids {wrong[:5]} are not in the model's vocabulary "
+                                       f"(0 to {vocabulary - 1})")
+                ids, out = prompt, await session.complete(prompt, _max_tokens(body))
             else:
                 raise Refused(400, "prompt: one string or one list of token ids")
-            out = await session.complete(ids, _max_tokens(body))
             text = session.tok.decode(out.token_ids, skip_special_tokens=True)
             return _response("text_completion", body, out, len(ids),
                              {"index": 0, "text": text, "finish_reason": _finish(out.finish_reason)})
@@ -308,26 +336,91 @@ class Endpoint:
         return app
 
 
-def _check_params(body: dict, sampling: P.Sampling) -> None:
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is(*values):
+    """A field's test: its value is one of `values` (or the field is absent, None)."""
+    return lambda value, sampling: value is None or any(value == v and type(value) is type(v) or
+                                                        _number(v) and _number(value) and value == v for v in values)
+
+
+def _run_value(name: str):
+    """A field's test: absent, or the run's own sampling.<name> (the behaviour policy the learner corrects for)."""
+    return lambda value, sampling: value is None or _number(value) and value == getattr(sampling, name)
+
+
+def _positive(value, sampling) -> bool:
+    return value is None or type(value) is int and value >= 1
+
+
+ANY = lambda value, sampling: True  # noqa: E731 -- a field that changes nothing this endpoint does
+# What each route honours: a field not named here, or with a value its test refuses, is refused (400), named, rather
+# than silently ignored. The values accepted are those that change nothing: sampling is the run's, one completion, no
+# stop strings, no streaming; the tests' texts say what is accepted.
+COMMON = {
+    "model": (ANY, "any name"), "user": (ANY, "any"),
+    "max_tokens": (_positive, "a positive integer"),
+    "n": (_is(1), "1: each sample of the group is a session of its own"),
+    "stream": (_is(False), "false: not supported"),
+    "stop": (_is("", []), "none: the model's own end of turn ends a completion"),
+    "temperature": (_run_value("temperature"), "the run's sampling.temperature, which the learner corrects for"),
+    "top_p": (_run_value("top_p"), "the run's sampling.top_p, which the learner corrects for"),
+    "ignore_eos": (lambda v, s: v is None or v is s.ignore_eos, "the run's sampling.ignore_eos"),
+    "top_k": (_is(-1, 0), "-1 or 0 (off): the run samples the whole vocabulary"),
+    "min_p": (_is(0), "0 (off)"), "repetition_penalty": (_is(1), "1 (off)"),
+    "frequency_penalty": (_is(0), "0 (off)"), "presence_penalty": (_is(0), "0 (off)"),
+    "logit_bias": (_is({}), "none: the learner trains the model's own distribution"),
+    "seed": (_is(), "none: the run seeds its engines"),
+}
+CHAT = COMMON | {
+    "messages": (ANY, "a list of messages"), "tools": (ANY, "a list of tools"), "metadata": (ANY, "any"),
+    "max_completion_tokens": (_positive, "a positive integer"),
+    "tool_choice": (_is("auto", "none"), "auto or none: the model chooses (required or a named tool is not "
+                                         "honoured)"),
+    "parallel_tool_calls": (_is(True), "true: the parser returns every call a turn makes"),
+    "response_format": (_is({"type": "text"}), "text: no guided decoding"),
+    "logprobs": (_is(False), "false: not returned"), "top_logprobs": (_is(), "none: not returned"),
+    "store": (_is(False), "false"), "stream_options": (_is(), "none: not streamed"),
+}
+TEXT = COMMON | {
+    "prompt": (ANY, "text or token ids"), "echo": (_is(False), "false"), "suffix": (_is(), "none"),
+    "best_of": (_is(1), "1"), "logprobs": (_is(), "none: not returned"),
+}
+
+
+def _check_params(body: dict, sampling: P.Sampling, fields: dict) -> None:
     """Refuse what this endpoint would not do as asked (rather than do something else silently)."""
-    if body.get("n", 1) != 1:
-        raise Refused(400, "n: one completion per call (each sample of the group is a session of its own)")
-    if body.get("stream"):
-        raise Refused(400, "stream: not supported")
-    if body.get("stop"):
-        raise Refused(400, "stop: not supported (the model's own end of turn ends a completion)")
-    for name, run in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
-        value = body.get(name)
-        if value is not None and value != run:
-            raise Refused(400, f"{name}: {value} differs from the run's sampling.{name} ({run}), which the learner "
-                               "corrects for; leave it out")
+    for name, value in body.items():
+        if name not in fields:
+            raise Refused(400, f"{name}: not a field this endpoint honours; leave it out")
+        test, accepted = fields[name]
+        if not test(value, sampling):
+            raise Refused(400, f"{name}: {json.dumps(value)[:80]} is not honoured here; accepted: {accepted}")
+    if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
+        raise Refused(400, "max_tokens and max_completion_tokens differ: send one")
 
 
 def _max_tokens(body: dict) -> int | None:
-    value = body.get("max_completion_tokens") or body.get("max_tokens")
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise Refused(400, f"max_tokens: {value!r} is not a positive integer")
-    return value
+    """The completion's own limit (checked by _check_params), None where absent."""
+    value = body.get("max_completion_tokens")
+    return body.get("max_tokens") if value is None else value
+
+
+async def _body(request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes before more is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise Refused(413, f"the request body is {declared} bytes, more than this endpoint takes ({limit}, for "
+                           f"generator.max_model_len tokens of context)")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Refused(413, f"the request body is more than {limit} bytes, more than this endpoint takes (for "
+                               f"generator.max_model_len tokens of context)")
+    return bytes(body)
 
 
 def _finish(reason: str) -> str:
@@ -339,6 +432,23 @@ def _response(kind: str, body: dict, out, prompt_tokens: int, choice: dict) -> d
             "model": body.get("model", "policy"), "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
                       "total_tokens": prompt_tokens + len(out.token_ids)}}
+
+
+def in_process_http(app) -> Any:
+    """An HTTP client for the openai client of an agent in this process: it calls the endpoint's app directly (no
+    socket, no server parsing; the same routes, keys and refusals) and serves every sample's client. On a GPU host a
+    client of its own per sample, over the socket, cost the endpoint 85 % of the engine's tokens/s (issue 51): an SSL
+    context built each time, then the connection pool and uvicorn. The server stays up for command agents and for
+    clients an agent makes itself from `client.base_url`."""
+    import importlib
+
+    from openai import DefaultAsyncHttpxClient
+
+    # openai's own httpx (httpx2 from openai 3 on) has the transport
+    base = next(c for c in DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+    httpx = importlib.import_module(base.__module__.split(".")[0])
+    # a failure the app's handlers answer (500) reaches the agent as a server's would, not raised in it
+    return DefaultAsyncHttpxClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False))
 
 
 def _server(app) -> "uvicorn.Server":

@@ -84,6 +84,9 @@ class Engine:
         self.served = cfg.model.lora is not None and g.lora_mode == "adapter"
         self._lora: LoRARequest | None = None  # the newest version's (adapter mode): every new request uses it
         self.eos_id = eos_id
+        # a prompt id outside the embedding would kill the engine (IndexError, then EngineDeadError for every request
+        # in flight): vLLM checks ids only with its tokenizer, which skip_tokenizer_init leaves out
+        self.vocab_size = self.llm.model_config.get_vocab_size()
         self.version = 0
         self.run_id = ""  # the run whose weights are loaded ("": the model as loaded from disk)
         self._ids = itertools.count()
@@ -120,6 +123,8 @@ class Engine:
 
         from generator.sampled_logprobs import request_key
 
+        if prompt_ids and not (0 <= min(prompt_ids) and max(prompt_ids) < self.vocab_size):
+            raise ValueError(f"prompt: token ids outside the model's vocabulary (0 to {self.vocab_size - 1})")
         tapped = await self._tapped()
         ignore_eos = sampling.ignore_eos  # sampling: pipeline.protocol.Sampling
         params = SamplingParams(

@@ -100,6 +100,12 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
                 await engine.swap(3, "load_weights_blob", blobs[1], checksum(blobs[1]) ^ 1)
             assert engine.version == 2
             assert await engine.weights_checksum() == pytest.approx(before * 1.2, rel=1e-4)
+            # a prompt id outside the embedding is refused before vLLM (skip_tokenizer_init skips its own check, and
+            # the lookup killed the engine with every request in flight); the engine goes on serving
+            for bad in ([4, -1, 3], [4, engine.vocab_size, 3]):
+                with pytest.raises(ValueError, match="outside the model's vocabulary"):
+                    await engine.generate(bad, 1, one)
+            assert len((await engine.generate([4, 5, 6, 3], 1, one))[0].token_ids) == 1
         finally:
             engine.shutdown()
 

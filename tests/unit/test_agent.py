@@ -390,3 +390,106 @@ async def test_the_shipped_calculator_agent_puts_the_tools_result_in_the_context
     math = config_from_dict({"rewards": [{"fn": "builtin:math_answer"}]}).rewards
     scores = score_group([traj], ctx, load_reward_fns(math), 10)
     assert scores[0] == [1.0]
+
+
+async def _post(rollout, session, path: str, body: dict | bytes):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=rollout.endpoint.base_url, timeout=30) as http:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        return await http.post(path, headers={"Authorization": f"Bearer {session.key}"}, **kw)
+
+
+async def test_the_endpoint_refuses_every_field_it_would_not_honour_naming_it_and_takes_neutral_values(tok):
+    """Sampling and format fields that differ from what the run does, and fields it does not know, are refused (400)
+    with the field named, not answered with something else; a limit of 0 or true is no limit."""
+    cfg = _cfg(agent=f"{__name__}:tool_agent")
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    await rollout.endpoint.start()
+    engine = ScriptedEngine(tok, ["42"] * 8)
+    session = rollout.endpoint.open(engine, tok, ctx.sampling)
+    messages = list(ctx.item.messages)
+    refused = [("top_k", 5), ("frequency_penalty", 0.5), ("presence_penalty", 1), ("logit_bias", {"42": 5}),
+               ("seed", 1), ("response_format", {"type": "json_object"}), ("logprobs", True), ("min_p", 0.1),
+               ("tool_choice", "required"), ("parallel_tool_calls", False), ("max_completion_tokens", 0),
+               ("max_tokens", True), ("temperature", True), ("n", 2), ("top_p", 0.5), ("frobnicate", 1)]
+    try:
+        for name, value in refused:
+            r = await _post(rollout, session, "/chat/completions", {"messages": messages, name: value})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{name}:"), (name, r.text)
+        r = await _post(rollout, session, "/completions", {"prompt": "Hi", "echo": True})
+        assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+        assert engine.prompts == [] and session.calls == 0  # nothing reached the engine
+        neutral = {"model": "any", "temperature": 1, "top_p": 1.0, "top_k": -1, "seed": None, "n": 1, "stop": [],
+                   "stream": False, "tool_choice": "auto", "logprobs": False, "max_completion_tokens": 8,
+                   "max_tokens": 8, "user": "u", "frequency_penalty": 0}
+        r = await _post(rollout, session, "/chat/completions", {"messages": messages, **neutral})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "42"
+    finally:
+        rollout.endpoint.close(session)
+        await rollout.aclose()
+
+
+async def test_prompt_ids_outside_the_vocabulary_a_prompt_past_the_context_and_a_huge_body_are_refused(tok):
+    """One bad id killed the engine (the embedding's IndexError, every group in flight lost); a prompt the context
+    cannot hold is named before the engine; a body past the limit is refused (413) before it is read whole."""
+    cfg = _cfg(agent=f"{__name__}:tool_agent")
+    rollout, ctx = AgentRollout(cfg), _ctx(tok, cfg)
+    await rollout.endpoint.start()
+    engine = ScriptedEngine(tok, ["42"])
+    session = rollout.endpoint.open(engine, tok, ctx.sampling)
+    try:
+        for ids, why in (([1, -1, 2], "not in the model's vocabulary"), ([1, len(tok)], "not in the model's voc"),
+                         ([1, True], "one string or one list of token ids"),
+                         ([1] * cfg.generator.max_model_len, "generator.max_model_len=1024")):
+            r = await _post(rollout, session, "/completions", {"prompt": ids})
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        huge = json.dumps({"messages": [{"role": "user", "content": "x" * rollout.endpoint.max_body}]}).encode()
+        r = await _post(rollout, session, "/chat/completions", huge)
+        assert r.status_code == 413 and "more than this endpoint takes" in r.json()["error"]["message"]
+        assert engine.prompts == [] and session.calls == 0
+        r = await _post(rollout, session, "/completions", {"prompt": [1, 2, 3]})
+        assert r.status_code == 200 and engine.prompts == [[1, 2, 3]]
+    finally:
+        rollout.endpoint.close(session)
+        await rollout.aclose()
+
+
+class ThreadsSeen:
+    """SmolLM2's tokenizer, noting the thread of each call that renders or tokenizes text."""
+
+    def __init__(self, tok):
+        self.tok, self.threads = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __len__(self):
+        return len(self.tok)
+
+    def __call__(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(threading.current_thread())
+        return self.tok(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(threading.current_thread())
+        return self.tok.apply_chat_template(*args, **kwargs)
+
+
+async def test_the_endpoint_renders_and_tokenizes_off_the_event_loop(tok):
+    """A 10 MB message took 12 s to tokenize on the generator's loop, which also runs its heartbeats (15 s timeout)."""
+    import threading
+
+    cfg = _cfg(agent=f"{__name__}:tool_agent")
+    seen = ThreadsSeen(tok)
+    rollout, ctx = AgentRollout(cfg), _ctx(seen, cfg)
+    try:
+        (out,) = await rollout(ScriptedEngine(tok, ["17 + 25 is 42"] * 3), _prompt(tok, ctx), ctx)
+    finally:
+        await rollout.aclose()
+    assert len(out.turns) == 3 and len(seen.threads) >= 6  # each call: rendered, then its new text tokenized
+    assert threading.main_thread() not in seen.threads

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 from types import SimpleNamespace
 
 import pytest
 
-from generator.environment import EnvironmentRollout
+from generator.environment import EnvironmentRollout, ToolThreads
 from generator.rollout import score_group
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.tasks import load_reward_fns
@@ -112,6 +114,56 @@ async def test_a_tool_call_runs_on_the_samples_instance_and_the_sampled_ids_are_
     assert score_group([traj, other], ctx, load_reward_fns(cfg.rewards), 10) == ([2.0, 0.0], [[1.0, 1.0], [0.0, 0.0]])
 
 
+async def test_between_two_turns_the_context_gets_the_tool_reply_block_and_the_generation_prompt_and_nothing_else(tok):
+    """Not a stand-in's assistant turn: every later turn is trained on a context that holds what the model wrote."""
+    engine, _, traj = await _run(tok, _cfg(), [_call("add", a=17, b=25), "The sum is 42."])
+    first, second = engine.sampled
+    between = engine.prompts[1][len(engine.prompts[0]) + len(first):]
+    expected = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert between == tok(expected, add_special_tokens=False)["input_ids"], tok.decode(between)
+    assert traj.token_ids == first + between + second
+    assert traj.mask == [1] * len(first) + [0] * len(between) + [1] * len(second)
+
+
+async def test_tool_results_json_cannot_write_are_replied_as_text_and_a_huge_reply_ends_the_episode_untokenized(tok):
+    """A numpy number or a set is the reply's text (str), not a failed sample; a reply longer than the context could
+    hold ends the episode at its tools without tokenizing it (10 MB took seconds of the generator's CPU)."""
+    engine, _, traj = await _run(tok, _cfg(environment=f"{__name__}:Odd"), [_call("pair"), _call("many"), "done"])
+    tool = tok.decode([t for t, m in zip(traj.token_ids, traj.mask, strict=True) if not m])
+    assert "<tool_response>\n{1, 2}\n</tool_response>" in tool and "<tool_response>\n7\n</tool_response>" in tool
+    assert traj.finish_reason == "stop" and traj.text == "done"
+    cfg = _cfg(environment=f"{__name__}:Odd")
+    rollout, ctx, rendered = EnvironmentRollout(cfg), _ctx(tok, cfg), []
+    suffix = rollout.suffix
+    rollout.suffix = lambda tok, replies, schemas: rendered.append(replies) or suffix(tok, replies, schemas)
+    engine = ScriptedEngine(tok, [_call("flood"), "never asked"])
+    try:
+        (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+    finally:
+        await rollout.aclose()
+    assert len(engine.sampled) == 1 and traj.finish_reason == "stop" and traj.token_ids == engine.sampled[0]
+    assert rendered == []  # the ten megabytes were never rendered or tokenized
+
+
+class Odd:
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def pair(self) -> set:
+        """A set."""
+        return {1, 2}
+
+    def many(self):
+        """A numpy integer."""
+        import numpy as np
+
+        return np.int64(7)
+
+    def flood(self) -> str:
+        """Ten megabytes."""
+        return "x " * 5_000_000
+
+
 async def test_a_bad_tool_call_is_answered_with_its_error_and_the_episode_goes_on(tok):
     cfg = _cfg()
     replies = [_call("mul", a=2, b=3), '<tool_call>\n{"name": "add", "arguments": {"a": "x"}}\n</tool_call>', "42"]
@@ -166,3 +218,53 @@ async def test_a_factory_without_reset_or_an_unknown_parser_is_refused_at_start(
         check_config(_cfg(chat_template="nope.jinja"))
     with pytest.raises(ConfigError, match="generator.environment: set, but generator.rollout is 'agent'"):
         check_config(_cfg(rollout="agent", agent=f"{__name__}:trl_reward"))
+
+
+RELEASE = threading.Event()
+
+
+class Blocking:
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def block(self) -> str:
+        """Never returns (until the test lets it)."""
+        RELEASE.wait()
+        return "late"
+
+
+async def test_hung_tools_hold_threads_of_their_own_not_the_loops_and_a_pool_they_fill_fails_loudly(tok, caplog):
+    """A synchronous tool that hangs keeps its thread after its sample's timeout. On asyncio's default executor, some
+    cores + 4 of them left nothing to score groups or check weight files with; on the environment's own threads they
+    starve nothing else, and once they hold all of those a new call fails at once, named (not queued for ever)."""
+    default = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+    cfg = _cfg(environment=f"{__name__}:Blocking", agent_timeout_s=0.5)
+    rollout, ctx = EnvironmentRollout(cfg), _ctx(tok, cfg)
+    rollout.threads = ToolThreads(size=default + 1)
+
+    async def episode():
+        (traj,) = await rollout(ScriptedEngine(tok, [_call("block"), "done"]), _prompt(tok, ctx), ctx)
+        return traj
+
+    RELEASE.clear()
+    try:
+        hung = await asyncio.gather(*(episode() for _ in range(default + 1)))
+        assert {t.finish_reason for t in hung} == {"agent_timeout"}
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 42), 10) == 42  # scoring's executor is free
+        assert rollout.threads.hung == default + 1
+        full = await episode()
+        assert full.finish_reason == "agent_error"
+        assert f"all {default + 1} threads for the environment's methods still run calls given up on" in caplog.text
+    finally:
+        RELEASE.set()
+    for _ in range(200):  # the hung calls return once released: their threads are free again
+        if rollout.threads.hung == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert rollout.threads.hung == 0
+    RELEASE.clear()
+    engine = ScriptedEngine(tok, [_call("add", a=1, b=2), "3"])
+    rollout.factory = Calculator
+    (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+    assert traj.finish_reason == "stop" and traj.extra["environment"].calls == [(1, 2)]
+    await rollout.aclose()
