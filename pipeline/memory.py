@@ -1,4 +1,4 @@
-"""What a generator's model takes of its GPU, worked out from the model's config.json before vLLM loads anything.
+"""What a generator's model takes of its GPU, worked out from its files before vLLM loads anything.
 
 vLLM sizes its KV cache last: `gpu_memory_utilization` of the GPU's memory, less the weights, less what its
 profiling run peaks at; a card too small fails there, minutes after the start, with "no memory available for the
@@ -9,66 +9,295 @@ config at the generator's start with the numbers, and gives the same line as the
     with gpu_memory_utilization 0.9 of 24.0 GB that leaves 4.4 GB of KV cache (after 2.0 GB for vLLM's activations
     and CUDA context) for 74 sequences of 1024 tokens
 
-The parameter count is that of a decoder of the Llama family (Llama, Qwen2, Mistral, SmolLM2: embeddings, attention
-with grouped KV heads, a gated MLP, norms); the KV cache per token is 2 x layers x KV heads x head size x bytes, each
-split over tensor_parallel_size. The overhead is an estimate, not vLLM's measure: the check refuses only where even one
-sequence of generator.max_model_len does not fit.
+What it counts:
+- Weights: from the headers of the safetensors files a loader reads (those model.safetensors.index.json names, else
+  every *.safetensors), each tensor's values at the run's dtype; a quantized checkpoint (config.json's
+  quantization_config: GPTQ, AWQ, bitsandbytes, FP8) and integer tensors at their stored bytes. Layers past
+  num_hidden_layers (multi-token prediction, which vLLM skips) are left out. Pickled weights (*.bin, *.pt) by their
+  sizes, at config.json's torch_dtype. With no weight files (a random-weights shape), the config arithmetic of a
+  decoder: embeddings, attention (grouped KV heads, or DeepSeek's MLA), a gated MLP or mixture of experts (routed
+  and shared experts, the router, the dense layers of first_k_dense_replace and kin), norms.
+- The KV cache per token of a sequence: 2 x layers x KV heads x head size x bytes, the KV heads split over
+  tensor_parallel_size but at least one on each GPU (vLLM replicates them); with MLA, layers x (kv_lora_rank +
+  qk_rope_head_dim) x bytes on every GPU. Sliding-window and chunked layers (layer_types, sliding_window_pattern;
+  every layer where the config gives a window and no pattern) hold at most the window.
+- The LM's fields are text_config's where the top level lacks them (Gemma 3, Llava, Qwen2.5-VL).
+
+What it skips, saying so in the line it returns: the KV cache of layers it does not model (state-space, linear
+attention, KV shared across layers, cross-attention, encoder-decoders) or of a config lacking a field it needs; then
+only the weights are checked. Where neither weight files nor the config give the weights, nothing is checked.
+
+Each guess errs low: the check refuses only where even one sequence of generator.max_model_len cannot fit, so a
+refusal is never wrong for want of a modeled feature. The overhead is an estimate, not vLLM's measure.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError
+from pipeline.fingerprint import WEIGHTS, local_dir
 
 GB = 1e9
 OVERHEAD_BYTES = int(2 * GB)  # vLLM's profiled activations, CUDA graphs and the CUDA context, estimated
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors' dtypes an engine loads in the run's dtype
+NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")  # vLLM skips them
+ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")  # the layer_types the KV arithmetic models
+# fragments of config.json keys that name layers without a KV cache of one per layer (Jamba, Nemotron-H, Qwen3-Next,
+# LFM2, MiniMax, RecurrentGemma, Gemma 3n, Hunyuan's cross-layer attention, Mllama)
+UNMODELED = ("mamba", "ssm", "linear_", "conv_", "attn_layer_", "attn_type", "block_type", "hybrid_",
+             "full_attention_interval", "kv_shared", "cla_", "cross_attention", "lru_")
+
+
+class NotModeled(Exception):
+    """What the arithmetic cannot count for this model, as a phrase: "config.json has no hidden_size"."""
 
 
 @dataclass
 class Footprint:
-    params: int  # the whole model's
+    params: int | None  # the whole model's; None for a quantized checkpoint, whose files hold packed values
     weight_bytes: int  # on each GPU of the tensor-parallel group
-    kv_bytes_per_token: int  # on each GPU
+    kv_bytes_per_token: int  # on each GPU, in the layers that keep every token of a sequence
+    window_kv_bytes_per_token: int = 0  # on each GPU, in the sliding-window and chunked layers
+    window: int = 0  # tokens those layers keep at most
+    kv_unmodeled: str = ""  # why the KV cache is not counted (then 0 above, and the weights alone are checked)
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """The KV cache of one sequence of `tokens`, on each GPU."""
+        return self.kv_bytes_per_token * tokens + self.window_kv_bytes_per_token * min(tokens, self.window)
 
 
-def footprint(config: dict, dtype: str, tensor_parallel: int = 1) -> Footprint:
-    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head = config.get("head_dim") or h // heads
-    inter = config["intermediate_size"]
-    attention = h * heads * head * 2 + h * kv_heads * head * 2  # q and o, k and v
-    per_layer = attention + 3 * h * inter + 2 * h  # a gated MLP (gate, up, down), two norms
-    embeddings = vocab * h * (1 if config.get("tie_word_embeddings", False) else 2)
-    params = embeddings + layers * per_layer + h
-    size = DTYPE_BYTES[dtype]
-    return Footprint(params, params * size // tensor_parallel, 2 * layers * kv_heads * head * size // tensor_parallel)
+def footprint(config: dict, dtype: str, tensor_parallel: int = 1, model_dir: Path | None = None) -> Footprint:
+    """The footprint of the model of `config` (config.json's fields) served in `dtype`, its weights from the files
+    in `model_dir` where there are some; NotModeled where neither these nor the config arithmetic give the weights."""
+    lm, size = language_model(config), DTYPE_BYTES[dtype]
+    quantized = _quantization(config)
+    files = weight_files(model_dir) if model_dir is not None else []
+    try:
+        if files:
+            params, total = _file_weights(files, lm, size, quantized)
+        elif quantized:
+            raise NotModeled(f"a {quantized} checkpoint without weight files")
+        else:
+            params = _params(lm)
+            total = params * size
+    except (KeyError, TypeError) as e:
+        raise NotModeled(_missing(e)) from e
+    try:
+        full, windowed, window = _kv(lm, size, tensor_parallel)
+        unmodeled = ""
+    except (NotModeled, KeyError, TypeError) as e:
+        full = windowed = window = 0
+        unmodeled = str(e) if isinstance(e, NotModeled) else _missing(e)
+    return Footprint(params, total // tensor_parallel, full, windowed, window, unmodeled)
+
+
+def language_model(config: dict) -> dict:
+    """The language model's fields: the config's own, or its text_config's (multimodal wrappers) where the top level
+    lacks them, with the wrapper's fields for those text_config leaves out."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in config:
+        return {**config, **text}
+    return config
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The weight files a loader reads: of the first of WEIGHTS' patterns with files, those its index names (as
+    vLLM filters a folder holding both consolidated and sharded files), else all."""
+    for pattern in WEIGHTS:
+        files = sorted(f for f in model_dir.glob(pattern) if f.name not in NOT_WEIGHTS)
+        if files:
+            index = next(iter(sorted(model_dir.glob(f"{pattern}.index.json"))), None)
+            if index is not None:
+                named = set(json.loads(index.read_text())["weight_map"].values())
+                files = [f for f in files if f.name in named]
+            return files
+    return []
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file: its first 8 bytes give the length of
+    the JSON header after them."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _file_weights(files: list[Path], lm: dict, size: int, quantized: str) -> tuple[int | None, int]:
+    """(parameters, bytes) of the weights in `files` as the engine holds them, `size` bytes a float."""
+    if files[0].suffix != ".safetensors":  # pickles: only their sizes are cheap to read
+        stored = sum(f.stat().st_size for f in files)
+        if quantized:
+            return None, stored
+        params = stored // DTYPE_BYTES.get(str(lm.get("torch_dtype") or lm.get("dtype")), 4)  # unknown: fewest
+        return params, params * size
+    layers = lm.get("num_hidden_layers") or math.inf
+    params = total = 0
+    for f in files:
+        for name, t in safetensors_header(f).items():
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer and int(layer[1]) >= layers:  # a multi-token prediction layer, which vLLM does not load
+                continue
+            n = math.prod(t["shape"])
+            params += n
+            start, end = t["data_offsets"]
+            total += end - start if quantized or t["dtype"] not in FLOATS else n * size
+    return (None if quantized else params), total
+
+
+def _params(c: dict) -> int:
+    """The parameters of a decoder of the config's fields: embeddings, attention, MLP or experts, norms."""
+    if reason := _unmodeled(c):
+        raise NotModeled(reason)
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    moe = _moe_layers(c)
+    dense = 3 * h * (c.get("intermediate_size_mlp") or c["intermediate_size"])  # gate, up, down
+    per_layer = _attention_params(c) + 2 * h  # two norms
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)  # unsaid: tied, the fewer
+    return embeddings + layers * per_layer + (layers - moe) * dense + moe * _moe_params(c) + h
+
+
+def _attention_params(c: dict) -> int:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): queries through an optional low rank, keys and values a latent
+        rank, rope, nope, v = c["kv_lora_rank"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
+        q_rank = c.get("q_lora_rank")
+        q = h * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else h * heads * (nope + rope)
+        return q + h * (rank + rope) + rank + rank * heads * (nope + v) + heads * v * h
+    head = _head_dim(c)
+    return h * heads * head * 2 + h * _kv_heads(c) * head * 2  # q and o, k and v
+
+
+def _experts(c: dict) -> int:
+    return c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
+
+
+def _moe_layers(c: dict) -> int:
+    """How many layers hold experts: all, but for DeepSeek's and GLM's first_k_dense_replace and moe_layer_freq,
+    Qwen's decoder_sparse_step and mlp_only_layers, Llama 4's interleave_moe_layer_step, or mlp_layer_types."""
+    if not _experts(c):
+        return 0
+    if types := c.get("mlp_layer_types"):
+        return sum(t == "sparse" for t in types)
+    first, freq = c.get("first_k_dense_replace") or 0, c.get("moe_layer_freq") or 1
+    step = c.get("decoder_sparse_step") or c.get("interleave_moe_layer_step") or 1
+    dense = set(c.get("mlp_only_layers") or ())
+    return sum(i >= first and i % freq == 0 and (i + 1) % step == 0 and i not in dense
+               for i in range(c["num_hidden_layers"]))
+
+
+def _moe_params(c: dict) -> int:
+    """One layer's experts: routed (moe_intermediate_size, or Mixtral's intermediate_size), shared, the router."""
+    h, experts = c["hidden_size"], _experts(c)
+    inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+    shared = (c.get("n_shared_experts") or 0) * inter + (c.get("shared_expert_intermediate_size") or 0)
+    return experts * 3 * h * inter + 3 * h * shared + h * experts
+
+
+def _kv(c: dict, size: int, tensor_parallel: int) -> tuple[int, int, int]:
+    """(bytes per token of the full-attention layers, of the windowed layers, the window) on each GPU."""
+    if reason := _unmodeled(c):
+        raise NotModeled(reason)
+    if c.get("kv_lora_rank"):  # MLA: one latent per token and layer, whole on every GPU
+        per_layer = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * size
+    else:  # vLLM gives each GPU at least one KV head, replicating them beyond num_key_value_heads GPUs
+        per_layer = 2 * max(1, _kv_heads(c) // tensor_parallel) * _head_dim(c) * size
+    layers = c["num_hidden_layers"]
+    windowed, window = _windowed(c, layers)
+    return per_layer * (layers - windowed), per_layer * windowed, window
+
+
+def _windowed(c: dict, layers: int) -> tuple[int, int]:
+    """(layers that keep at most a window of tokens, the window): the smallest window the config gives, so that the
+    count errs low; every layer where the config gives a window but not which layers use it."""
+    windows = [w for w in (c.get("sliding_window"), c.get("attention_chunk_size")) if w]
+    if c.get("use_sliding_window") is False:  # Qwen2's: a sliding_window that no layer uses
+        windows = [w for w in windows if w != c.get("sliding_window")]
+    types = c.get("layer_types")
+    if types:
+        windowed = sum(t != "full_attention" for t in types)
+    elif c.get("sliding_window_pattern") and c.get("sliding_window"):  # Gemma 3, Cohere2: each nth layer global
+        windowed = layers - layers // c["sliding_window_pattern"]
+    else:
+        windowed = layers if windows else 0
+    if windowed and not windows:
+        raise NotModeled("windowed layers of no window size")
+    return windowed, min(windows, default=0)
+
+
+def _unmodeled(c: dict) -> str:
+    """Why the arithmetic does not model this config's layers ("" where it does)."""
+    if c.get("is_encoder_decoder"):
+        return "an encoder-decoder"
+    if other := sorted(set(c.get("layer_types") or ()) - set(ATTENTION)):
+        return f"layers of type {', '.join(map(str, other))}"
+    if keys := [k for k in c if any(u in k for u in UNMODELED)]:
+        return f"a model with {keys[0]} (layers without one KV cache each)"
+    return ""
+
+
+def _kv_heads(c: dict) -> int:
+    return (c.get("num_key_value_heads") or c.get("num_kv_heads") or (1 if c.get("multi_query") else 0)
+            or c["num_attention_heads"])
+
+
+def _head_dim(c: dict) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def _quantization(config: dict) -> str:
+    """The quantization method of a quantized checkpoint ("" for none)."""
+    for c in (config, config.get("text_config") or {}):
+        q = c.get("quantization_config") or c.get("compression_config")
+        if q:
+            return str(q.get("quant_method") or "quantized") if isinstance(q, dict) else "quantized"
+    return ""
+
+
+def _missing(e: Exception) -> str:
+    return f"config.json has no {e.args[0]}" if isinstance(e, KeyError) else f"config.json has a field unread ({e})"
 
 
 def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
     """The plan line for this generator's GPU of `gpu_bytes`; ConfigError, with the numbers and what to change, where
     the weights and one sequence of generator.max_model_len do not fit within gpu_memory_utilization."""
-    g = cfg.generator
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    fp = footprint(config, cfg.model.dtype, g.tensor_parallel_size)
+    g, dtype = cfg.generator, cfg.model.dtype
+    model_dir = local_dir(str(model_path))  # a hub name's snapshot, which the fingerprints fetched
+    config = json.loads((model_dir / "config.json").read_text())
+    name = Path(str(config.get("_name_or_path") or Path(str(model_path)).name)).name
+    try:
+        fp = footprint(config, dtype, g.tensor_parallel_size, model_dir)
+    except NotModeled as e:
+        return f"{name}: check skipped, neither its weight files nor the arithmetic give its weights ({e})"
     budget = g.gpu_memory_utilization * gpu_bytes
     left = budget - fp.weight_bytes - OVERHEAD_BYTES
-    sequence = fp.kv_bytes_per_token * g.max_model_len
-    name = config.get("_name_or_path") or Path(model_path).name
-    line = (f"{Path(str(name)).name} ({fp.params / 1e9:.2f} B parameters) in {cfg.model.dtype} needs "
-            f"{fp.weight_bytes / GB:.1f} GB of weights on each of the generator's {_gpus(g.tensor_parallel_size)}; "
-            f"with gpu_memory_utilization {g.gpu_memory_utilization:g} of {gpu_bytes / GB:.1f} GB that leaves "
-            f"{left / GB:.1f} GB of KV cache (after {OVERHEAD_BYTES / GB:.1f} GB for vLLM's activations and CUDA "
-            f"context) for {max(0, int(left // sequence))} sequences of {g.max_model_len} tokens")
+    sequence = fp.sequence_bytes(g.max_model_len)
+    what = f"{fp.params / 1e9:.2f} B parameters" if fp.params is not None else f"{_quantization(config)} checkpoint"
+    line = (f"{name} ({what}) in {dtype} needs {fp.weight_bytes / GB:.1f} GB of weights on each of the generator's "
+            f"{_gpus(g.tensor_parallel_size)}; with gpu_memory_utilization {g.gpu_memory_utilization:g} of "
+            f"{gpu_bytes / GB:.1f} GB that leaves {left / GB:.1f} GB of KV cache (after {OVERHEAD_BYTES / GB:.1f} GB "
+            "for vLLM's activations and CUDA context)")
+    if fp.kv_unmodeled:
+        line += f"; its KV cache is not modeled ({fp.kv_unmodeled}): only the weights are checked"
+        if left < 0:
+            raise ConfigError(f"{line}: the weights alone do not fit. {_ADVICE}")
+        return line
+    line += f" for {max(0, int(left // max(sequence, 1)))} sequences of {g.max_model_len} tokens"
     if left < sequence:
-        raise ConfigError(f"{line}: not one sequence ({sequence / GB:.2f} GB) fits. Raise "
-                          "generator.gpu_memory_utilization, lower generator.max_model_len, raise "
-                          "generator.tensor_parallel_size, or use a GPU with more memory")
+        raise ConfigError(f"{line}: not one sequence ({sequence / GB:.2f} GB) fits. {_ADVICE}")
     return line
+
+
+_ADVICE = ("Raise generator.gpu_memory_utilization, lower generator.max_model_len, raise "
+           "generator.tensor_parallel_size, or use a GPU with more memory")
 
 
 def _gpus(n: int) -> str:

@@ -1,11 +1,14 @@
 """The memory check that refuses, at a generator's start, a GPU that cannot hold the weights and one sequence
-(pipeline/memory.py): the arithmetic is the check, no GPU needed."""
+(pipeline/memory.py): the arithmetic and the weight files' headers are the check, no GPU needed. The configs are the
+public models' config.json fields."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.memory import GB, check_generator, footprint
@@ -24,10 +27,10 @@ def test_the_parameter_counts_of_known_models():
     assert fp.weight_bytes / GB == pytest.approx(7.6, abs=0.05) and fp.kv_bytes_per_token == 28 * 4 * 128 * 2
 
 
-def _cfg(tmp_path, **generator):
-    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+def _cfg(tmp_path, config=QWEN25_7B, max_model_len=1024, **generator):
+    (tmp_path / "config.json").write_text(json.dumps(config))
     return config_from_dict({"model": {"dtype": "bfloat16"},
-                             "generator": {"max_model_len": 1024, **generator}}), tmp_path
+                             "generator": {"max_model_len": max_model_len, **generator}}), tmp_path
 
 
 def test_a_24_gb_card_that_cannot_hold_a_7b_is_refused_with_the_numbers(tmp_path):
@@ -47,3 +50,115 @@ def test_where_it_fits_the_plan_says_how_many_sequences(tmp_path):
                          "74 sequences of 1024 tokens")
     cfg, path = _cfg(tmp_path, gpu_memory_utilization=0.7, tensor_parallel_size=2)  # half the weights on each GPU
     assert "7.6 GB of weights on each of the generator's 2 GPUs" in check_generator(cfg, path, 24 * 10**9)
+
+
+QWEN3_30B_A3B = {"_name_or_path": "Qwen/Qwen3-30B-A3B", "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False,
+                 "sliding_window": None, "use_sliding_window": False}
+DEEPSEEK_V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+                    "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512,
+                    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "vocab_size": 102400, "tie_word_embeddings": False}
+QWEN25_15B = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+              "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True}
+MISTRAL_7B_V01 = {"_name_or_path": "mistralai/Mistral-7B-v0.1", "hidden_size": 4096, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                  "sliding_window": 4096, "tie_word_embeddings": False}
+GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                             "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                             "sliding_window": 1024},  # the rest are Gemma3TextConfig's defaults
+             "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model", "num_hidden_layers": 27}}
+
+
+def test_a_mixture_of_experts_counts_every_expert(tmp_path):
+    fp = footprint(QWEN3_30B_A3B, "bfloat16")
+    assert fp.params == pytest.approx(30.5e9, rel=0.005)  # its model card: 30.5 B in all, 3.3 B active
+    assert fp.weight_bytes / GB == pytest.approx(61.1, abs=0.05)
+    assert footprint(DEEPSEEK_V2_LITE, "bfloat16").params == pytest.approx(15.7e9, rel=0.005)  # its card: 15.7 B
+    cfg, path = _cfg(tmp_path, QWEN3_30B_A3B, gpu_memory_utilization=0.9)
+    with pytest.raises(ConfigError, match=r"Qwen3-30B-A3B \(30.53 B parameters\) in bfloat16 needs 61.1 GB"):
+        check_generator(cfg, path, 48 * 10**9)
+
+
+def test_mla_caches_one_latent_per_token_and_layer_on_every_gpu():
+    for tp in (1, 2):
+        assert footprint(DEEPSEEK_V2_LITE, "bfloat16", tp).kv_bytes_per_token == 27 * (512 + 64) * 2
+
+
+def test_kv_heads_fewer_than_the_gpus_are_replicated_one_on_each():
+    assert footprint(QWEN25_15B, "bfloat16").kv_bytes_per_token == 2 * 28 * 2 * 128 * 2
+    for tp in (2, 4):  # 2 KV heads over 4 GPUs: one head on each, not half of one
+        assert footprint(QWEN25_15B, "bfloat16", tp).kv_bytes_per_token == 2 * 28 * 1 * 128 * 2
+
+
+def test_a_multimodal_wrapper_is_read_through_its_text_config(tmp_path):
+    wrapped = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "text_config": QWEN25_7B,
+               "vision_config": {"hidden_size": 1280, "depth": 32}}
+    assert footprint(wrapped, "bfloat16") == footprint(QWEN25_7B, "bfloat16")
+    cfg, path = _cfg(tmp_path, wrapped, gpu_memory_utilization=0.9)
+    assert check_generator(cfg, path, 24 * 10**9).endswith("for 74 sequences of 1024 tokens")
+    # Gemma 3's text_config leaves the heads to the class defaults: with no weight files nothing is checked, and said
+    cfg, path = _cfg(tmp_path, GEMMA3_4B, gpu_memory_utilization=0.9)
+    assert "check skipped" in check_generator(cfg, path, 24 * 10**9)
+    save_file({"language_model.model.embed_tokens.weight": np.zeros((64, 64), np.float32)},
+              str(tmp_path / "model.safetensors"))
+    assert check_generator(cfg, path, 24 * 10**9).endswith(
+        "its KV cache is not modeled (config.json has no num_attention_heads): only the weights are checked")
+
+
+def test_the_weight_files_give_the_weights_at_the_runs_dtype(tmp_path):
+    cfg, path = _cfg(tmp_path, QWEN25_7B, gpu_memory_utilization=0.7)  # refused above, when the config's 7 B counted
+    save_file({"model.embed_tokens.weight": np.zeros((1000, 64), np.float32),
+               "model.layers.0.mlp.up_proj.weight": np.zeros((256, 64), np.float32),
+               "model.layers.28.eh_proj.weight": np.zeros((64, 64), np.float32)},  # past num_hidden_layers: not loaded
+              str(tmp_path / "model-00001-of-00001.safetensors"))
+    save_file({"lm_head.weight": np.zeros((1000, 64), np.float32)}, str(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
+    assert check_generator(cfg, path, 24 * 10**9).startswith(
+        "Qwen2.5-7B-Instruct (0.00 B parameters) in bfloat16 needs 0.0 GB of weights")
+    fp = footprint(QWEN25_7B, "bfloat16", model_dir=path)
+    assert fp.params == 1000 * 64 + 256 * 64 and fp.weight_bytes == fp.params * 2  # float32 files held in bf16
+
+
+def test_a_quantized_checkpoint_keeps_its_stored_bytes(tmp_path):
+    config = {**QWEN25_7B, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    save_file({"model.layers.0.mlp.up_proj.qweight": np.zeros((8, 256), np.int32),
+               "model.layers.0.mlp.up_proj.scales": np.zeros((1, 256), np.float16)}, str(tmp_path / "m.safetensors"))
+    cfg, path = _cfg(tmp_path, config, gpu_memory_utilization=0.9)
+    assert check_generator(cfg, path, 24 * 10**9).startswith(
+        "Qwen2.5-7B-Instruct (gptq checkpoint) in bfloat16 needs 0.0 GB of weights")
+    fp = footprint(config, "bfloat16", model_dir=tmp_path)
+    assert fp.params is None and fp.weight_bytes == 8 * 256 * 4 + 256 * 2  # as stored, not at the run's dtype
+
+
+def test_sliding_window_layers_keep_only_the_window(tmp_path):
+    # 14.5 GB of weights leave 2.7 GB: 4.3 GB for 32768 tokens in every layer, 0.5 GB in a window of 4096
+    cfg, path = _cfg(tmp_path, MISTRAL_7B_V01, max_model_len=32768, gpu_memory_utilization=0.8)
+    assert check_generator(cfg, path, 24 * 10**9).endswith("for 5 sequences of 32768 tokens")
+    fp = footprint(MISTRAL_7B_V01, "bfloat16")
+    assert (fp.kv_bytes_per_token, fp.window_kv_bytes_per_token, fp.window) == (0, 2 * 32 * 8 * 128 * 2, 4096)
+    gemma = {**QWEN25_7B, "num_hidden_layers": 24, "sliding_window": 1024,
+             "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4}
+    fp = footprint(gemma, "bfloat16")
+    assert fp.kv_bytes_per_token * 5 == fp.window_kv_bytes_per_token and fp.window == 1024
+
+
+def test_layers_it_does_not_model_are_not_refused_but_said_so(tmp_path):
+    hybrid = {**QWEN25_7B, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}  # Qwen3-Next's pattern
+    cfg, path = _cfg(tmp_path, hybrid, max_model_len=10**6, gpu_memory_utilization=0.9)
+    assert check_generator(cfg, path, 24 * 10**9).endswith(
+        "check skipped, neither its weight files nor the arithmetic give its weights (layers of type linear_attention)")
+    save_file({"model.embed_tokens.weight": np.zeros((1000, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+    assert check_generator(cfg, path, 24 * 10**9).endswith(
+        "its KV cache is not modeled (layers of type linear_attention): only the weights are checked")
+    with pytest.raises(ConfigError, match="only the weights are checked: the weights alone do not fit"):
+        check_generator(cfg, path, 2 * 10**9)  # less than the 2 GB of vLLM's overhead
+    jamba = {**QWEN25_7B, "attn_layer_period": 8, "mamba_d_state": 16}
+    cfg, path = _cfg(tmp_path, jamba, gpu_memory_utilization=0.9)
+    assert "not modeled (a model with attn_layer_period" in check_generator(cfg, path, 24 * 10**9)
