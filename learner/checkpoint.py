@@ -7,7 +7,9 @@ shards); rank 0 writes hub.json, `latest`, and removes all but the newest `keep`
 one `latest` names).
 
 weights.json says what the weights mean (`meaning`): their kind, the fingerprint of the base model's files
-(pipeline/fingerprint.py), dtype, quantization, and for LoRA r, alpha, use_rslora, target_modules and modules_to_save.
+(pipeline/fingerprint.py) and its format, dtype, quantization, and for LoRA r, alpha, use_rslora, target_modules and
+modules_to_save. A resume hashes the files now the way the checkpoint's fingerprint was (format 1 where it records
+none: written before generation_config.json and shard indexes were hashed).
 `check_resume` refuses, before anything starts, a resume whose config differs from the run's config.yaml outside what
 may differ (pipeline/runspec.py, RESUMABLE) or whose model or adapter differs from the checkpoint's, naming the field;
 an adapter is loaded strictly (every trained tensor from the checkpoint, nothing else in it).
@@ -20,16 +22,20 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.fingerprint import FORMAT
+
 
 class CheckpointError(RuntimeError):
     pass
 
 
-def meaning(cfg, fingerprint: str, kind: str) -> dict:
+def meaning(cfg, fingerprint: str, kind: str, form: int = FORMAT) -> dict:
     """What a checkpoint's weights mean (weights.json). `kind`: what the run trains (learner/versions.py), `full`,
-    `lora` or `lora-4bit`/`lora-8bit` (on a quantized base); `fingerprint`: of the base model's weight files."""
+    `lora` or `lora-4bit`/`lora-8bit` (on a quantized base); `fingerprint`: of the base model's weight files, hashed
+    the way `form` says (pipeline/fingerprint.py)."""
     m = cfg.model
-    out = {"kind": kind, "model.path": fingerprint, "model.dtype": m.dtype, "model.quantization": m.quantization}
+    out = {"kind": kind, "model.path": fingerprint, "fingerprint_format": form, "model.dtype": m.dtype,
+           "model.quantization": m.quantization}
     if m.lora is not None:
         out.update({f"model.lora.{k}": getattr(m.lora, k) for k in LORA_MEANING})
     return out
@@ -97,8 +103,13 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
     tag, recorded = _recorded(run_dir)
     from pipeline.fingerprint import of_model
 
-    fingerprint = of_model(cfg.model)["model.path"] if "model.path" in recorded else ""
-    ours = meaning(cfg, fingerprint, run_kind(cfg))
+    form = recorded.get("fingerprint_format", 1)  # hashed the files the first way, or says how
+    if form not in (1, FORMAT):
+        raise CheckpointError(f"--resume {run_dir}: checkpoint {tag} records its base's fingerprint in format "
+                              f"{form!r}, which this release cannot compute (it knows 1 and {FORMAT}): resume with the "
+                              "release that wrote it")
+    fingerprint = of_model(cfg.model, form)["model.path"] if "model.path" in recorded else ""
+    ours = meaning(cfg, fingerprint, run_kind(cfg), form)
     for key, value in recorded.items():  # a checkpoint written before a field was recorded is not held to it
         if key != "kind" and ours.get(key) != value:
             what = "its files' fingerprint" if key == "model.path" else key
