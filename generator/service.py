@@ -203,7 +203,7 @@ class Generator:
             welcome = await self._unless_leaving(self._ask(P.Register(
                 self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
                 self.cfg.generator.tensor_parallel_size, self.session, self.engine.run_id,
-                self.spec.digest, self.spec.fingerprints, self.spec.adapter_slots), timeout=10.0))
+                self.spec.digest, self.spec.fingerprints, self.spec.adapter_slots, self.spec.contents), timeout=10.0))
             if not isinstance(welcome, P.Welcome):
                 raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
             self.refusals, self.welcomed = 0, True

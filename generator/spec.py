@@ -4,12 +4,16 @@ engine built for it (generator/engines.py). The generator (generator/service.py)
 raises its Refused).
 
     SpecRequest(claims)                 -> RunSpec, or refused: a claim of the generator's own config differs
-    adopt: the run's values, its own for where and how it runs; the rewards and rollout function imported
+    adopt: the run's values, its own for where and how it runs; the content of the code and files they name
+    digested on this host (pipeline/pinning.py) and compared with the learner's (RunSpec.contents): another
+    source under the same name is told to the hub (SpecRequest(problem)), which refuses it; else the rewards and
+    rollout function imported
     where the engine it has cannot serve them (`engines.rebuild`):
         SpecRequest(claims, fingerprints) -> refused: its model files are not the learner's
         build the engine                   (a problem on the way is told to the hub: SpecRequest(problem))
 A generator started before its learner, whose own config names the model, builds that engine while the hub does not
-answer yet (`_prebuild`); the spec keeps it or replaces it, and Register's fingerprints are checked by the hub.
+answer yet (`_prebuild`); the spec keeps it or replaces it, and Register's fingerprints and content digests are
+checked by the hub.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import logging
 
 from generator.engine import adapter_slots
 from generator.engines import rebuild
+from pipeline import pinning, runspec
 from pipeline import protocol as P
-from pipeline import runspec
 from pipeline.config import Config
 from pipeline.tasks import load_callable, load_reward_fns
 
@@ -59,6 +63,7 @@ class Spec:
         self.engine, self.tok = engines.current()
         self.built = copy.deepcopy(own) if self.engine is not None else None  # the config its engine was built for
         self.fingerprints: dict[str, str] = {}
+        self.contents: dict[str, str] = {}  # of the code and files the adopted config names, on this host
         self.digest = ""
         self.rewards = load_reward_fns(own.rewards) if self.engine is not None else []
         self.rollout = load_rollout(own) if self.engine is not None else None
@@ -90,6 +95,13 @@ class Spec:
             if changed := runspec.overridden(self.claims, cfg):  # the learner's anyway (they travel with leases)
                 log.warning("generator %s: the run's values replace its own config's: %s", self.id,
                             "; ".join(changed))
+            contents = pinning.content_digests(cfg)
+        except Exception as e:  # a module or file the run names is not on this host
+            await self._cannot_serve(ask, f"{type(e).__name__}: {e}")
+        # before the functions are imported: another module under the run's name does not run here
+        if why := pinning.content_conflict(contents, spec.contents, cfg):
+            await self._cannot_serve(ask, why)
+        try:
             rewards = load_reward_fns(cfg.rewards)
             rollout = load_rollout(cfg)
         except Exception as e:  # the run's reward or rollout functions cannot be imported here
@@ -98,6 +110,7 @@ class Spec:
             await self._build(cfg, why, ask)
         await self.close()  # the strategy replaced (an agent's endpoint stops)
         self.cfg, self.rewards, self.rollout, self.digest = cfg, rewards, rollout, runspec.digest(cfg)
+        self.contents = contents
         return ""
 
     def follow_staleness(self, k: int) -> str:

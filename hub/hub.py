@@ -45,8 +45,8 @@ from hub.registry import GENERATOR_ID, GeneratorInfo, Registry
 from hub.server import Server
 from hub.serving import WeightServing
 from hub.validation import Expected, Rejected, RunShape, check_rollout, check_stages
+from pipeline import pinning, runspec
 from pipeline import protocol as P
-from pipeline import runspec
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
 from weights.base import Announcer
@@ -71,10 +71,12 @@ class DatasetExhausted(HubStopped):
 class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
                  state: dict | None = None, *, encode, vocab_size: int, eval_rows: list[dict] | None = None,
-                 fingerprints: dict[str, str] | None = None):
-        """`fingerprints`: of the learner's model files (pipeline/fingerprint.py); every generator's must be these."""
+                 fingerprints: dict[str, str] | None = None, contents: dict[str, str] | None = None):
+        """`fingerprints`: of the learner's model files (pipeline/fingerprint.py); `contents`: the digests of the code
+        and files its config names (pipeline/pinning.py). Every generator's must be these."""
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
         self.fingerprints = dict(fingerprints or {})
+        self.contents = dict(contents or {})
         self.spec_digest = runspec.digest(cfg)  # what every generator serves: the run-time knobs aside, fixed
         self.prompts = Prompts(rows, cfg.data.prompt_column, encode, vocab_size, cfg.generator.max_model_len)
         self.version = version  # trained
@@ -202,7 +204,7 @@ class Hub:
         refusal, forged = self.registry.refusal(msg, user)
         if refusal:
             return self._refuse(refusal) if forged else P.Error(refusal, stop=True)
-        if why := self._serves_another(msg.spec_digest, msg.fingerprints):
+        if why := self._serves_another(msg.spec_digest, msg.fingerprints, msg.contents):
             return self._refuse_spec(msg.generator_id, user, why)
         if msg.loaded_run == self.run_id and (why := self._unpublished(msg.loaded_version, -1)):
             return P.Error(f"registration refused: loaded_version {why}", stop=True)
@@ -237,14 +239,17 @@ class Hub:
                or (runspec.fingerprint_conflict(msg.fingerprints, self.fingerprints) if msg.fingerprints else ""))
         if why:
             return self._refuse_spec(msg.generator_id, user, why)
-        return P.RunSpec(self.run_id, runspec.spec_of(self.cfg), self.spec_digest, self.fingerprints)
+        return P.RunSpec(self.run_id, runspec.spec_of(self.cfg), self.spec_digest, self.fingerprints, self.contents)
 
-    def _serves_another(self, digest: str, fingerprints: dict[str, str]) -> str:
-        """Why a registering generator does not serve this run's config ("" when it does)."""
+    def _serves_another(self, digest: str, fingerprints: dict[str, str], contents: dict[str, str]) -> str:
+        """Why a registering generator does not serve this run's config ("" when it does): another config, other
+        model files, or other code or files under the names the config gives (a generator checks those itself when
+        it adopts the spec; this catches one that did not)."""
         if digest != self.spec_digest:
             return (f"it serves another config than the run's (spec digest {digest[:16] or 'none'}, the run's "
                     f"{self.spec_digest[:16]}): a generator adopts the run's (SpecRequest) before it registers")
-        return runspec.fingerprint_conflict(fingerprints, self.fingerprints)
+        return (runspec.fingerprint_conflict(fingerprints, self.fingerprints)
+                or pinning.content_conflict(contents, self.contents, self.cfg))
 
     def _refuse_spec(self, gen_id: str, user: str, why: str) -> P.Error:
         """A generator that cannot serve this run's config: refused for good (it exits), counted, journaled."""

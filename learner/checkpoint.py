@@ -8,10 +8,12 @@ one `latest` names).
 
 weights.json says what the weights mean (`meaning`): their kind, the fingerprint of the base model's files
 (pipeline/fingerprint.py) and its format, dtype, quantization, and for LoRA r, alpha, use_rslora, target_modules and
-modules_to_save. A resume hashes the files now the way the checkpoint's fingerprint was (format 1 where it records
-none: written before generation_config.json and shard indexes were hashed).
-`check_resume` refuses, before anything starts, a resume whose config differs from the run's config.yaml outside what
-may differ (pipeline/runspec.py, RESUMABLE) or whose model or adapter differs from the checkpoint's, naming the field;
+modules_to_save; and what trained them: the content digests of the code and files the config names
+(pipeline/pinning.py: rewards, rollout, agent, environment, chat template). A resume hashes the files now the way the
+checkpoint's fingerprint was (format 1 where it records none: written before generation_config.json and shard
+indexes were hashed). `check_resume` refuses, before anything starts, a resume whose config differs from the run's
+config.yaml outside what may differ (pipeline/runspec.py, RESUMABLE), whose model or adapter differs from the
+checkpoint's, or whose reward (rollout, ...) source differs from the checkpoint's, naming the field;
 an adapter is loaded strictly (every trained tensor from the checkpoint, nothing else in it).
 """
 
@@ -29,15 +31,19 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def meaning(cfg, fingerprint: str, kind: str, form: int = FORMAT) -> dict:
+def meaning(cfg, fingerprint: str, kind: str, contents: dict[str, str] | None = None,
+            form: int = FORMAT) -> dict:
     """What a checkpoint's weights mean (weights.json). `kind`: what the run trains (learner/versions.py), `full`,
     `lora` or `lora-4bit`/`lora-8bit` (on a quantized base); `fingerprint`: of the base model's weight files, hashed
-    the way `form` says (pipeline/fingerprint.py)."""
+    the way `form` says (pipeline/fingerprint.py); `contents`: the content digests of the code and files the config
+    names (pipeline/pinning.py), under "contents"."""
     m = cfg.model
     out = {"kind": kind, "model.path": fingerprint, "fingerprint_format": form, "model.dtype": m.dtype,
            "model.quantization": m.quantization}
     if m.lora is not None:
         out.update({f"model.lora.{k}": getattr(m.lora, k) for k in LORA_MEANING})
+    if contents is not None:
+        out["contents"] = dict(contents)
     return out
 
 
@@ -101,6 +107,7 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
             raise CheckpointError(f"--resume {run_dir}: {why}")
         changes = resumed_changes(cfg, first)
     tag, recorded = _recorded(run_dir)
+    check_contents(cfg, run_dir, tag, recorded.get("contents"))
     from pipeline.fingerprint import of_model
 
     form = recorded.get("fingerprint_format", 1)  # hashed the files the first way, or says how
@@ -109,15 +116,29 @@ def check_resume(cfg, run_dir: Path) -> list[str]:
                               f"{form!r}, which this release cannot compute (it knows 1 and {FORMAT}): resume with the "
                               "release that wrote it")
     fingerprint = of_model(cfg.model, form)["model.path"] if "model.path" in recorded else ""
-    ours = meaning(cfg, fingerprint, run_kind(cfg), form)
+    ours = meaning(cfg, fingerprint, run_kind(cfg), form=form)
     for key, value in recorded.items():  # a checkpoint written before a field was recorded is not held to it
-        if key != "kind" and ours.get(key) != value:
+        if key not in ("kind", "contents") and ours.get(key) != value:
             what = "its files' fingerprint" if key == "model.path" else key
             raise CheckpointError(
                 f"--resume {run_dir}: checkpoint {tag} was trained with {what} {value!r}, this config has "
                 f"{ours.get(key)!r} (model.path {cfg.model.path}): its weights mean something else under it. Resume "
                 f"with the run's own config ({saved}, the default without -c) and model files, or start another run")
     return changes
+
+
+def check_contents(cfg, run_dir: Path, tag: str, recorded: dict | None) -> None:
+    """Refuse (CheckpointError, naming the field) a resume whose reward, rollout, agent or environment source or chat
+    template differs from what trained checkpoint `tag` (`recorded`, its weights.json's "contents"; None: written
+    before they were recorded, not held to them). Refused, not warned: a reward's name is not RESUMABLE, and another
+    source under it scores the resumed steps differently from the ones before."""
+    if not isinstance(recorded, dict):
+        return
+    from pipeline.pinning import content_conflict, content_digests
+
+    fix = "a resume continues the run it resumes; restore what it started with, or start another run"
+    if why := content_conflict(content_digests(cfg), recorded, cfg, "this host", f"checkpoint {tag}", fix):
+        raise CheckpointError(f"--resume {run_dir}: {why}")
 
 
 def run_kind(cfg) -> str:

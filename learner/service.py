@@ -41,6 +41,7 @@ from pipeline.config import Config, ConfigError, apply_runtime_change, save_conf
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, step_record, truncate_metrics
+from pipeline.pinning import content_digests
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
 from weights.files import remove_shm
@@ -94,12 +95,12 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
             save_config(cfg, run_dir / "config.yaml")
             with trace.span("start the hub", "startup"):  # the model's fingerprints, the dataset, the sockets
                 # what every generator's files must be, and what a checkpoint's weights mean
-                prints = of_model(cfg.model)
-                what = checkpoint.meaning(cfg, prints["model.path"], kind)
+                prints, contents = of_model(cfg.model), content_digests(cfg)
+                what = checkpoint.meaning(cfg, prints["model.path"], kind, contents)
                 hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
                           encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
                           vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg),
-                          fingerprints=prints)
+                          fingerprints=prints, contents=contents)
                 hub.start()
             _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": run_id,
                                       "rollouts": hub.rollouts_address, "token": token})

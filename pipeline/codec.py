@@ -24,9 +24,11 @@ import numpy as np
 
 # 3: typed replies, sampling and announcements (WeightsReady.file), RunComplete, one route; 4: the nccl join
 # handshake (each worker announces itself on the group's store before the group is built), Heartbeat.generated;
-# 5: the run's spec (SpecRequest -> RunSpec) before registering, which a Register must show (spec_digest, fingerprints)
-# 6: agent samples (Sample.prompt_ids, trajectory, turns); 7: model fingerprints of format 2 (pipeline/fingerprint.py),
-# which a peer of an earlier release computes otherwise: its files would be refused as other files
+# 5: the run's spec (SpecRequest -> RunSpec) before registering, which a Register must show (spec_digest, fingerprints);
+# 6: an agent's trajectories (Sample.prompt_ids, trajectory, turns); 7: model fingerprints of format 2
+# (pipeline/fingerprint.py), which a peer of an earlier release computes otherwise (its files would be refused as other
+# files), and the content digests of the code and files the run's config names (RunSpec.contents, Register.contents:
+# pipeline/pinning.py), which a Register must show
 SCHEMA_VERSION = 7
 
 

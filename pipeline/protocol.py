@@ -137,6 +137,7 @@ class Register(Message):
     spec_digest: str = text(64, "")  # pipeline.runspec.digest of the config it serves: the run's, adopted (RunSpec)
     fingerprints: dict[str, str] = field(default_factory=dict)  # of the model files on its host (pipeline/fingerprint)
     adapter_slots: int = 0  # generator.lora_mode adapter: adapters its engine serves at once (vLLM's max_loras)
+    contents: dict[str, str] = field(default_factory=dict)  # of the code and files its config names (pipeline/pinning)
 
 
 @dataclass
@@ -246,13 +247,15 @@ class SetRequest(Message):
 @dataclass
 class RunSpec(Message):
     """The run's values of what a generator serves (pipeline.runspec.SERVED: {dotted prefix: value}), the digest a
-    Register must show, and the fingerprints of the learner's model files."""
+    Register must show, the fingerprints of the learner's model files, and the content digests of the code and files
+    the config names (pipeline/pinning.py: {dotted field: sha256}), which a generator's must equal."""
 
     tag: ClassVar[str] = "run_spec"
     run_id: str
     config: dict[str, Any]
     digest: str = text(64)
     fingerprints: dict[str, str] = field(default_factory=dict)
+    contents: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -9,7 +9,9 @@ a claim under `REFUSED` that differs from the run's (`conflict`), naming the fie
 reward, rollout function or max_model_len would sample or score another policy than the run's. Any other claim that
 differs (sampling, the group size, ...: the learner's anyway, they travel with every lease) the generator names in a
 warning and takes the run's (`overridden`). model.path and model.tokenizer are claimed by fingerprint instead
-(pipeline/fingerprint.py): a generator may find the same files at another path on its host.
+(pipeline/fingerprint.py): a generator may find the same files at another path on its host. The digest covers the
+names of the rewards, rollout, agent, environment and chat template; what they name is compared by content
+(pipeline/pinning.py).
 Registering, it shows the digest of what it adopted (`digest`, computed the same way on both sides; the run-time knobs
 are left out, they travel with leases and heartbeats).
 

@@ -80,5 +80,9 @@ def prepare(args) -> tuple[Config, Path | None]:
         apply_environment(cfg, args.gpus)
     except ConfigError as e:
         raise Refused(str(e)) from None
+    if args.command in ("learner", "run"):  # the learner pins what every generator runs: it must find it too
+        from pipeline.pinning import content_digests
+
+        content_digests(cfg)  # ConfigError, naming the field, where a module or file is not on this host
     args.started = True  # what goes wrong from here is the service's (cli.py refuses only what came before)
     return cfg, run_dir

@@ -67,13 +67,14 @@ class Peer:
         return self.raw(P.encode(msg, self.rid), timeout)
 
     def register(self, **fields) -> P.Welcome:
-        """Register, showing the run's spec digest and model fingerprints as a generator that adopted them does
-        (pipeline/runspec.py)."""
+        """Register, showing the run's spec digest, model fingerprints and content digests as a generator that adopted
+        them does (pipeline/runspec.py, pipeline/pinning.py)."""
         if "spec_digest" not in fields:
             spec = self.ask(P.SpecRequest(self.id))
             if isinstance(spec, P.RunSpec):
                 fields.setdefault("spec_digest", spec.digest)
                 fields.setdefault("fingerprints", spec.fingerprints)
+                fields.setdefault("contents", spec.contents)
         welcome = self.ask(P.Register(self.id, session=self.session, **fields))
         if isinstance(welcome, P.Welcome):
             self.session = welcome.session

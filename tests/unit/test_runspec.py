@@ -213,3 +213,177 @@ async def test_a_generator_started_before_its_learner_builds_its_own_model_meanw
         await asyncio.wait_for(task, 30)
         if hub is not None:
             hub.stop()
+
+
+# ---- content, not names: the code and files a config names (pipeline/pinning.py) ----------------------------------
+
+SCORES = {"a": "[1.0, 0.0]", "b": "[1.0, 1.0]"}  # the finding's two hosts: one reward name, two scores
+
+
+@pytest.fixture
+def hosts(tmp_path, monkeypatch):
+    """Hosts as directories, each with its own `my_rewards.py` (same module and function name, other source:
+    SCORES), and `use(name)`, which makes this process that host: its directory first on sys.path, the module
+    imported before forgotten, the import system's caches invalidated."""
+    import importlib
+
+    base = list(sys.path)
+    for name, scores in {**SCORES, "a-copy": SCORES["a"]}.items():
+        (tmp_path / "hosts" / name).mkdir(parents=True)
+        (tmp_path / "hosts" / name / "my_rewards.py").write_text(f"def score(completions, **_):\n    return {scores}\n")
+
+    def use(name: str) -> None:
+        monkeypatch.setattr(sys, "path", [str(tmp_path / "hosts" / name), *base])
+        sys.modules.pop("my_rewards", None)
+        importlib.invalidate_caches()
+
+    yield use
+    sys.modules.pop("my_rewards", None)
+
+
+def _ask_with(peer: Peer):
+    async def ask(msg, timeout: float = 10.0):
+        return peer.ask(msg, timeout)
+    return ask
+
+
+def test_two_hosts_with_other_reward_source_under_one_name_differ_in_content_and_the_hub_refuses(tmp_path, hosts):
+    """Issue 51, item 2: my_rewards:score on two hosts, same name, other source, scoring [1.0, 0.0] against
+    [1.0, 1.0]: the run's digest (names) is the same, the content digest is not, and the hub refuses a Register
+    showing the other host's, naming the field; the same file on a third host is no conflict."""
+    from pipeline.pinning import content_conflict, content_digests
+    from pipeline.tasks import load_callable
+
+    cfg = config_from_dict({"rewards": [{"fn": "my_rewards:score"}]})
+    seen = {}
+    for host in ("a", "b", "a-copy"):
+        hosts(host)
+        seen[host] = content_digests(cfg)
+        assert str(load_callable("my_rewards:score", "rewards[0].fn")(completions=["x", "y"])) == SCORES[host[0]]
+    assert seen["a"]["rewards[0].fn"] != seen["b"]["rewards[0].fn"] and seen["a"] == seen["a-copy"]
+    assert {k for k in seen["a"] if seen["a"][k] != seen["b"][k]} == {"rewards[0].fn"}
+    why = content_conflict(seen["b"], seen["a"], cfg)
+    assert why.startswith("rewards[0].fn (my_rewards:score): the source of module my_rewards differs") and \
+        "deploy the same file on both hosts" in why, why
+    assert content_conflict(seen["a-copy"], seen["a"], cfg) == ""
+    hub = new_hub(tmp_path, rewards=[{"fn": "my_rewards:score"}])
+    hub.contents = seen["a"]  # the learner's host
+    peer = Peer(hub, "gen-b")
+    try:
+        spec = peer.ask(P.SpecRequest("gen-b"))
+        assert isinstance(spec, P.RunSpec) and spec.contents == seen["a"]
+        reply = peer.register(spec_digest=spec.digest, contents=seen["b"])
+        assert isinstance(reply, P.Error) and reply.stop and "rewards[0].fn (my_rewards:score)" in reply.message
+        assert peer.register(spec_digest=spec.digest, contents={}).stop  # one that shows none
+        assert hub.counters["refused_spec"] == 2 and not hub.registry.generators
+        assert isinstance(peer.register(spec_digest=spec.digest, contents=seen["a-copy"]), P.Welcome)
+    finally:
+        peer.close()
+        hub.stop()
+
+
+async def test_a_generator_refuses_a_run_whose_reward_source_differs_on_its_host(tmp_path, hosts):
+    """The generator's own check: it adopts the spec, digests the run's reward module on its host and tells the hub
+    it cannot serve the run (refused, counted) before it imports it; with the same file it adopts the run."""
+    from generator.spec import CannotServe, Spec
+    from pipeline.pinning import content_digests
+
+    hosts("a")
+    hub = new_hub(tmp_path, rewards=[{"fn": "my_rewards:score"}])
+    hub.contents = content_digests(hub.cfg)
+    peer = Peer(hub, "gen-b")
+    try:
+        hosts("b")
+        own = config_from_dict({})
+        with pytest.raises(CannotServe, match=r"rewards\[0\]\.fn \(my_rewards:score\): the source of module"):
+            await Spec(own, CountingEngines(), set(), "gen-b").adopt(_ask_with(peer))
+        assert hub.counters["refused_spec"] == 1 and "my_rewards" not in sys.modules  # refused before the import
+        hosts("a-copy")
+        spec = Spec(own, CountingEngines(), set(), "gen-b")
+        assert await spec.adopt(_ask_with(peer)) == "" and spec.contents == hub.contents
+        assert isinstance(peer.register(spec_digest=spec.digest, contents=spec.contents), P.Welcome)
+    finally:
+        peer.close()
+        hub.stop()
+
+
+def test_a_chat_template_is_pinned_by_its_bytes(tmp_path):
+    """generator.chat_template at one path, other bytes on another host: refused naming the field; the same bytes
+    at another path agree (the path itself is in the run's digest, as the config gives it)."""
+    from pipeline.pinning import content_conflict, content_digests
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    cfg = config_from_dict({"generator": {"chat_template": str(template)}})
+    learner = content_digests(cfg)
+    assert content_digests(cfg) == learner and "generator.chat_template" in learner
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}")
+    generator = content_digests(cfg)
+    assert generator["generator.chat_template"] != learner["generator.chat_template"]
+    why = content_conflict(generator, learner, cfg)
+    assert why.startswith(f"generator.chat_template ({template}): the file {template} differs"), why
+    hub = new_hub(tmp_path, generator={"chat_template": str(template)})
+    hub.contents = learner
+    peer = Peer(hub, "gen-t")
+    try:
+        reply = peer.register(contents=generator)
+        assert isinstance(reply, P.Error) and reply.stop and "generator.chat_template" in reply.message
+    finally:
+        peer.close()
+        hub.stop()
+
+
+def test_builtins_and_an_agent_commands_script_are_pinned_by_their_source(tmp_path, monkeypatch):
+    """`builtin:` names: the source of the project's module that defines them, so a checkout whose builtin
+    functions were edited differs even at the same version; a command: the script it names, not the interpreter."""
+    import hashlib
+
+    from pipeline.pinning import content_digests
+
+    def sha(path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:32]
+
+    cfg = config_from_dict({"rewards": [{"fn": "builtin:math_answer"}], "generator": {"rollout": "builtin:calculator"}})
+    got = content_digests(cfg)
+    assert got == {"rewards[0].fn": sha(REPO / "pipeline" / "tasks.py"),
+                   "generator.rollout": sha(REPO / "generator" / "calculator.py")}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_agent.py").write_text("print('4')\n")
+    cfg = config_from_dict({"generator": {"rollout": "agent", "agent_command": ["python", "my_agent.py", "-v"]}})
+    got = content_digests(cfg)
+    assert got["generator.agent_command[1]"] == sha(tmp_path / "my_agent.py")
+    assert got["generator.rollout"] == sha(REPO / "generator" / "agent.py")
+    assert set(got) == {"rewards[0].fn", "generator.rollout", "generator.agent_command[1]"}  # not python, not -v
+
+
+def test_a_reward_module_the_learners_host_lacks_is_refused_naming_the_field(tmp_path, monkeypatch):
+    from pipeline.config import ConfigError
+    from pipeline.pinning import content_digests
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"rewards\[1\]\.fn: no module 'no_such_rewards'"):
+        content_digests(config_from_dict({"rewards": [{"fn": "builtin:echo_reward"}, {"fn": "no_such_rewards:f"}]}))
+
+
+def test_a_resume_whose_reward_source_changed_is_refused(tmp_path, hosts):
+    """A checkpoint records the content digests that trained it; a resume with another source under the reward's name
+    is refused naming the field (rewards are not RESUMABLE); one written before they were recorded is not held."""
+    import json
+
+    from learner.checkpoint import CheckpointError, check_resume, meaning
+    from pipeline.pinning import content_digests
+
+    cfg = config_from_dict({"rewards": [{"fn": "my_rewards:score"}]})
+    hosts("a")
+    (tmp_path / "checkpoints" / "v2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("v2")
+    weights = tmp_path / "checkpoints" / "v2" / "weights.json"
+    weights.write_text(json.dumps({k: v for k, v in meaning(cfg, "", "full", content_digests(cfg)).items()
+                                   if k != "model.path"}))
+    assert check_resume(cfg, tmp_path) == []
+    hosts("b")
+    with pytest.raises(CheckpointError, match=r"rewards\[0\]\.fn \(my_rewards:score\): the source of module my_rewards "
+                                              r"differs between this host .* and checkpoint v2"):
+        check_resume(cfg, tmp_path)
+    weights.write_text(json.dumps({"kind": "full"}))
+    assert check_resume(cfg, tmp_path) == []
