@@ -13,8 +13,8 @@ the field named) rather than do something else: sampling is the lease's (tempera
 learner corrects for, so any sampling or format field that would change it (top_k, penalties, logit_bias, seed,
 response_format, logprobs, tool_choice other than auto or none, n > 1, streaming, stop strings) and any field it does
 not know are refused (the tables CHAT and TEXT). A prompt of token ids outside the vocabulary or too long for
-generator.max_model_len is refused before the engine; a body past `max_body` bytes is refused (413); templates and
-tokenizing run off the event loop, which also runs the generator's heartbeats.
+generator.max_model_len is refused before the engine; a body past `max_body` bytes is refused (413); a body past
+INLINE_BYTES is rendered and tokenized off the event loop, which also runs the generator's heartbeats.
 
 Exact tokens. A session keeps what its model saw and sampled as token ids. A prompt whose text begins with the text of
 that context (the chat template rendering the history the model wrote, with a tool's reply after it) is that context's
@@ -32,6 +32,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ ENDED = 4096  # ended sessions whose keys are remembered (their late calls told 
 # a request body's bytes, at most: these plus as many per token of generator.max_model_len (a longer body cannot fit
 # the context; unbounded, a 10 MB message took 12 s of the generator's CPU to tokenize)
 MAX_BODY, BODY_BYTES_PER_TOKEN = 2**20, 64
+INLINE_BYTES = 8192  # a body this small is rendered and tokenized on the loop (under 5 ms); a thread hop cost more
 
 
 @dataclass
@@ -104,11 +106,13 @@ class Session:
         async with self.lock:
             return await self._complete(prompt_ids, max_tokens)
 
-    async def complete_text(self, text: str, max_tokens: int | None) -> tuple[list[int], Any]:
-        """(the prompt's ids, its completion) of a prompt given as text, tokenized off the event loop (a long text
-        takes seconds): in the lock, so the text extends the context as the call before left it."""
+    async def complete_text(self, text: Callable[[], str], max_tokens: int | None,
+                            inline: bool = False) -> tuple[list[int], Any]:
+        """(the prompt's ids, its completion) of a prompt given as text (`text` renders it), in the lock, so the text
+        extends the context as the call before left it. Rendered and tokenized off the event loop (a long text takes
+        seconds), or on it where the request is small (`inline`: a thread's hand-off costs more than the work)."""
         async with self.lock:
-            ids = await asyncio.to_thread(self.extend, text)
+            ids = self.extend(text()) if inline else await asyncio.to_thread(lambda: self.extend(text()))
             return ids, await self._complete(ids, max_tokens)
 
     async def _complete(self, prompt_ids: list[int], max_tokens: int | None):
@@ -269,17 +273,19 @@ class Endpoint:
             return JSONResponse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
                                 status_code=500)
 
-        async def opened(request: Request) -> tuple[Session, dict]:
-            """A completion request's session (by its key) and body, refused where either is wrong."""
+        async def opened(request: Request) -> tuple[Session, dict, bool]:
+            """A completion request's session (by its key), body, and whether the body is small (INLINE_BYTES),
+            refused where either is wrong."""
             session = self.session(request.headers.get("authorization"))
+            raw = await _body(request, self.max_body)
             try:
-                body = json.loads(await _body(request, self.max_body))
+                body = json.loads(raw)
             except ValueError as e:
                 raise Refused(400, f"the request body is not JSON: {e}") from None
             if not isinstance(body, dict):
                 raise Refused(400, "the request body must be a JSON object")
             _check_params(body, session.sampling, CHAT if request.url.path.endswith("/chat/completions") else TEXT)
-            return session, body
+            return session, body, len(raw) <= INLINE_BYTES
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -288,18 +294,20 @@ class Endpoint:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            session, body = await opened(request)
+            session, body, small = await opened(request)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise Refused(400, "messages: a non-empty list of {role, content} is needed")
-            try:
-                text = await asyncio.to_thread(session.tok.apply_chat_template, messages, tools=body.get("tools"),
-                                               add_generation_prompt=True, chat_template=self.chat_template,
-                                               tokenize=False)
-            except Exception as e:
-                raise Refused(400, f"messages: the model's chat template cannot render them ({type(e).__name__}: "
-                                   f"{e})") from None
-            ids, out = await session.complete_text(text, _max_tokens(body))
+
+            def render() -> str:
+                try:
+                    return session.tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False,
+                                                           add_generation_prompt=True, chat_template=self.chat_template)
+                except Exception as e:
+                    raise Refused(400, f"messages: the model's chat template cannot render them ({type(e).__name__}: "
+                                       f"{e})") from None
+
+            ids, out = await session.complete_text(render, _max_tokens(body), inline=small)
             message = {"role": "assistant", "content": session.tok.decode(out.token_ids, skip_special_tokens=True)}
             finish = _finish(out.finish_reason)
             if body.get("tools") and body.get("tool_choice") != "none" and self.tool_calls is not None:
@@ -314,12 +322,13 @@ class Endpoint:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            session, body = await opened(request)
+            session, body, small = await opened(request)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                ids, out = await session.complete_text(prompt, _max_tokens(body))
+                text = prompt
+                ids, out = await session.complete_text(lambda: text, _max_tokens(body), inline=small)
             elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 vocabulary = len(session.tok)
                 wrong = [t for t in prompt if not 0 <= t < vocabulary]
