@@ -80,7 +80,8 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0 if lean else t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
+        "zero_optimization": {"stage": t.zero_stage} | ({"offload_optimizer": {
+            "device": "cpu", "pin_memory": torch.cuda.is_available()}} if t.offload_optimizer else {}),
         "bf16": {"enabled": dtype == torch.bfloat16 and not lean},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -95,6 +96,8 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
 
         device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0)))
         optimizer = MixedAdamW(model, dtype, device, t.grad_clip, lr=t.lr, weight_decay=t.weight_decay, fused=fused)
+    elif t.offload_optimizer:  # DeepSpeed steps offloaded partitions with its CPU Adam only
+        optimizer = guarded_cpu_adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     else:
         optimizer = GuardedAdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, fused=fused)
     guard = FiniteGuard(model, optimizer, per_micro_batch=not lean)  # hooks before DeepSpeed wraps them
@@ -176,6 +179,23 @@ class GuardedAdamW(torch.optim.AdamW):
         if self.skip:
             return None
         return super().step(closure)
+
+
+def guarded_cpu_adam(params, **kwargs) -> GuardedAdamW:
+    """DeepSpeed's CPU Adam (AdamW mode: decoupled weight decay, as torch's AdamW) with GuardedAdamW's switch: the
+    optimizer of trainer.offload_optimizer. DeepSpeed's engine refuses a torch optimizer for offloaded states."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    class GuardedCPUAdam(DeepSpeedCPUAdam):
+        skip = False
+        grad_norm: torch.Tensor | None = None
+
+        def step(self, closure=None, *args, **kwargs):
+            if self.skip:
+                return None
+            return super().step(closure, *args, **kwargs)
+
+    return GuardedCPUAdam(params, adamw_mode=True, **kwargs)  # type: ignore[return-value]
 
 
 class MixedAdamW(GuardedAdamW):

@@ -170,6 +170,10 @@ class TrainerConfig:
     memory free (learner/step.py `token_budget`): fewer, larger micro-batches are faster for small models."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
+    offload_optimizer: bool = False
+    """With zero_stage 1-3: the optimizer's state and fp32 master weights on the CPU (DeepSpeed's offload_optimizer,
+    stepped by DeepSpeedCPUAdam): 12 bytes a parameter leave the GPUs (a 7B model's 91 GB, spread over the ranks'
+    hosts), for a slower step. Its C++ kernel builds once per machine (about 30 s)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     seed: int = 0

@@ -168,6 +168,9 @@ def check_config(cfg) -> None:
     if cfg.trainer.overlong_buffer >= cfg.sampling.max_tokens:
         raise ConfigError(f"trainer.overlong_buffer: {cfg.trainer.overlong_buffer} must be below sampling.max_tokens="
                           f"{cfg.sampling.max_tokens}")
+    if cfg.trainer.offload_optimizer and cfg.trainer.zero_stage == 0:
+        raise ConfigError("trainer.offload_optimizer: needs trainer.zero_stage 1-3 (DeepSpeed offloads ZeRO's "
+                          "optimizer partitions); set trainer.zero_stage: 3 to shard the weights too")
     if cfg.trainer.compile and cfg.trainer.zero_stage == 3:
         raise ConfigError("trainer.compile: not with trainer.zero_stage 3 (its parameter hooks inside each layer break "
                           "the compiled graphs into pieces, each compiled again for every layer); use stage 0-2")

@@ -51,11 +51,12 @@ def _same(a: dict, b: dict) -> bool:
         torch.equal(a["moments"][i][k], b["moments"][i][k]) for i in a["moments"] for k in a["moments"][i])
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (0, "bfloat16"), (3, "float32")])
-def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage, dtype):
+@pytest.mark.parametrize("stage,dtype,offload", [(0, "float32", False), (0, "bfloat16", False), (3, "float32", False),
+                                                (3, "float32", True)])
+def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage, dtype, offload):
     init_distributed()
     cfg = config_from_dict({"model": {"dtype": dtype}, "trainer": {"zero_stage": stage, "batch_size": 4,
-                                                                   "group_size": 2}})
+                                                                   "group_size": 2, "offload_optimizer": offload}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     assert not train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)["skipped"]  # a normal step: moments exist now
     before = _state(engine, extras, stage)
@@ -67,6 +68,28 @@ def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage, dtype):
     after = _state(engine, extras, stage)
     assert not _same(before, after)
     assert all(torch.isfinite(t).all() for t in after["weights"].values())
+
+
+def test_an_optimizer_offloaded_to_the_cpu_steps_as_the_one_beside_the_weights(model_cache):
+    """trainer.offload_optimizer: ZeRO-3 with its optimizer state and masters offloaded, stepped by DeepSpeed's CPU
+    Adam, trains the weights ZeRO-3 with torch's AdamW beside them does, step for step (on a CPU machine both are on
+    the CPU, but the offload runs its own optimizer, buffers and copies)."""
+    init_distributed()
+    initial, weights = {}, {}
+    for offload in (False, True):
+        cfg = config_from_dict({"model": {"dtype": "float32"}, "trainer": {
+            "zero_stage": 3, "offload_optimizer": offload, "batch_size": 4, "group_size": 2, "lr": 1e-3}})
+        engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+        initial = {name: t.detach().clone() for name, t in gathered_weights(engine, 3)}
+        for step in range(3):
+            assert not train_step(engine, extras, _distinct_groups(4), cfg, step, PAD_ID)["skipped"]
+        weights[offload] = {name: t.detach().clone() for name, t in gathered_weights(engine, 3)}
+        if offload:  # DeepSpeed offloads (its stage 3 optimizer keeps the fp32 partitions for the CPU Adam)
+            assert type(extras.guard.optimizer).__name__ == "GuardedCPUAdam" and engine.optimizer.offload_optimizer
+    moved = [n for n in initial if not torch.equal(initial[n], weights[True][n])]
+    assert len(moved) > len(initial) // 2  # the steps trained
+    for name in initial:
+        torch.testing.assert_close(weights[True][name], weights[False][name], rtol=1e-5, atol=1e-6)
 
 
 def test_without_zero_a_bf16_model_steps_fp32_masters_clipped_by_the_guards_norm(model_cache, monkeypatch):

@@ -53,6 +53,7 @@ def test_file_then_overrides(tmp_path):
     ({}, ["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization: must be in (0, 1]"),
     ({"trainer": 5}, [], "trainer: expected a mapping"),
     ({"trainer": {"compile": True, "zero_stage": 3}}, [], "trainer.compile: not with trainer.zero_stage 3"),
+    ({"trainer": {"offload_optimizer": True}}, [], "trainer.offload_optimizer: needs trainer.zero_stage 1-3"),
     ({}, ["trainer"], "expected KEY=VALUE"),
     ({}, ["model.lora={r: 0}"], "model.lora.r: must be in [1, 1024]"),
     ({}, ["model.lora={rank: 8}"], "model.lora.rank: unknown field (known: r, alpha"),
