@@ -10,6 +10,8 @@ Steps before --skip are left out of the rates (start-up, first compilations). It
                of time with none generating; lease round trips, waits for room and for versions, weights loads,
                score, encode and send (medians and totals); the event loop's lag
     hub        seconds per message kind over the steady steps
+    metrics    metrics.jsonl's per-step sums over the steady steps (gen/, time/hub/)
+    verdict    what held the steady steps back (pipeline/verdict.py: the learner's log says the same every 10 steps)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from pipeline import trace
 from pipeline.metrics import read_jsonl
+from pipeline.verdict import timed, totals, verdict
 
 
 def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
@@ -57,9 +60,10 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         if e["track"] == "hub":
             hub[e["name"]] = hub.get(e["name"], 0.0) + e["dur"] / 1e6
     out["hub"] = {k: round(v, 4) for k, v in sorted(hub.items())}
-    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["step"] >= skip]
-    out["metrics"] = {k: sum(r.get(k, 0) for r in records) for k in sorted({k for r in records for k in r})
-                      if k.startswith(("gen/", "time/hub/"))}
+    pairs = [(r, wall) for r, wall in timed(read_jsonl(Path(run_dir) / "metrics.jsonl")) if r["step"] >= skip]
+    out["metrics"] = dict(sorted(totals([r for r, _ in pairs], ("gen/", "time/hub/")).items()))
+    bound = verdict(pairs)
+    out["verdict"] = {**bound.fields(), "sentence": bound.line()} if bound else None
     return out
 
 

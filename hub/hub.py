@@ -88,6 +88,7 @@ class Hub:
         self.registry = Registry(cfg.hub.max_generators, cfg.hub.max_generators_per_key)
         self.ledger = PromptLedger(len(rows), cfg.trainer.epochs, cfg.data.seed, self.counters)
         self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
+        self.verdict = ""  # what holds the run back, the learner's latest word (`set_verdict`)
         t = cfg.trainer
         self.shape = RunShape(vocab_size, t.group_size, cfg.sampling.max_tokens, cfg.generator.max_model_len,
                               len(cfg.rewards))
@@ -441,13 +442,18 @@ class Hub:
     # ---- operators (hub/operators.py) ----------------------------------------------------------------
 
     def _on_status_request(self, msg: P.StatusRequest) -> P.Message:
-        return self.operators.status(self.version, self.failure)
+        return self.status()
 
     def _on_set_request(self, msg: P.SetRequest) -> P.Message:
         return self.operators.set_knob(msg, self.version, self.next_step())
 
     def status(self) -> P.StatusReply:
-        return self.operators.status(self.version, self.failure)
+        return self.operators.status(self.version, self.failure, self.verdict)
+
+    def set_verdict(self, line: str) -> None:
+        """The learner's latest word on what holds the run back (pipeline/verdict.py), for `pipeline status`."""
+        with self.lock:
+            self.verdict = line
 
     # ---- the learner's thread -----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ class Operators:
         self.cfg, self.ledger, self.registry, self.journal, self.counters = cfg, ledger, registry, journal, counters
         self.run_dir, self.run_id, self.secured = run_dir, run_id, secured
 
-    def status(self, version: int, failure: str) -> P.StatusReply:
+    def status(self, version: int, failure: str, verdict: str = "") -> P.StatusReply:
         ledger = self.ledger
         leases: dict[str, int] = {}
         for lease in ledger.leases.values():
@@ -35,7 +35,7 @@ class Operators:
         return P.StatusReply(
             self.run_id, version, self.cfg.trainer.max_staleness, self.cfg.trainer.batch_size, len(ledger.buffer),
             ledger.in_flight(), len(ledger.pending), ledger.trained, dict(self.counters), failure, self.secured,
-            self.registry.status(version, leases))
+            self.registry.status(version, leases), verdict)
 
     def set_knob(self, msg: P.SetRequest, version: int, step: int) -> P.Message:
         """`step`: the first step whose batch is not taken yet (a batch already taken keeps the knobs it was built

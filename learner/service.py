@@ -37,13 +37,14 @@ from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline import trace
-from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
+from pipeline.config import Config, ConfigError, apply_runtime_change, save_config, slowed_step_s
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
-from pipeline.metrics import MetricsWriter, plot, read_jsonl, step_record, truncate_metrics
+from pipeline.metrics import MetricsWriter, plot, read_jsonl, read_metrics, step_record, truncate_metrics
 from pipeline.pinning import content_digests
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
+from pipeline.verdict import Verdicts, timed, verdict
 from weights.files import remove_shm
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,8 @@ class Learner:
     """One rank's trainer, its parts as attributes (`main` builds them): `run` trains from a version to
     trainer.total_steps (or until the dataset is exhausted), `step` is one step as the algorithm reads. Each step's
     phases are timed (learner/timeline.py): its record says where its time went, and a profiled run's trace shows
-    it. `extras`: build_engine's, beside the engine; `what`: what the weights mean, recorded with each checkpoint."""
+    it; every few steps and at the end, rank 0 says what holds the run back (pipeline/verdict.py). `extras`:
+    build_engine's, beside the engine; `what`: what the weights mean, recorded with each checkpoint."""
 
     def __init__(self, cfg: Config, engine, extras: Extras, hub: Hub | None, publisher: WeightPublisher,
                  metrics: MetricsWriter | None, run_dir: Path, rank: int, world: int, pad_id: int, what=None):
@@ -197,6 +199,8 @@ class Learner:
         self.skipped = 0  # steps not finite in a row
         self.started = self.last_time = time.perf_counter()
         self.last_tokens = hub.counters["tokens"] if hub else 0
+        self.verdicts = Verdicts()
+        self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
 
     def run(self, version: int) -> int:
         """Train from `version`; returns the last version."""
@@ -208,6 +212,8 @@ class Learner:
             step = made
         with trace.span("final checkpoint", "learner"):
             self.save(step)
+        if self.hub is not None:
+            self.conclude(self.hub)
         return step
 
     def step(self, step: int) -> int | None:
@@ -222,6 +228,8 @@ class Learner:
         assert groups is not None  # next_batch returns none only with `end`
         with self.times.phase("train"):
             stats = train_step(self.engine, self.extras, groups, self.cfg, step, self.pad_id, knobs)
+            if self.slowed_s:
+                time.sleep(self.slowed_s)
         if stats["skipped"]:
             self.skipped += 1
             self.times.end(step, skipped=True)
@@ -246,12 +254,29 @@ class Learner:
         now, tokens = time.perf_counter(), hub.counters["tokens"]
         rate = (tokens - self.last_tokens) / max(1e-6, now - self.last_time)
         assert self.metrics is not None  # rank 0's
-        self.metrics.write(step_record(
+        record = step_record(
             step, {**stats, **self.times.record()}, sync_ms=sync_ms, elapsed_s=now - self.started,
             publisher=self.publisher.metrics(), tokens_per_s=rate,
             generators=len(hub.registry.generators), max_staleness=knobs["trainer.max_staleness"], groups=groups,
-            counters=dict(hub.counters), evaluations=hub.evaluations()))  # (a copy: the hub's thread adds keys)
+            counters=dict(hub.counters), evaluations=hub.evaluations())  # (a copy: the hub's thread adds keys)
+        # what holds the run back, from the records so far and this one, whole: read, never changed
+        due = self.verdicts.add(record)
+        if due is not None:
+            record.update(due.fields())
+        self.metrics.write(record)
         self.last_tokens, self.last_time = tokens, now
+        if due is not None:
+            log.info("what holds the run back, %s", due.line())
+            hub.set_verdict(due.line())
+        if joined := self.verdicts.joined():
+            log.info("%s", joined)
+
+    def conclude(self, hub: Hub) -> None:
+        """Rank 0, at the end: what held the whole run back (every step in metrics.jsonl, a resumed run's too)."""
+        final = verdict(timed(read_metrics(self.run_dir)))
+        if final is not None:
+            log.info("what held the run back, %s", final.line())
+            hub.set_verdict(final.line())
 
     def save(self, version: int) -> None:
         checkpoint.save(self.engine, self.run_dir, version, self.hub.snapshot() if self.hub else None, self.rank,

@@ -10,7 +10,9 @@ A step is its phases, one after another, each a span on the learner's track and 
 
 and the step's own span (`step`) covers them all, so they add up to its wall time. The record also gets what the
 hub's thread spent since the last record (time/hub/<message>_s: decode, rollout, lease_request, ...) and what the
-generators' stages gained (gen/<stage>_s, summed over generators, from their heartbeats).
+generators' stages gained (gen/<stage>_s, summed over generators, from their heartbeats) since each one's first report
+after it registered: a generator counts its seconds from its own start, and the time it spent building its engine is
+no step's (it made a generator that joined look idle for tens of seconds in the step it joined).
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ class StepTimes:
         stages = self.hub.generator_stages()
         gained: dict[str, float] = {}
         for gen_id, now in stages.items():
-            for k, v in trace.gained(now, self.gen_before.get(gen_id, {})).items():
+            before = self.gen_before.get(gen_id)
+            if not before:  # its first report since it registered counts from its start (its engine's build, its
+                continue  # time before a reconnect): no step's; what it gains from there on is
+            for k, v in trace.gained(now, before).items():
                 gained[k] = gained.get(k, 0.0) + max(0.0, v)
         out.update({f"gen/{k}_s": v for k, v in sorted(gained.items())})
         self.gen_before = stages

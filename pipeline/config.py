@@ -566,6 +566,12 @@ def apply_environment(cfg: Config, gpus: str | None = None) -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("9.0a", "9.0")
 
 
+def slowed_step_s() -> float:
+    """For tests only: seconds each learner step sleeps after it trains (PIPELINE_TEST_SLOW_STEP_S), which makes a run
+    whose bound is the learner's compute on any machine (tests/integration/test_verdict.py). Unset: 0."""
+    return float(env_flag("PIPELINE_TEST_SLOW_STEP_S") or 0)
+
+
 def env_flag(name: str, default: str = "") -> str:
     """Read one environment variable (kept here so the rest of the code does not touch os.environ)."""
     return os.environ.get(name, default)

@@ -36,6 +36,7 @@ from pipeline.host import processes
 from pipeline.metrics import read_metrics
 from pipeline.netutil import free_port, local_address, port_free
 from pipeline.trace import merge, trace_dir
+from pipeline.verdict import timed, verdict
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # guards run `-m pipeline.launcher` from here
 # what a learner writes into its run directory (launch.yaml and logs/ are the launcher's, written before it starts)
@@ -274,6 +275,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         first, last = records[0]["reward/mean"], records[-1]["reward/mean"]
         print(f"done: {len(records)} steps, reward {first:.3f} -> {last:.3f}, "
               f"{records[-1]['time/elapsed_s']:.0f} s of training")
+        if bound := verdict(timed(records)):  # what held it back (pipeline/verdict.py), as the learner's log says
+            print(f"bound: {bound.line()}")
         print(f"run directory: {run_dir}  (metrics.jsonl, reward.png, final/)")
     return rc
 

@@ -338,6 +338,7 @@ class StatusReply(Message):
     failure: str = text(65536, "")
     authenticated: bool = False
     generators: list[GeneratorStatus] = field(default_factory=list)
+    verdict: str = text(2048, "")  # what holds the run back, the learner's latest word (pipeline/verdict.py)
 
 
 @dataclass

@@ -20,6 +20,7 @@ def render(s) -> str:
         "rejected rollouts " + (", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in sorted(c.items())
                                           if k.startswith("rejected/")) or "0"),
         *([f"FAILED: {s.failure}"] if s.failure else []),
+        *([f"bound: {s.verdict}"] if s.verdict else []),
         "",
         f"{'generator':<34} {'host':<16} {'gpus':<6} {'version':>7} {'lag':>4} {'tok/s':>8} {'leases':>6} "
         f"{'heartbeat':>9}",

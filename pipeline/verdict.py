@@ -1,0 +1,224 @@
+"""What holds a run back: one stage named from the per-step sums that metrics.jsonl already records.
+
+A step's record says where the learner's time went (time/wait_s, time/step_s, time/publish_s), what the hub's thread
+spent (time/hub/<message>_s) and what the generators' stages gained (gen/<stage>_s, summed over generators). Over a
+window of steps the verdict adds them up and asks, in this order:
+
+    the learner waits less than a quarter of its time    learner compute (weights delivery when publishing takes
+                                                         longer than training)
+    the hub's thread is busy half the time or more       the hub
+    reward functions run 0.5 s a generator second        rewards
+    generators wait for room in the window, or leases    the window, or weights delivery: the larger of the two,
+      wait for their weights, 20 % of their time         once it reaches 20 %
+    none of these                                        generation throughput
+
+The generators' seconds are shares of their own time (generating + idle, which add up to each one's wall time), so
+heartbeats that land unevenly between steps do not skew them. Each learner process's first WARMUP steps are left
+out (step 0 waits for the engines to start), and so are steps LONG times the window's mean or more (an evaluation
+round, a checkpoint, a compile). The thresholds and why are in docs/design.md ("What holds a run back").
+
+Nothing here times anything: `verdict` is a pure function of the records. The learner (learner/service.py) logs one
+every EVERY steps and at the end of the run, with its figures in that step's record (verdict/...), the hub keeps
+the latest for `pipeline status`, `pipeline run` prints the run's, and `python -m bench.timeline` reports it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+EVERY = 10  # steps between verdicts in the learner's log
+WARMUP = 2  # records at a learner's start left out: step 0 waits for the engines, step 1 may compile
+LONG = 3.0  # a step this many times the window's mean wall time is left out: an evaluation round, a checkpoint
+MIN_STEPS = 3  # fewer steps than this say nothing
+
+LEARNER_WAITS = 0.25  # the learner waits at least this share of its time: something upstream holds it up
+HUB_BUSY = 0.5  # the hub's one thread busy this share of the time: its answers start to queue
+REWARDS = 0.5  # reward-function seconds per generator second
+WAITS = 0.2  # generators waiting for room (the window) or for weights, this share of their time
+RISE = 1.1  # steps/min after a generator joined against before: less than this did not rise
+
+LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD = ("learner compute", "generation throughput", "the window",
+                                                     "weights delivery", "the hub", "rewards")
+STAGES = (LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD)
+# the generators' shares a verdict reads, and the stage of theirs (protocol.STAGES) each is of
+SHARES = {"generating": "generating", "window_full": "wait_room", "wait_weights": "wait_version", "rewards": "score"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    stage: str  # one of STAGES
+    share: float  # the figure the sentence names (rewards: reward-function seconds per generator second, may pass 1)
+    sentence: str  # what binds, the figure, the knob
+    first: int  # the steps it read
+    last: int
+    steps: int
+    left_out: int  # long steps left out
+    figures: dict[str, float] = field(default_factory=dict)  # every share it computed
+
+    def line(self) -> str:
+        left = f", {self.left_out} long left out" if self.left_out else ""
+        return f"steps {self.first}-{self.last}{left}: {self.sentence}"
+
+    def fields(self) -> dict:
+        """For a metrics record."""
+        return {"verdict/stage": self.stage, "verdict/share": round(self.share, 4), "verdict/steps": self.steps,
+                **{f"verdict/{k}": round(v, 4) for k, v in self.figures.items()}}
+
+
+def timed(records: Sequence[dict], start: int = 0) -> list[tuple[dict, float]]:
+    """Each step's record with its wall time (time/elapsed_s since the record before), but the first WARMUP records
+    of each learner process. A process starts at records[start] (negative: before the first of `records`) and
+    wherever time/elapsed_s goes back (a resumed run's learner)."""
+    out, begun = [], start
+    for i in range(1, len(records)):
+        prev, rec = records[i - 1], records[i]
+        if rec["time/elapsed_s"] < prev["time/elapsed_s"]:
+            begun = i
+        if i - begun >= WARMUP:
+            out.append((rec, rec["time/elapsed_s"] - prev["time/elapsed_s"]))
+    return out
+
+
+def totals(records: Sequence[dict], prefixes: tuple[str, ...] = ("gen/", "time/")) -> dict[str, float]:
+    """The sums of every number whose key starts with one of `prefixes`."""
+    out: dict[str, float] = {}
+    for r in records:
+        for k, v in r.items():
+            if k.startswith(prefixes) and isinstance(v, (int, float)):
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def verdict(pairs: Sequence[tuple[dict, float]]) -> Verdict | None:
+    """The stage that bound these steps ((record, wall seconds), from `steps`); None for fewer than MIN_STEPS."""
+    kept = _usual(pairs)
+    if len(kept) < MIN_STEPS:
+        return None
+    f = _figures([r for r, _ in kept], sum(w for _, w in kept))
+    stage, share, sentence = _decide(f, kept[-1][0].get("max_staleness", 1))
+    return Verdict(stage, share, sentence, kept[0][0]["step"], kept[-1][0]["step"], len(kept),
+                   len(pairs) - len(kept), {k: v for k, v in f.items() if k != "score_per_group"})
+
+
+def _usual(pairs: Sequence[tuple[dict, float]]) -> list[tuple[dict, float]]:
+    """The steps shorter than LONG times the mean: a single long one (an evaluation round, a checkpoint) is left out,
+    steps that alternate (batches taken in runs of k + 1) are not."""
+    if not pairs:
+        return []
+    mean = sum(w for _, w in pairs) / len(pairs)
+    return [(r, w) for r, w in pairs if w < LONG * mean]
+
+
+def _figures(records: list[dict], wall: float) -> dict[str, float]:
+    """Shares of the learner's wall time, of the hub thread's, and of the generators' own time."""
+    t = totals(records)
+    f = {"wait": t.get("time/wait_s", 0.0) / wall, "train": t.get("time/step_s", 0.0) / wall,
+         "publish": t.get("time/publish_s", 0.0) / wall,
+         "hub_busy": sum(v for k, v in t.items() if k.startswith("time/hub/")) / wall}
+    gen = t.get("gen/generating_s", 0.0) + t.get("gen/idle_s", 0.0)  # the generators' seconds in these steps
+    if gen > 0:
+        for name, stage in SHARES.items():
+            f[name] = t.get(f"gen/{stage}_s", 0.0) / gen
+        groups = sum(len(r["trained"]) if "trained" in r else r.get("groups", 0) for r in records)
+        f["score_per_group"] = t.get("gen/score_s", 0.0) / max(1, groups)
+    return f
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f} %"
+
+
+def _decide(f: dict[str, float], k: int) -> tuple[str, float, str]:
+    """(stage, its figure, the sentence with the knob) from the shares of `_figures`."""
+    waited = f"the learner waited {_pct(f['wait'])} of its time"
+    if f["wait"] < LEARNER_WAITS:
+        if f["publish"] > f["train"]:
+            return WEIGHTS, f["publish"], (
+                f"publishing each version took {_pct(f['publish'])} of the step, training {_pct(f['train'])}: "
+                "`weights.delta` or another `weights.transport` moves it")
+        return LEARNER, f["train"], (
+            f"training took {_pct(f['train'])} of the step, waiting for rollouts {_pct(f['wait'])}: the learner sets "
+            "the pace; `trainer.micro_batch_tokens`, `trainer.compile`, more learner GPUs or `model.lora` move it")
+    if f["hub_busy"] >= HUB_BUSY:
+        return HUB, f["hub_busy"], (
+            f"the hub's thread was busy {_pct(f['hub_busy'])} of the time and {waited}: fewer, larger messages "
+            "(`generator.lease_size`, `hub.heartbeat_s`) move it")
+    if f.get("rewards", 0.0) >= REWARDS:
+        return REWARD, f["rewards"], (
+            f"the reward functions took {f['score_per_group']:.2f} s a group, {f['rewards']:.1f} s for every second "
+            f"of the generators', and {waited}: faster reward functions, or another generator "
+            "(`pipeline generator --learner ADDR`) to score more at once, move it")
+    room, weights = f.get("window_full", 0.0), f.get("wait_weights", 0.0)
+    if max(room, weights) >= WAITS and room >= weights:
+        more = "a batch generate while a step trains" if k == 0 else f"{k + 1} batches generate while a step trains"
+        return WINDOW, room, (
+            f"the window was full {_pct(room)} of the generators' time and {waited}: "
+            f"`trainer.max_staleness={k + 1}` lets {more}")
+    if weights >= WAITS:
+        return WEIGHTS, weights, (
+            f"leases waited for their weights version {_pct(weights)} of the generators' time and {waited}: "
+            "`weights.delta`, another `weights.transport` or `generator.update_mode=inflight` moves it")
+    busy = f" while the engines generated {_pct(f['generating'])} of theirs" if "generating" in f else ""
+    return GENERATION, f.get("generating", f["wait"]), (
+        f"{waited} for rollouts{busy}: another generator (`pipeline generator --learner ADDR`) or a larger "
+        "`generator.max_num_seqs` moves it")
+
+
+def slim(record: dict) -> dict:
+    """What the verdict reads of a record (a learner keeps its last few without their trained keys)."""
+    out = {k: v for k, v in record.items() if k.startswith(("time/", "gen/"))}
+    out.update({k: record.get(k, 0) for k in ("step", "generators", "max_staleness")})
+    out["groups"] = len(record.get("trained", ())) or record.get("groups", 0)
+    return out
+
+
+class Verdicts:
+    """One learner process's verdicts as its records come (`add`): one every `every` steps over the steps since the
+    last (`due`), and, `every` steps after generators rose, whether steps/min rose with them (`joined`)."""
+
+    def __init__(self, every: int = EVERY):
+        self.every = every
+        self.records: deque[dict] = deque(maxlen=2 * every + 2)
+        self.seen = 0  # records of this process
+
+    def add(self, record: dict) -> Verdict | None:
+        """Keep `record` (its `slim` copy); the verdict when one is due (`due`)."""
+        self.records.append(slim(record))
+        self.seen += 1
+        return self.due()
+
+    def _steps(self, first: int, last: int | None = None) -> list[tuple[dict, float]]:
+        """`timed` over the kept records[first:last]: this process's warm-up left out where its start is there."""
+        records = list(self.records)
+        return timed(records[first:last], len(records) - self.seen - first)
+
+    def due(self) -> Verdict | None:
+        """The verdict over the last `every` steps, at every `every`-th step (none when `every` is 0)."""
+        if not self.every or not self.records or (self.records[-1]["step"] + 1) % self.every:
+            return None
+        return verdict(self._steps(max(0, len(self.records) - self.every - 1)))
+
+    def joined(self) -> str | None:
+        """`every` steps after the number of generators rose: steps/min before and after, and when it did not rise
+        by RISE, why (the verdict after the join)."""
+        recs = list(self.records)
+        j = len(recs) - self.every - 1  # the record of the step in which they joined
+        if j < 1 or recs[j]["generators"] <= recs[j - 1]["generators"]:
+            return None
+        before, after = self._steps(0, j)[-self.every:], self._steps(j)
+        if len(before) < MIN_STEPS or len(after) < MIN_STEPS:
+            return None
+        was, now = rate(before), rate(after)
+        head = (f"generators {recs[j - 1]['generators']} -> {recs[j]['generators']} at step {recs[j]['step']}: "
+                f"{was:.1f} -> {now:.1f} steps/min")
+        if now >= RISE * was:
+            return head
+        why = verdict(after)
+        return f"{head}, no faster" + (f": {why.sentence}" if why else "")
+
+
+def rate(pairs: Sequence[tuple[dict, float]]) -> float:
+    """Steps per minute over (record, wall seconds) pairs."""
+    return 60 * len(pairs) / max(1e-9, sum(w for _, w in pairs))

@@ -1,0 +1,272 @@
+"""What holds a run back (pipeline/verdict.py): each stage wins on the records of a run it binds, the figures measured
+on an H200 read as they should, warm-up and long steps are left out, a join says why steps/min did not rise, and the
+verdict changes no other field of a learner's records."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+
+from pipeline import protocol as P
+from pipeline import verdict as V
+from pipeline.status import render
+
+
+def records(steps: list[dict], first: int = 0, generators: int = 1, k: int = 1) -> list[dict]:
+    """Metrics records of consecutive steps; each of `steps` gives a step's wall time (`wall`), the learner's phases
+    (wait, train, publish), the hub thread's seconds (hub) and the generators' seconds per stage (the rest, summed
+    over generators; idle: what generating leaves of their wall time unless given)."""
+    out, elapsed = [], 0.0
+    for i, s in enumerate(steps):
+        s = dict(s)
+        wall = s.pop("wall")
+        elapsed += wall
+        gens = s.pop("generators", generators)
+        r = {"step": first + i, "time/elapsed_s": elapsed, "time/wait_s": s.pop("wait", 0.0),
+             "time/step_s": s.pop("train", 0.0), "time/publish_s": s.pop("publish", 0.0),
+             "time/hub/rollout_s": s.pop("hub", 0.0), "generators": gens, "max_staleness": s.pop("k", k),
+             "trained": [[0, i, 0, "g"]] * 16}
+        if s:
+            s.setdefault("idle", max(0.0, gens * wall - s.get("generating", 0.0)))
+            r.update({f"gen/{name}_s": v for name, v in s.items()})
+        out.append(r)
+    return out
+
+
+def judge(steps: list[dict], **kw) -> V.Verdict:
+    v = V.verdict(V.timed(records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + steps, **kw)))
+    assert v is not None
+    return v
+
+
+# one step of each kind of run: the learner's phases and what the generators did meanwhile (one generator)
+LEARNER_BOUND = {"wall": 1.0, "wait": 0.02, "train": 0.95, "publish": 0.01, "generating": 0.3, "wait_room": 0.7}
+STAGE_RUNS = {
+    V.LEARNER: LEARNER_BOUND,
+    V.WEIGHTS: {"wall": 1.0, "wait": 0.05, "train": 0.3, "publish": 0.6, "generating": 0.3, "wait_room": 0.9},
+    V.HUB: {"wall": 1.0, "wait": 0.6, "train": 0.35, "hub": 0.7, "generating": 0.5, "lease": 0.4},
+    # rewards before the window: groups scoring hold the window's room too
+    V.REWARD: {"wall": 1.0, "wait": 0.7, "train": 0.25, "generating": 0.2, "score": 3.0, "wait_room": 0.6},
+    V.WINDOW: {"wall": 1.0, "wait": 0.45, "train": 0.5, "generating": 0.85, "wait_room": 0.8, "wait_version": 0.05},
+    V.GENERATION: {"wall": 1.0, "wait": 0.6, "train": 0.35, "generating": 0.97, "wait_room": 0.02, "score": 0.01},
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGE_RUNS))
+def test_each_stage_wins_on_the_run_it_binds(stage):
+    v = judge([STAGE_RUNS[stage]] * 8)
+    assert v.stage == stage, v.line()
+    assert v.steps == 8 and (v.first, v.last) == (2, 9)
+
+
+def test_leases_waiting_for_their_weights_name_the_weights():
+    v = judge([{"wall": 1.0, "wait": 0.5, "train": 0.45, "generating": 0.6, "wait_version": 0.45,
+                "wait_room": 0.1}] * 8)
+    assert v.stage == V.WEIGHTS and v.share == pytest.approx(0.45)
+    assert "`weights.delta`" in v.sentence
+
+
+def test_each_sentence_gives_its_figure_and_knob():
+    knobs = {V.LEARNER: "`trainer.micro_batch_tokens`", V.WEIGHTS: "`weights.transport`",
+             V.HUB: "`generator.lease_size`", V.REWARD: "`pipeline generator --learner ADDR`",
+             V.WINDOW: "`trainer.max_staleness=2` lets 2 batches generate", V.GENERATION: "`generator.max_num_seqs`"}
+    for stage, knob in knobs.items():
+        v = judge([STAGE_RUNS[stage]] * 8)
+        assert knob in v.sentence, v.sentence
+        assert stage == V.REWARD or f"{100 * v.share:.0f} %" in v.sentence, v.sentence
+    rewards = judge([STAGE_RUNS[V.REWARD]] * 8)
+    assert "0.19 s a group" in rewards.sentence  # 3 s of scoring a step, 16 groups
+    k0 = judge([STAGE_RUNS[V.WINDOW]] * 8, k=0)
+    assert "`trainer.max_staleness=1` lets a batch generate while a step trains" in k0.sentence
+
+
+# Measured on one H200, configs/gpu-smollm2-math.yaml colocated, 150 steps (docs/figures.md): per step
+H200_K1 = {"wall": 0.438, "wait": 0.18, "train": 0.21, "publish": 0.01, "hub": 0.01,
+           "generating": 0.39, "wait_room": 0.372, "score": 0.004, "wait_version": 0.01}  # 137 steps/min
+H200_K2 = {"wall": 0.252, "wait": 0.005, "train": 0.188, "publish": 0.01, "hub": 0.01,
+           "generating": 0.22, "wait_room": 0.15, "score": 0.004}  # 179.6 steps/min, median wait ~0
+H200_K2_EVAL = {"wall": 1.3, "wait": 1.05, "train": 0.19, "publish": 0.01, "hub": 0.02,
+                "generating": 1.2, "wait_room": 0.1}  # an evaluation round every 10 steps
+SPLIT_1_5B = {"wall": 6.38, "wait": 0.89, "train": 5.45, "publish": 0.04, "generating": 6.2, "wait_room": 0.1}
+
+
+def test_the_h200_runs_read_as_measured():
+    """k = 1 waits on the window (the generator waits for room, the learner for the batch); k = 2 and the split 1.5B
+    run are bound by the learner's compute."""
+    assert judge([H200_K1] * 9).stage == V.WINDOW
+    k2 = judge([H200_K2] * 4 + [H200_K2_EVAL] + [H200_K2] * 5, k=2)
+    assert k2.stage == V.LEARNER and k2.left_out == 1, k2.line()
+    assert k2.share == pytest.approx(0.188 / 0.252, abs=0.01)  # train ~ 75 % of the step
+    assert judge([SPLIT_1_5B] * 9).stage == V.LEARNER
+
+
+def test_a_long_step_is_left_out_and_alternating_steps_are_not():
+    """The evaluation round's step alone would make k = 2 look upstream-bound (its wait is 30 % of the window)."""
+    with_round = [H200_K2] * 4 + [H200_K2_EVAL] + [H200_K2] * 5
+    whole = V._figures([r for r, _ in V.timed(records([{"wall": 1.0}] * 2 + with_round))],
+                       sum(s["wall"] for s in with_round))
+    assert whole["wait"] > V.LEARNER_WAITS  # kept, it would have read "upstream"
+    # k = 1 on a CPU: batches taken in runs of two, a step waiting, the next not (3x apart): all are read
+    short = {"wall": 0.06, "wait": 0.0, "train": 0.05, "generating": 0.03, "wait_room": 0.05}
+    long = {"wall": 0.2, "wait": 0.14, "train": 0.05, "generating": 0.15, "wait_room": 0.15}
+    v = judge([short, long] * 5)
+    assert v.left_out == 0 and v.steps == 10 and v.stage == V.WINDOW
+
+
+def test_heartbeats_that_land_unevenly_do_not_skew_the_generators_shares():
+    """A generator's seconds reach the records with its heartbeats: here every third step or so, the window's first
+    one bringing a step's worth from before it (9 s of its time in 8 s of the window's). Its shares are of its own
+    seconds, not of the window's wall time."""
+    lumps = [{"wall": 1.0, "wait": 0.5, "train": 0.45, "generating": 0.5 * n, "wait_room": 0.8 * n, "idle": 0.5 * n}
+             for n in (2, 0, 0, 3, 0, 0, 3, 1)]
+    v = judge(lumps)
+    assert v.stage == V.WINDOW and v.figures["window_full"] == pytest.approx(0.8)
+    assert v.figures["generating"] == pytest.approx(0.5)
+
+
+def test_warm_up_is_left_out_at_the_start_and_after_a_resume():
+    run = records([{"wall": 74.0, "wait": 74.0}] + [{"wall": 0.3, "train": 0.28, "wait": 0.01}] * 9)
+    resumed = records([{"wall": 50.0, "wait": 50.0}] + [{"wall": 0.3, "train": 0.1, "wait": 0.19}] * 9, first=10)
+    pairs = V.timed(run + resumed)
+    assert [r["step"] for r, _ in pairs] == list(range(2, 10)) + list(range(12, 20))
+    assert all(w == pytest.approx(0.3) for _, w in pairs)
+    assert V.verdict(pairs[:2]) is None  # too few steps say nothing
+
+
+def test_the_verdict_reads_its_records_and_changes_none():
+    rs = records([{"wall": 1.0, "wait": 1.0}] + [STAGE_RUNS[V.WINDOW]] * 12)
+    before = copy.deepcopy(rs)
+    V.verdict(V.timed(rs))
+    verdicts = V.Verdicts()
+    for r in rs:
+        verdicts.add(r)
+        verdicts.joined()
+    assert rs == before
+
+
+def test_a_verdict_every_ten_steps_over_the_ten_before():
+    verdicts, due = V.Verdicts(), {}
+    for r in records([{"wall": 30.0, "wait": 30.0}] + [LEARNER_BOUND] * 9 + [STAGE_RUNS[V.WINDOW]] * 15):
+        if (v := verdicts.add(r)) is not None:
+            due[r["step"]] = v
+    assert list(due) == [9, 19]
+    assert (due[9].first, due[9].last, due[9].stage) == (2, 9, V.LEARNER)  # steps 0 and 1 left out
+    assert (due[19].first, due[19].last, due[19].steps, due[19].stage) == (10, 19, 10, V.WINDOW)
+    assert due[9].fields()["verdict/stage"] == V.LEARNER and due[9].line().startswith("steps 2-9: training took")
+
+
+def _join(before: dict, after: dict) -> list[str]:
+    verdicts, said = V.Verdicts(), []
+    steps = [{"wall": 30.0, "wait": 30.0}] + [before] * 14 + [dict(after, generators=2)] * 12
+    for r in records(steps):
+        verdicts.add(r)
+        if line := verdicts.joined():
+            said.append(line)
+    return said
+
+
+def test_a_generator_that_joins_a_full_window_is_named_as_no_faster():
+    window = dict(STAGE_RUNS[V.WINDOW])
+    (said,) = _join(window, dict(window, generating=1.0, wait_room=1.7))  # two generators' seconds
+    assert said.startswith("generators 1 -> 2 at step 15: 60.0 -> 60.0 steps/min, no faster: the window was full")
+    assert "`trainer.max_staleness=2`" in said
+
+
+def test_a_generator_that_speeds_the_run_up_is_named_without_a_why():
+    slow = STAGE_RUNS[V.GENERATION]
+    (said,) = _join(slow, dict(slow, wall=0.5, wait=0.1, generating=0.9))
+    assert said == "generators 1 -> 2 at step 15: 60.0 -> 120.0 steps/min"
+
+
+def test_the_status_shows_the_latest_verdict_and_an_older_peer_decodes_without_it():
+    status = P.StatusReply("run", 3, 1, 16, 0, 0, 0, 0, {}, verdict="steps 2-9: the window was full 80 %")
+    assert "bound: steps 2-9: the window was full 80 %" in render(status)
+    back, _ = P.decode(P.encode(status))
+    assert back.verdict == status.verdict
+    import msgpack
+
+    older = msgpack.unpackb(P.encode(status))
+    del older["verdict"]  # a learner of an earlier release: the field appended since has its default
+    assert P.decode(msgpack.packb(older))[0].verdict == ""
+
+
+def test_pipeline_status_gets_the_learners_latest_verdict(tmp_path):
+    from tests.unit.peers import Peer, new_hub
+
+    hub = new_hub(tmp_path)
+    peer = Peer(hub, "operator")
+    try:
+        assert peer.ask(P.StatusRequest()).verdict == ""
+        hub.set_verdict("steps 2-9: training took 95 % of the step")
+        assert "bound: steps 2-9: training took 95 % of the step" in render(peer.ask(P.StatusRequest()))
+    finally:
+        peer.close()
+        hub.stop()
+
+
+def test_a_generators_time_before_its_first_report_is_no_steps():
+    """A generator that joins counts its seconds from its own start (its engine's build): the step it joins in must
+    not read tens of idle seconds."""
+    from learner.timeline import StepTimes
+
+    hub = types.SimpleNamespace(server=types.SimpleNamespace(busy={}), stages={})
+    hub.generator_stages = lambda: {g: dict(s) for g, s in hub.stages.items()}
+    times = StepTimes(hub)
+    hub.stages["g"] = {}  # registered, no heartbeat yet
+    assert not [k for k in times.record() if k.startswith("gen/")]
+    hub.stages["g"] = {"idle": 40.0, "generating": 0.5}  # its first heartbeat: 40 s building its engine
+    assert not [k for k in times.record() if k.startswith("gen/")]
+    hub.stages["g"] = {"idle": 40.1, "generating": 1.4}
+    gained = times.record()
+    assert gained["gen/idle_s"] == pytest.approx(0.1) and gained["gen/generating_s"] == pytest.approx(0.9)
+
+
+def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_path, monkeypatch):
+    """The verdict is computed from the step's record once it is whole and only adds its own fields (verdict/...):
+    the learner's record path replayed step for step (a fixed clock, the same hub and phases) writes every other
+    field the same with verdicts on and off."""
+    from learner import service
+    from pipeline import trace
+    from pipeline.config import Config
+    from pipeline.metrics import MetricsWriter, read_metrics
+
+    class Off:  # no verdict: none of its code runs
+        def add(self, record):
+            return None
+
+        def joined(self):
+            return None
+
+    def replay(run_dir, verdicts) -> tuple[list[dict], list[str]]:
+        clock = types.SimpleNamespace(now=0.0)
+        monkeypatch.setattr(service, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+        said: list[str] = []
+        hub = types.SimpleNamespace(counters={"tokens": 0}, registry=types.SimpleNamespace(generators={"g": 1}),
+                                    server=types.SimpleNamespace(busy=trace.Sums()), stages={"g": {}},
+                                    evaluations=list, set_verdict=said.append)
+        hub.generator_stages = lambda: copy.deepcopy(hub.stages)
+        publisher = types.SimpleNamespace(metrics=lambda: {"sync/broadcast_ms": 1.0})
+        run_dir.mkdir()
+        learner = service.Learner(Config(), None, None, hub, publisher, MetricsWriter(run_dir), run_dir, 0, 1, 0)
+        learner.verdicts = verdicts
+        for step in range(25):
+            s = STAGE_RUNS[V.WINDOW] if step % 7 else LEARNER_BOUND  # a mixed run
+            clock.now += s["wall"]
+            hub.counters["tokens"] += 1000
+            hub.server.busy.add("rollout", 0.01)
+            g = hub.stages["g"]
+            hub.stages["g"] = {"generating": g.get("generating", 0.0) + s["generating"],
+                               "idle": g.get("idle", 0.0) + s["wall"] - s["generating"],
+                               "wait_room": g.get("wait_room", 0.0) + s["wait_room"]}
+            learner.times.sums = trace.Sums({"wait": s["wait"], "train": s["train"], "publish": 0.01})
+            learner.record(hub, step, {"reward/mean": step / 25, "staleness/max_lag": 1, "loss": 0.1 * step},
+                           {"trainer.max_staleness": 1}, [], 3.0)
+        return read_metrics(run_dir), said
+
+    on, said = replay(tmp_path / "on", V.Verdicts())
+    off, unsaid = replay(tmp_path / "off", Off())
+    assert [r["step"] for r in on if "verdict/stage" in r] == [9, 19] and len(said) == 2 and not unsaid
+    assert [{k: v for k, v in r.items() if not k.startswith("verdict/")} for r in on] == off
+    assert len(off) == 25 and not any(k.startswith("verdict/") for r in off for k in r)
