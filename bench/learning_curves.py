@@ -449,7 +449,8 @@ def merge(args) -> int:
                 runs[name] = r
     first = records[0]
     ks = sorted({int(name.split("/")[0][1:]) for name in runs})
-    losses = [x for x in ("none", "ppo", "tis", "decoupled", "masked") if any(f"/{x}/" in name for name in runs)]
+    known = ("none", "ppo", "tis", "decoupled", "masked", "m2po")
+    losses = [x for x in known if any(f"/{x}/" in name for name in runs)]
     report(args.name or first["benchmark"], runs, losses, ks, first["settings"] | {"final_window": args.final_window},
            first["model"], machine=first["machine"], warm_start=first.get("warm_start"),
            passes=[p for r in records for p in r.get("passes") or [{"command": r["command"], "date": r["date"]}]])

@@ -34,7 +34,7 @@ class Row:
     advantage: float
     temperature: float
     lag: int = 0  # of its group at the step
-    prox: np.ndarray | None = None  # proximal log-probs of the completion (trainer.minibatches > 1)
+    prox: np.ndarray | None = None  # proximal log-probs of the completion (trainer.minibatches > 1, or m2po)
 
     @property
     def length(self) -> int:

@@ -8,9 +8,9 @@ Per trained token, with x = prox - mu (the learner's log-prob before the batch's
                            so what is left is the engines' numerical difference, the train-inference mismatch.
     correction/is_weight_{mean,max,p50,p90,p99}   exp(x), before truncation or masks; _mean also by lag
     correction/weight_mean the weight the loss applied (truncated, masked)
-    correction/token_masked, correction/seq_masked   the fraction of trained tokens the token mask (masked) and the
-                           geometric sequence mask (trainer.seq_mask) left out
-    correction/clip_frac   the ratio's clip acted (ppo; decoupled and masked once an update moved the weights)
+    correction/token_masked, correction/seq_masked   the fraction of trained tokens the token mask (masked, and
+                           m2po's second-moment mask) and the geometric sequence mask (trainer.seq_mask) left out
+    correction/clip_frac   the ratio's clip acted (ppo; decoupled, masked and m2po once an update moved the weights)
     entropy/mean           of the learner's distribution at the trained tokens (at the temperature sampled; at most
                            ENTROPY_TOKENS of them per micro-batch)
     kl/reference           k3 of KL(learner || the frozen initial model), with trainer.kl_coef > 0

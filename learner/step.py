@@ -6,7 +6,9 @@ memory free at the step (`token_budget`, from the memory per token that the larg
 A batch's rows are split into `trainer.minibatches` parts in an order fixed by the step (the same on every
 rank), one optimizer step each. Before the first, when there are several, the proximal log-probs of the rows
 of the later parts are computed with the batch's starting weights (a no-grad forward, each rank its own
-micro-batches, then shared with every rank): decoupled and masked measure each update against them. Every rank
+micro-batches, then shared with every rank): decoupled, masked and m2po measure each update against them. A loss
+whose mask is a statistic of each update's tokens (m2po, `Loss.needs_proximal`) has them computed for the first
+part's rows too, so that every rank knows the whole update's statistic before its first micro-batch. Every rank
 runs the same number of micro-batches per part (padded with empty ones) because ZeRO's collectives must line up;
 a part's loss is normalised by its trained tokens over all ranks and each rank's backward scaled by the rank
 count (DeepSpeed averages gradients over ranks), so the gradient, its norm and its clip are the same however the
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from learner.batching import Row, build_rows, collate, micro_batches, padded
 from learner.health import StepHealth
 from learner.logprobs import forward_logprobs
-from learner.loss import masked_sum, token_loss
+from learner.loss import Loss, masked_sum
 from learner.model import Extras
 from pipeline import protocol as P
 from pipeline.config import Config, runtime_values
@@ -47,14 +49,17 @@ def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config
     parts = split(rows, t.minibatches, step)
     budget = token_budget(engine, t.micro_batch_tokens, extras.bytes_per_token)
     memory = MemoryWatch(extras)
-    if len(parts) > 1:
-        proximal(engine, [r for part in parts[1:] for r in part], budget, pad_id, rows, groups)
+    loss_fn = Loss.of(t)
+    measured = parts if loss_fn.needs_proximal else parts[1:]  # the parts measured against the proximal policy
+    if any(measured):
+        proximal(engine, [r for part in measured for r in part], budget, pad_id, rows, groups)
     health = StepHealth(max((r.lag for r in rows), default=0))  # the lags present (<= k), whatever k is
     losses, norms, applied = [], [], 0
     try:
         for i, part in enumerate(parts):
-            loss, grad_norm, finite = _update(engine, extras, part, cfg, budget, pad_id, rows, groups, health, memory,
-                                              needs_prox=i > 0)
+            loss, grad_norm, finite = _update(engine, extras, part, cfg, loss_fn.for_update(part, t.seq_mask), budget,
+                                              pad_id, rows, groups, health, memory,
+                                              needs_prox=i > 0 or loss_fn.needs_proximal)
             losses.append(loss)
             norms.append(grad_norm)
             applied += finite
@@ -164,12 +169,12 @@ def _micro_batches(rows, budget, pad_id, all_rows, groups, device):
         yield batch, mb
 
 
-def _update(engine, extras: Extras, part: list[Row], cfg: Config, budget: int, pad_id: int, rows, groups,
-            health: StepHealth, memory: MemoryWatch, needs_prox: bool = False):
-    """One optimizer step on `part`: (this rank's share of its loss as a device value, gradient norm, whether it
-    was applied). `needs_prox`: a later part of several, measured against the proximal log-probs of the batch's
-    starting weights, which each of its rows must have (the current weights would silently turn decoupled and
-    masked into truncated IS).
+def _update(engine, extras: Extras, part: list[Row], cfg: Config, loss_fn: Loss, budget: int, pad_id: int, rows,
+            groups, health: StepHealth, memory: MemoryWatch, needs_prox: bool = False):
+    """One optimizer step on `part` with the loss of this update (`Loss.for_update`): (this rank's share of its
+    loss as a device value, gradient norm, whether it was applied). `needs_prox`: a part measured against the
+    proximal log-probs of the batch's starting weights, which each of its rows must have (the current weights would
+    silently turn decoupled and masked into truncated IS, and m2po's mask would not be its update's).
 
     Every rank's loss is divided by the trained tokens of the whole part (all ranks), so the sum over ranks is the
     part's loss; DeepSpeed averages the gradients over the ranks, so each rank's backward is scaled by their number:
@@ -183,13 +188,13 @@ def _update(engine, extras: Extras, part: list[Row], cfg: Config, budget: int, p
         last = i == len(batches) - 1
         if needs_prox and mb and "prox" not in batch:
             raise RuntimeError(f"trainer.minibatches: {sum(r.prox is None for r in mb)} of {len(mb)} rows of a "
-                               "micro-batch have no proximal log-probs; decoupled and masked would measure them "
-                               "against the current weights")
+                               "micro-batch have no proximal log-probs; decoupled, masked and m2po would measure "
+                               "them against the current weights")
         memory.start()
         engine.set_gradient_accumulation_boundary(last)
         logp, logits = forward_logprobs(engine, batch)
         prox = batch.get("prox", logp.detach())
-        loss_tok, st = token_loss(logp, batch["mu"], batch["adv"], t.loss, t.clip_eps, t.is_cap, prox, t.token_mask)
+        loss_tok, st = loss_fn(logp, batch["mu"], batch["adv"], prox)
         if extras.reference is not None:  # trainer.kl_coef: k3 of KL(learner || initial model), per token
             with torch.no_grad():
                 ref = forward_logprobs(extras.reference, batch)[0]

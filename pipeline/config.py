@@ -134,16 +134,22 @@ class TrainerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip (0: off)."""
-    loss: Literal["none", "ppo", "tis", "decoupled", "masked"] = "decoupled"
+    loss: Literal["none", "ppo", "tis", "decoupled", "masked", "m2po"] = "decoupled"
     """Off-policy correction (learner/loss.py): none (PPO clip against the proximal policy, the behaviour ignored: no
-    correction), PPO clip against behaviour, truncated IS, decoupled PPO (AReaL), or masked: decoupled PPO whose
-    behaviour weight masks tokens outside trainer.token_mask instead of truncating them (IcePop)."""
+    correction), PPO clip against behaviour, truncated IS, decoupled PPO (AReaL), masked: decoupled PPO whose
+    behaviour weight masks tokens outside trainer.token_mask instead of truncating them (IcePop), or m2po: decoupled
+    PPO whose untruncated behaviour weight is masked where M2PO's second-moment mask drops the token (trainer.m2po_tau;
+    one no-grad forward more per step with trainer.minibatches 1)."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO mini-batches): its rows are split into this many parts, one update each.
-    The proximal policy of decoupled and masked is the weights before the batch's first update."""
+    The proximal policy of decoupled, masked and m2po is the weights before the batch's first update."""
     token_mask: list[float] = field(default_factory=lambda: [0.5, 2.0])
     """masked: [low, high] of a token's behaviour weight exp(proximal - behaviour log-prob) inside which it is
     trained; outside, it is left out of the loss."""
+    m2po_tau: float = 0.04
+    """m2po: the bound on the second moment of the log behaviour weight, mean (proximal - behaviour log-prob)^2 over
+    an update's trained tokens; the tokens of largest square are left out of the loss until the rest's mean is at
+    most this (M2PO, arXiv:2510.01161, Algorithm 1; the paper's 0.04 in every run). Larger leaves out fewer."""
     dynamic_sampling: bool = False
     """DAPO: a group whose rewards are all equal (no signal) is not buffered but done for its epoch, and a fresh
     group takes its place in the batch (counted as hub/filtered_groups)."""

@@ -54,6 +54,7 @@ RANGES = {
     "trainer.max_staleness": Range(0, 10**6, why="a bound of trainer.total_steps or more is no bound"),
     "trainer.epochs": NON_NEGATIVE, "trainer.checkpoint_every": NON_NEGATIVE, "trainer.weight_decay": NON_NEGATIVE,
     "trainer.grad_clip": NON_NEGATIVE, "trainer.clip_eps": FRACTION, "trainer.is_cap": POSITIVE,
+    "trainer.m2po_tau": POSITIVE,
     "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,
     "trainer.keep_checkpoints": Range(1), "trainer.minibatches": POSITIVE, "trainer.overlong_buffer": NON_NEGATIVE,
     "trainer.overlong_penalty": NON_NEGATIVE, "trainer.kl_coef": NON_NEGATIVE, "trainer.max_skipped_steps": POSITIVE,
@@ -174,6 +175,7 @@ def check_config(cfg) -> None:
     if cfg.trainer.compile and cfg.trainer.zero_stage == 3:
         raise ConfigError("trainer.compile: not with trainer.zero_stage 3 (its parameter hooks inside each layer break "
                           "the compiled graphs into pieces, each compiled again for every layer); use stage 0-2")
+    check_loss(cfg.trainer)
     for name in ("token_mask", "seq_mask"):
         bounds = getattr(cfg.trainer, name)
         if bounds is not None and not (len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
@@ -219,6 +221,14 @@ def check_config(cfg) -> None:
             builtin.module_path(spec)
         except ValueError as e:  # `builtin:` with a name there is not
             raise ConfigError(f"{key}: {e}") from None
+
+
+def check_loss(t) -> None:
+    """trainer.loss's own knobs set only with it: one set for another loss would change nothing, silently."""
+    tau_default = next(f.default for f in dataclasses.fields(t) if f.name == "m2po_tau")
+    if t.loss != "m2po" and t.m2po_tau != tau_default:
+        raise ConfigError(f"trainer.m2po_tau: set to {t.m2po_tau}, but trainer.loss is {t.loss!r} and only m2po reads "
+                          "it; use trainer.loss: m2po, or leave trainer.m2po_tau out")
 
 
 def check_environment(g) -> None:

@@ -199,6 +199,40 @@ def test_several_minibatches_measure_each_update_against_the_proximal_policy(mod
     assert still["updates"] == 4 and still["correction/clip_frac"] == 0
 
 
+def test_m2po_measures_the_first_update_too_and_masks_over_all_its_micro_batches(model_cache, monkeypatch):
+    """trainer.loss m2po with one optimizer step per batch: the proximal log-probs of every row are computed before it
+    (one no-grad forward more than decoupled), and the step leaves out the tokens M2PO's Algorithm 1 drops over all of
+    the update's tokens, across its four micro-batches (trainer.micro_batch_tokens 16: two rows each)."""
+    import numpy as np
+
+    import learner.step
+    from learner.loss import Knobs, m2po_cutoff
+
+    measured, real = [], learner.step.proximal
+
+    def proximal(engine, rows, *args):
+        measured.append(rows)
+        real(engine, rows, *args)
+
+    monkeypatch.setattr(learner.step, "proximal", proximal)
+    init_distributed()
+    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 16, "loss": "m2po",
+                                        "m2po_tau": 1.0}})
+    engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+    groups = _distinct_groups(4)
+    for g in groups:  # behaviour log-probs far from the model's and near them: (log w)^2 spread over two scales
+        for s in g.samples:
+            s.logprobs = P.pack_floats([-1.0, -3.5, -6.0])
+    stats = train_step(engine, extras, groups, cfg, 0, PAD_ID)
+    (rows,) = measured
+    assert len(rows) == 8 and stats["updates"] == 1
+    log_w = np.concatenate([(r.prox - r.behaviour)[r.mask > 0] for r in rows])
+    dropped = np.mean(np.square(log_w) >= m2po_cutoff(log_w, Knobs(m2po_tau=1.0)))
+    assert 0 < dropped < 1 and stats["correction/token_masked"] == pytest.approx(dropped)
+    cfg.trainer.loss, cfg.trainer.m2po_tau = "decoupled", 0.04
+    assert train_step(engine, extras, groups, cfg, 1, PAD_ID)["correction/token_masked"] == 0 and len(measured) == 1
+
+
 def test_the_kl_penalty_measures_the_distance_to_the_frozen_initial_model(model_cache):
     init_distributed()
     cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "kl_coef": 0.1}})

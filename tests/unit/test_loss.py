@@ -286,3 +286,109 @@ def test_the_finite_guard_sees_a_gradient_that_is_not_finite_in_any_micro_batch(
         assert torch.allclose(guard.grad_norm, want)
     model.zero_grad()
     assert guard.step_is_finite("cpu")  # reset for the next step
+
+
+def _row(log_w, prox=None):
+    """A row of len(log_w) trained tokens whose behaviour log-probs sit log_w below its proximal ones."""
+    log_w = np.asarray(log_w, np.float32)
+    prox = np.full(len(log_w), np.log(0.5), np.float32) if prox is None else np.asarray(prox, np.float32)
+    n = len(log_w)
+    return Row(np.zeros(2, np.int32), np.ones(n, np.int32), prox - log_w, np.ones(n, np.uint8), 1.0, 1.0, 0, prox)
+
+
+def _call(loss, row, adv, logp=None):
+    """The update's loss on one row as its own micro-batch: (loss, d loss / d logp, stats), in float64."""
+    prox = torch.from_numpy(row.prox).double()
+    logp = (prox.clone() if logp is None else torch.log(_t(*logp))).requires_grad_()
+    out, stats = loss(logp, torch.from_numpy(row.behaviour).double(), _t(*adv), prox)
+    (grad,) = torch.autograd.grad(out.sum(), logp)
+    return out.detach(), grad, stats
+
+
+# log w = prox - mu of an update's six tokens, in two rows (two micro-batches); squares .09 .0625 0 | 0 1 .01, mean
+# .19375. Algorithm 1 drops the largest square while the mean of the rest is above tau: 1 (rest .0325), then .09 (rest
+# .018125), then .0625 and .01 (rest 0).
+UPDATE = ([0.3, -0.25, 0.0], [0.0, 1.0, 0.1])
+
+
+@pytest.mark.parametrize("tau, dropped", [(0.2, ([0, 0, 0], [0, 0, 0])), (0.04, ([0, 0, 0], [0, 1, 0])),
+                                          (0.03, ([1, 0, 0], [0, 1, 0])), (0.001, ([1, 1, 0], [0, 1, 1]))])
+def test_m2po_drops_the_largest_second_moments_of_the_whole_update_until_the_rest_is_under_tau(tau, dropped):
+    """M2PO's Algorithm 1 over the update's tokens, all its micro-batches: at tau 0.04 it drops exactly the token of
+    largest (log w)^2 in the second row, and none of the first, whose own mean (.0508) alone is above tau. A kept token
+    is trained with its untruncated behaviour weight (value and gradient -w A, r = 1), a dropped one not at all."""
+    from learner.loss import Loss
+
+    rows = [_row(x) for x in UPDATE]
+    loss = Loss("m2po", m2po_tau=tau).for_update(rows)
+    for row, log_w, want, adv in zip(rows, UPDATE, dropped, ([1.0] * 3, [-1.0] * 3), strict=True):
+        out, grad, stats = _call(loss, row, adv)
+        assert stats["masked"].tolist() == want
+        by_hand = [0.0 if m else -math.exp(x) * a for x, m, a in zip(log_w, want, adv, strict=True)]
+        assert out.tolist() == pytest.approx(by_hand, rel=1e-6) and grad.tolist() == pytest.approx(by_hand, rel=1e-6)
+        assert stats["is_weight"].tolist() == pytest.approx([abs(v) for v in by_hand], rel=1e-6)
+
+
+def test_m2po_leaves_the_samples_the_sequence_mask_drops_out_of_its_statistic():
+    """trainer.seq_mask [0.9, 1.1] leaves out the second row (geometric mean weight exp(.367) = 1.44): the second
+    moment is the first row's alone, .0508 > 0.04, and its largest square goes."""
+    from learner.loss import Loss
+
+    rows = [_row(x) for x in UPDATE]
+    loss = Loss("m2po", m2po_tau=0.04).for_update(rows, seq_mask=[0.9, 1.1])
+    assert _call(loss, rows[0], [1.0] * 3)[2]["masked"].tolist() == [1, 0, 0]
+    assert Loss("m2po", m2po_tau=0.04).for_update(rows[:1]).knobs == loss.knobs
+
+
+def test_m2po_gradient_and_clip_at_a_later_update():
+    """A later update of several: r = exp(logp - prox) is clipped as decoupled PPO's, against the proximal policy; the
+    behaviour weight w = exp(prox - mu) is not truncated (w = 2.5 above trainer.is_cap 2). Nothing dropped: the mean
+    of (log w)^2 is (3 x .0498 + .840) / 4 = .247 <= tau 1."""
+    from learner.loss import Loss
+
+    row = _row(np.log([1.25, 1.25, 1.25, 2.5]))
+    loss = Loss("m2po", is_cap=2.0, m2po_tau=1.0).for_update([row])
+    out, grad, stats = _call(loss, row, [1.0, 1.0, -1.0, 1.0], logp=[0.55, 0.7, 0.7, 0.55])
+    # r = 1.1, 1.4, 1.4, 1.1. A=+1, r=1.1: -1.25 * 1.1; A=+1, r=1.4: -1.25 * 1.2 (clipped: no gradient); A=-1, r=1.4:
+    # -1.25 * min(-1.4, -1.2) = 1.75 (gradient -w r A); w=2.5: -2.5 * 1.1
+    assert out.tolist() == pytest.approx([-1.375, -1.5, 1.75, -2.75])
+    assert grad.tolist() == pytest.approx([-1.375, 0.0, 1.75, -2.75])
+    assert stats["is_weight"].tolist() == pytest.approx([1.25, 1.25, 1.25, 2.5])
+    assert stats["clipped"].tolist() == [0, 1, 1, 0] and stats["masked"].tolist() == [0, 0, 0, 0]
+
+
+def test_m2po_is_the_on_policy_loss_when_behaviour_proximal_and_current_agree():
+    """mu = prox = logp: every weight is 1, every (log w)^2 is 0 and nothing is dropped; value and gradient are the
+    on-policy policy gradient's, -A and -A dlogp, as none's and ppo's."""
+    from learner.loss import Loss
+
+    logp = torch.log(_t(0.5, 0.2, 0.9, 0.05)).requires_grad_()
+    same = logp.detach().clone()
+    row = _row([0.0] * 4, prox=same.numpy())
+    adv = _t(1.0, -1.0, 0.5, -2.0)
+    out, stats = Loss("m2po").for_update([row])(logp, same, adv, same)
+    (grad,) = torch.autograd.grad(out.sum(), logp)
+    assert out.tolist() == pytest.approx([-1.0, 1.0, -0.5, 2.0])
+    assert grad.tolist() == pytest.approx([-1.0, 1.0, -0.5, 2.0])
+    assert stats["masked"].tolist() == [0] * 4 and stats["is_weight"].tolist() == [1.0] * 4
+    for variant in ("none", "ppo"):
+        want, _ = token_loss(logp, same, adv, variant)
+        assert torch.equal(out, want) and torch.equal(grad, torch.autograd.grad(want.sum(), logp)[0])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.loss=m2po", "trainer.m2po_tau=0"], "trainer.m2po_tau: must be > 0, got 0.0"),
+    (["trainer.loss=m2po", "trainer.m2po_tau=.nan"], "trainer.m2po_tau: must be a finite number, got nan"),
+    (["trainer.m2po_tau=0.1"], "trainer.m2po_tau: set to 0.1, but trainer.loss is 'decoupled' and only m2po reads it; "
+                               "use trainer.loss: m2po, or leave trainer.m2po_tau out"),
+    (["trainer.loss=m2p0"], "trainer.loss: 'm2p0' is not one of 'none', 'ppo', 'tis', 'decoupled', 'masked', 'm2po'"),
+])
+def test_a_loss_and_its_knob_are_checked_at_load(overrides, message):
+    from learner.loss import Loss
+    from pipeline.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({}, overrides)
+    assert message in str(e.value)
+    t = config_from_dict({}, ["trainer.loss=m2po"]).trainer
+    assert t.m2po_tau == 0.04 and Loss.of(t).needs_proximal and not Loss.of(config_from_dict({}).trainer).needs_proximal
