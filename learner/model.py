@@ -58,6 +58,14 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
     from transformers import AutoModelForCausalLM
 
     t = cfg.trainer
+    if torch.cuda.is_available():  # refused before the weights load: a card too small fails minutes later otherwise
+        import torch.distributed as dist
+
+        from pipeline.memory import check_learner
+
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        total = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[1]
+        log.info("memory: %s", check_learner(cfg, model_path, total, ranks))
     torch.manual_seed(t.seed)
     dtype = run_dtype(cfg)
     if cfg.model.quantization is not None:  # QLoRA: the frozen base quantized (pipeline/quantization.py)

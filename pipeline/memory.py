@@ -1,4 +1,6 @@
-"""What a generator's model takes of its GPU, worked out from its files before vLLM loads anything.
+"""What a generator's model takes of its GPU, worked out from its files before vLLM loads anything; and what a
+learner's weights, gradients and optimizer state take of each rank's GPU (`check_learner`: ZeRO's stages shard them,
+trainer.offload_optimizer moves Adam's state and the fp32 masters to the CPU; activations are not counted).
 
 vLLM sizes its KV cache last: `gpu_memory_utilization` of the GPU's memory, less the weights, less what its
 profiling run peaks at; a card too small fails there, minutes after the start, with "no memory available for the
@@ -294,6 +296,52 @@ def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
     if left < sequence:
         raise ConfigError(f"{line}: not one sequence ({sequence / GB:.2f} GB) fits. {_ADVICE}")
     return line
+
+
+def check_learner(cfg, model_path: str | Path, gpu_bytes: int, ranks: int) -> str:
+    """The plan line for each learner rank's GPU of `gpu_bytes`: what the weights, gradients and Adam's state (fp32
+    masters beside bf16 weights) take there under trainer.zero_stage and trainer.offload_optimizer; ConfigError, with
+    the numbers and what to change, where they alone do not fit. Activations are not counted (they follow
+    trainer.micro_batch_tokens), nor ZeRO's buffers: the figure errs low, so a refusal is never wrong."""
+    t, m = cfg.trainer, cfg.model
+    model_dir = local_dir(str(model_path))
+    config = json.loads((model_dir / "config.json").read_text())
+    name = Path(str(config.get("_name_or_path") or Path(str(model_path)).name)).name
+    if m.quantization is not None or m.lora is not None:
+        return f"{name}: check skipped for {'model.quantization' if m.quantization else 'model.lora'}"
+    try:
+        params = footprint(config, m.dtype, 1, model_dir).params
+    except NotModeled as e:
+        return f"{name}: check skipped, neither its weight files nor the arithmetic give its weights ({e})"
+    if params is None:
+        return f"{name}: check skipped for a {_quantization(config)} checkpoint"
+    gpu, cpu = learner_bytes(params, DTYPE_BYTES[m.dtype], t.zero_stage, ranks, t.offload_optimizer)
+    line = (f"{name} ({params / 1e9:.2f} B parameters) in {m.dtype} under ZeRO {t.zero_stage} over {ranks} "
+            f"rank{'s' if ranks > 1 else ''}: {gpu / GB:.1f} GB of weights, gradients and optimizer state on each "
+            f"rank's GPU of {gpu_bytes / GB:.1f} GB (activations besides)")
+    if cpu:
+        line += f", {cpu / GB:.1f} GB of optimizer state in the CPUs' memory"
+    if gpu > gpu_bytes:
+        sharded = learner_bytes(params, DTYPE_BYTES[m.dtype], 3, ranks, False)[0]
+        offloaded = learner_bytes(params, DTYPE_BYTES[m.dtype], 3, ranks, True)[0]
+        raise ConfigError(f"{line}: they do not fit. trainer.zero_stage: 3 shards them over the ranks "
+                          f"({sharded / GB:.1f} GB each), with trainer.offload_optimizer: true Adam's state and the "
+                          f"masters go to the CPU ({offloaded / GB:.1f} GB each); more ranks, or model.lora (adapters "
+                          "on a frozen base), take less")
+    return line
+
+
+def learner_bytes(params: int, size: int, stage: int, ranks: int, offload: bool) -> tuple[int, int]:
+    """(bytes on each rank's GPU, bytes on the CPUs in all) of the weights, gradients, fp32 masters (where the weights
+    are not fp32) and Adam's two moments of `params` parameters of `size` bytes: ZeRO 1 shards the optimizer's part
+    over the ranks, 2 the gradients too, 3 the weights too; offload moves the optimizer's part to the CPU."""
+    weights = grads = params * size
+    optimizer = params * ((4 if size < 4 else 0) + 8)
+    shard = [weights, grads, optimizer]
+    for i in range(3 - min(stage, 3), 3):  # stage 1: the optimizer's part; 2: and the gradients; 3: and the weights
+        shard[i] //= ranks
+    gpu = shard[0] + shard[1] + (0 if offload else shard[2])
+    return gpu, (optimizer if offload else 0)
 
 
 _ADVICE = ("Raise generator.gpu_memory_utilization, lower generator.max_model_len, raise "

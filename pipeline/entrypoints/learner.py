@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from pipeline.config import env_flag
+from pipeline.config import ConfigError, env_flag
 from pipeline.entrypoints import service
 
 
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     try:
         learner_main(cfg, run_dir, resume=args.resume is not None, token=args.launch_token, profile=args.profile)
-    except (HubStopped, NotFinite, CheckpointError, RankLost) as e:  # the run cannot go on: why, no traceback
+    except (HubStopped, NotFinite, CheckpointError, RankLost, ConfigError) as e:  # cannot go on: why, no traceback
         logging.getLogger("pipeline").error("the run failed: %s", e)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (learner.service turns it into this)

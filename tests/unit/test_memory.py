@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from pipeline.config import ConfigError, config_from_dict
-from pipeline.memory import GB, check_generator, footprint
+from pipeline.memory import GB, check_generator, check_learner, footprint, learner_bytes
 
 QWEN25_7B = {"_name_or_path": "Qwen/Qwen2.5-7B-Instruct", "hidden_size": 3584, "num_hidden_layers": 28,
              "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
@@ -162,3 +162,39 @@ def test_layers_it_does_not_model_are_not_refused_but_said_so(tmp_path):
     jamba = {**QWEN25_7B, "attn_layer_period": 8, "mamba_d_state": 16}
     cfg, path = _cfg(tmp_path, jamba, gpu_memory_utilization=0.9)
     assert "not modeled (a model with attn_layer_period" in check_generator(cfg, path, 24 * 10**9)
+
+
+def _learner(tmp_path, stage: int, offload: bool = False, **model):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    return config_from_dict({"model": {"dtype": "bfloat16", **model}, "trainer": {
+        "zero_stage": stage, "offload_optimizer": offload}}), tmp_path
+
+
+def test_a_7b_learner_on_24_gb_cards_needs_zero_3_with_the_optimizer_offloaded_and_is_told_so(tmp_path):
+    """Full weights of a 7B: 16 bytes a parameter (bf16 weights and gradients, fp32 masters, Adam's two moments). On
+    three 24 GB cards ZeRO 3 alone leaves 40.6 GB a GPU (refused, with the way out); its optimizer offloaded, 10.2."""
+    cfg, path = _learner(tmp_path, 3)
+    with pytest.raises(ConfigError) as e:
+        check_learner(cfg, path, 24 * 10**9, 3)
+    assert str(e.value).startswith(
+        "Qwen2.5-7B-Instruct (7.62 B parameters) in bfloat16 under ZeRO 3 over 3 ranks: 40.6 GB of weights, "
+        "gradients and optimizer state on each rank's GPU of 24.0 GB (activations besides): they do not fit. "
+        "trainer.zero_stage: 3 shards them over the ranks (40.6 GB each), with trainer.offload_optimizer: true "
+        "Adam's state and the masters go to the CPU (10.2 GB each)")
+    cfg, path = _learner(tmp_path, 3, offload=True)
+    assert check_learner(cfg, path, 24 * 10**9, 3).endswith(
+        "10.2 GB of weights, gradients and optimizer state on each rank's GPU of 24.0 GB (activations besides), "
+        "91.4 GB of optimizer state in the CPUs' memory")
+    with pytest.raises(ConfigError, match="ZeRO 0 over 1 rank: 121.8 GB"):  # one H100 cannot hold it unsharded
+        check_learner(*_learner(tmp_path, 0), 80 * 10**9, 1)
+    assert "check skipped for model.lora" in check_learner(*_learner(tmp_path, 0, lora={"r": 8}), 24 * 10**9, 1)
+
+
+def test_each_zero_stage_shards_what_deepspeed_shards():
+    p = 10**9
+    assert learner_bytes(p, 2, 0, 4, False) == (16 * p, 0)
+    assert learner_bytes(p, 2, 1, 4, False) == (4 * p + 12 * p // 4, 0)  # the optimizer's part
+    assert learner_bytes(p, 2, 2, 4, False) == (2 * p + 14 * p // 4, 0)  # and the gradients
+    assert learner_bytes(p, 2, 3, 4, False) == (16 * p // 4, 0)  # and the weights
+    assert learner_bytes(p, 2, 3, 4, True) == (4 * p // 4, 12 * p)
+    assert learner_bytes(p, 4, 0, 1, False) == (16 * p, 0)  # fp32: no masters, the weights are
