@@ -151,7 +151,8 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
     before), and its leased prompts are trained by b, started then, which receives every later version by broadcast:
     every prompt of the epoch is trained exactly once."""
     learner_at, _, _ = hosts.add("a"), hosts.add("b"), hosts.add("d")
-    run_dir, steps, batch, heartbeat_timeout = tmp_path / "nccl", 12, 8, 3
+    # 24 steps: with 12, d once trained 11 before the freezer (a Python process of its own) had it stopped
+    run_dir, steps, batch, heartbeat_timeout = tmp_path / "nccl", 24, 8, 3
     keys, own = _keys(tmp_path, ["host-b", "host-d"])
     common = [f"trainer.total_steps={steps}", "trainer.epochs=1", f"data.size={steps * batch}",
               f"trainer.batch_size={batch}", "weights.transport=nccl", "weights.collective_timeout_s=60",
