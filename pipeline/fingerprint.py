@@ -38,6 +38,7 @@ TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
              "spiece.model")
 STAMPED = ("transformers_version", "_name_or_path", "name_or_path")  # written by whoever saved the files
 INDEXES = {"*.safetensors": "model.safetensors.index.json", "*.bin": "pytorch_model.bin.index.json"}  # of shards
+NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")  # vLLM skips them
 FORMAT = 2  # how model.path is hashed; 1, the earlier releases' way, is still computed for their checkpoints
 SETTLED_NS = 10**9  # a file changed more recently may change again under the same timestamps: hashed, not cached
 
@@ -82,7 +83,7 @@ def weights_fingerprint(model_dir: Path, form: int = FORMAT) -> str:
     """`form` 1 (checkpoints of earlier releases): config.json and every file of the first weight pattern."""
     if form not in (1, FORMAT):
         raise ValueError(f"fingerprint format {form}: this release knows 1 and {FORMAT}")
-    files, weight_map = _weight_files(model_dir, indexed=form > 1)
+    files, weight_map = weight_files(model_dir, form)
     h = hashlib.sha256()
     config, generation = model_dir / "config.json", model_dir / "generation_config.json"
     if config.exists():
@@ -96,15 +97,20 @@ def weights_fingerprint(model_dir: Path, form: int = FORMAT) -> str:
     return h.hexdigest()[:32]
 
 
-def _weight_files(model_dir: Path, indexed: bool) -> tuple[list[Path], dict | None]:
-    """The weight files a loader reads, and the weight_map of the index it reads them by (None: no index, or not
-    `indexed`)."""
-    pattern = next((p for p in WEIGHTS if any(model_dir.glob(p))), None)
+def weight_files(model_dir: Path, form: int = FORMAT) -> tuple[list[Path], dict | None]:
+    """The weight files a loader reads (of the first of WEIGHTS' patterns with files, those its index names, else
+    all but NOT_WEIGHTS), and the weight_map of that index (None: none). FileNotFoundError where there are none, or
+    the index names one that is not there. `form` 1: the earlier releases' choice, every file of the first pattern
+    (their checkpoints' fingerprints). pipeline/memory.py counts the weights of these files too."""
+    def found(pattern: str) -> list[Path]:
+        return sorted(f for f in model_dir.glob(pattern) if form == 1 or f.name not in NOT_WEIGHTS)
+
+    pattern = next((p for p in WEIGHTS if found(p)), None)
     if pattern is None:
         raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHTS)})")
     index = model_dir / INDEXES[pattern] if pattern in INDEXES else None
-    if not (indexed and index and index.is_file()):
-        return sorted(model_dir.glob(pattern)), None
+    if form == 1 or not (index and index.is_file()):
+        return found(pattern), None
     weight_map = json.loads(index.read_text())["weight_map"]
     files = sorted(model_dir / name for name in set(weight_map.values()))
     if missing := [f.name for f in files if not f.is_file()]:

@@ -43,13 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError
-from pipeline.fingerprint import WEIGHTS, local_dir
+from pipeline.fingerprint import local_dir, weight_files
 
 GB = 1e9
 OVERHEAD_BYTES = int(2 * GB)  # vLLM's profiled activations, CUDA graphs and the CUDA context, estimated
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors' dtypes an engine loads in the run's dtype
-NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")  # vLLM skips them
 ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")  # the layer_types the KV arithmetic models
 # fragments of config.json keys that name layers without a KV cache of one per layer (Jamba, Nemotron-H, Qwen3-Next,
 # LFM2, MiniMax, RecurrentGemma, Gemma 3n, Hunyuan's cross-layer attention, Mllama)
@@ -80,7 +79,10 @@ def footprint(config: dict, dtype: str, tensor_parallel: int = 1, model_dir: Pat
     in `model_dir` where there are some; NotModeled where neither these nor the config arithmetic give the weights."""
     lm, size = language_model(config), DTYPE_BYTES[dtype]
     quantized = _quantization(config)
-    files = weight_files(model_dir) if model_dir is not None else []
+    try:  # those a loader reads (pipeline/fingerprint.py); none: a random-weights shape, counted by its config
+        files = weight_files(model_dir)[0] if model_dir is not None else []
+    except FileNotFoundError:
+        files = []
     try:
         if files:
             params, total = _file_weights(files, lm, size, quantized)
@@ -107,20 +109,6 @@ def language_model(config: dict) -> dict:
     if isinstance(text, dict) and "num_hidden_layers" not in config:
         return {**config, **text}
     return config
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The weight files a loader reads: of the first of WEIGHTS' patterns with files, those its index names (as
-    vLLM filters a folder holding both consolidated and sharded files), else all."""
-    for pattern in WEIGHTS:
-        files = sorted(f for f in model_dir.glob(pattern) if f.name not in NOT_WEIGHTS)
-        if files:
-            index = next(iter(sorted(model_dir.glob(f"{pattern}.index.json"))), None)
-            if index is not None:
-                named = set(json.loads(index.read_text())["weight_map"].values())
-                files = [f for f in files if f.name in named]
-            return files
-    return []
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
