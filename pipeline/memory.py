@@ -260,13 +260,11 @@ def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
     """The plan line for this generator's GPU of `gpu_bytes`; ConfigError, with the numbers and what to change, where
     the weights and one sequence of generator.max_model_len do not fit within gpu_memory_utilization."""
     g, dtype = cfg.generator, cfg.model.dtype
-    model_dir = local_dir(str(model_path))  # a hub name's snapshot, which the fingerprints fetched
-    config = json.loads((model_dir / "config.json").read_text())
-    name = Path(str(config.get("_name_or_path") or Path(str(model_path)).name)).name
+    model_dir, config, name = _model(model_path)
     try:
         fp = footprint(config, dtype, g.tensor_parallel_size, model_dir)
     except NotModeled as e:
-        return f"{name}: check skipped, neither its weight files nor the arithmetic give its weights ({e})"
+        return _unweighed(name, e)
     budget = g.gpu_memory_utilization * gpu_bytes
     left = budget - fp.weight_bytes - OVERHEAD_BYTES
     sequence = fp.sequence_bytes(g.max_model_len)
@@ -292,15 +290,13 @@ def check_learner(cfg, model_path: str | Path, gpu_bytes: int, ranks: int) -> st
     the numbers and what to change, where they alone do not fit. Activations are not counted (they follow
     trainer.micro_batch_tokens), nor ZeRO's buffers: the figure errs low, so a refusal is never wrong."""
     t, m = cfg.trainer, cfg.model
-    model_dir = local_dir(str(model_path))
-    config = json.loads((model_dir / "config.json").read_text())
-    name = Path(str(config.get("_name_or_path") or Path(str(model_path)).name)).name
+    model_dir, config, name = _model(model_path)
     if m.quantization is not None or m.lora is not None:
         return f"{name}: check skipped for {'model.quantization' if m.quantization else 'model.lora'}"
     try:
         params = footprint(config, m.dtype, 1, model_dir).params
     except NotModeled as e:
-        return f"{name}: check skipped, neither its weight files nor the arithmetic give its weights ({e})"
+        return _unweighed(name, e)
     if params is None:
         return f"{name}: check skipped for a {_quantization(config)} checkpoint"
     gpu, cpu = learner_bytes(params, DTYPE_BYTES[m.dtype], t.zero_stage, ranks, t.offload_optimizer)
@@ -330,6 +326,17 @@ def learner_bytes(params: int, size: int, stage: int, ranks: int, offload: bool)
         shard[i] //= ranks
     gpu = shard[0] + shard[1] + (0 if offload else shard[2])
     return gpu, (optimizer if offload else 0)
+
+
+def _model(model_path: str | Path) -> tuple[Path, dict, str]:
+    """(its local folder: a hub name's snapshot, which the fingerprints fetched; its config.json; its name)"""
+    model_dir = local_dir(str(model_path))
+    config = json.loads((model_dir / "config.json").read_text())
+    return model_dir, config, Path(str(config.get("_name_or_path") or Path(str(model_path)).name)).name
+
+
+def _unweighed(name: str, why: NotModeled) -> str:
+    return f"{name}: check skipped, neither its weight files nor the arithmetic give its weights ({why})"
 
 
 _ADVICE = ("Raise generator.gpu_memory_utilization, lower generator.max_model_len, raise "
