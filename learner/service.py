@@ -37,7 +37,7 @@ from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline import trace
-from pipeline.config import Config, ConfigError, apply_runtime_change, save_config, slowed_step_s
+from pipeline.config import Config, ConfigError, apply_runtime_change, held_at_step, save_config, slowed_step_s
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, read_metrics, step_record, truncate_metrics
@@ -201,6 +201,7 @@ class Learner:
         self.last_tokens = hub.counters["tokens"] if hub else 0
         self.verdicts = Verdicts()
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
+        self.held_at = held_at_step()  # tests only: a run killed at a known step
 
     def run(self, version: int) -> int:
         """Train from `version`; returns the last version."""
@@ -210,6 +211,8 @@ class Learner:
             if made is None:  # the run ends early
                 break
             step = made
+            while step == self.held_at:  # tests only: wait here to be killed
+                time.sleep(1)
         with trace.span("final checkpoint", "learner"):
             self.save(step)
         if self.hub is not None:

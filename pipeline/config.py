@@ -578,6 +578,13 @@ def slowed_step_s() -> float:
     return float(env_flag("PIPELINE_TEST_SLOW_STEP_S") or 0)
 
 
+def held_at_step() -> int:
+    """For tests only: the version after which the learner stops and waits to be killed (PIPELINE_TEST_HOLD_AT_STEP),
+    so that a test kills a run at a known step whatever the machine's speed (tests/integration/test_restart.py).
+    Unset: 0, never."""
+    return int(env_flag("PIPELINE_TEST_HOLD_AT_STEP") or 0)
+
+
 def env_flag(name: str, default: str = "") -> str:
     """Read one environment variable (kept here so the rest of the code does not touch os.environ)."""
     return os.environ.get(name, default)

@@ -45,9 +45,12 @@ def test_a_killed_named_run_leaves_nothing_is_refused_again_and_resumes_exactly_
     settings = [f"data.size={PROMPTS}", f"trainer.batch_size={BATCH}", "trainer.group_size=4",
                 f"trainer.epochs={EPOCHS}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=3",
                 "run.tensorboard=false", "weights.transport=shm"]
-    first = procs(again + [a for s in settings for a in ("--set", s)], tmp_path / "first.log")
-    wait_for(lambda: 0 < _checkpoint(run_dir) < len(read_jsonl(run_dir / "metrics.jsonl")), 600,
-             "a step past the first checkpoint", [first])
+    # the learner stops after step 5, past the checkpoint of version 3, and waits to be killed: on a fast machine a
+    # poll for "a step past a checkpoint" once missed all 16 steps (pipeline/config.py held_at_step)
+    first = procs(again + [a for s in settings for a in ("--set", s)], tmp_path / "first.log",
+                  env={"PIPELINE_TEST_HOLD_AT_STEP": "5"})
+    wait_for(lambda: _checkpoint(run_dir) == 3 and len(read_jsonl(run_dir / "metrics.jsonl")) == 5, 600,
+             "the run held after its fifth step", [first])
     services = descendants(first.pid)  # learner, generator, its engine core and worker, the guards
     hub = json.loads((run_dir / "hub.json").read_text())
     generator = next(p for p, cmd in services if "-m pipeline generator" in cmd)
