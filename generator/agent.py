@@ -31,7 +31,7 @@ import signal
 from typing import Any
 
 from generator.endpoint import Endpoint, Part, Session, ToolCalls, in_process_http
-from generator.rollout import AgentFailed, Context, Trajectory
+from generator.rollout import AgentFailed, Context, Trajectory, seed_of
 from pipeline.tasks import load_callable
 
 log = logging.getLogger("generator.service")
@@ -51,7 +51,7 @@ class AgentRollout:
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._sample(engine, ctx)) for _ in range(ctx.n)]
+                tasks = [group.create_task(self._sample(engine, ctx, i)) for i in range(ctx.n)]
         except* AgentFailed as raised:
             raise raised.exceptions[0] from None
         runs = [t.result() for t in tasks]
@@ -65,8 +65,8 @@ class AgentRollout:
             await self._http.aclose()
         await self.endpoint.stop()
 
-    async def _sample(self, engine, ctx: Context) -> tuple[Session, str, str]:
-        session = self.endpoint.open(engine, ctx.tokenizer, ctx.sampling)
+    async def _sample(self, engine, ctx: Context, index: int) -> tuple[Session, str, str]:
+        session = self.endpoint.open(engine, ctx.tokenizer, ctx.sampling, seed_of(ctx.seed, index))
         try:
             answer = await asyncio.wait_for(self._run(session, ctx), self.timeout)
             return session, answer, ""

@@ -13,17 +13,17 @@ import asyncio
 import dataclasses
 import re
 
-from generator.rollout import Context, Trajectory
+from generator.rollout import Context, Trajectory, seed_of
 
 
 async def rollout(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
     tok = ctx.tokenizer
     eq = tok.convert_tokens_to_ids("=")
-    first = await engine.generate(prompt_ids, ctx.n, ctx.sampling, stop=[eq])
-    return list(await asyncio.gather(*(_finish(engine, prompt_ids, ctx, t) for t in first)))
+    first = await engine.generate(prompt_ids, ctx.n, ctx.sampling, seed=ctx.seed, stop=[eq])
+    return list(await asyncio.gather(*(_finish(engine, prompt_ids, ctx, t, i) for i, t in enumerate(first))))
 
 
-async def _finish(engine, prompt_ids: list[int], ctx: Context, turn) -> Trajectory:
+async def _finish(engine, prompt_ids: list[int], ctx: Context, turn, sample: int) -> Trajectory:
     tok = ctx.tokenizer
     ids, logprobs = list(turn.token_ids), list(turn.logprobs)
     traj = Trajectory(ids, logprobs, [1] * len(ids), turn.finish_reason, turn.first_version, turn.last_version,
@@ -38,8 +38,8 @@ async def _finish(engine, prompt_ids: list[int], ctx: Context, turn) -> Trajecto
     traj.token_ids += reply
     traj.logprobs += [0.0] * len(reply)
     traj.mask += [0] * len(reply)
-    (second,) = await engine.generate(prompt_ids + traj.token_ids, 1, dataclasses.replace(ctx.sampling,
-                                                                                          max_tokens=left))
+    second_sampling = dataclasses.replace(ctx.sampling, max_tokens=left)
+    (second,) = await engine.generate(prompt_ids + traj.token_ids, 1, second_sampling, seed=seed_of(ctx.seed, sample))
     traj.token_ids += second.token_ids
     traj.logprobs += second.logprobs
     traj.mask += [1] * len(second.token_ids)

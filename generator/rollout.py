@@ -17,6 +17,7 @@ sampled, its trajectory is split into several `Trajectory` objects (`trajectory`
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,16 @@ class Context:
     sampling: P.Sampling  # the lease's: max_tokens bounds every trajectory's tokens after the prompt
     tokenizer: Any  # the run's transformers tokenizer (its stubs type decode as str | list[str])
     item: P.PromptItem  # the prompt as leased (its text or messages, its dataset columns)
+    seed: int | None = None  # the group's sampling seed (sampling.seed, the prompt); None: the engine's own
+
+
+def seed_of(base: int | None, *parts: int) -> int | None:
+    """A request's sampling seed from `base` (a run's sampling.seed, or a seed made from it) and the numbers that tell
+    its requests apart; None where `base` is. vLLM seeds the n samples of one request base, base + 1, ..."""
+    if base is None:
+        return None
+    digest = hashlib.blake2b(repr((base, *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 @dataclass
@@ -55,7 +66,7 @@ class Trajectory:
 
 
 async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
-    outs = await engine.generate(prompt_ids, ctx.n, ctx.sampling)
+    outs = await engine.generate(prompt_ids, ctx.n, ctx.sampling, seed=ctx.seed)
     return [Trajectory(o.token_ids, o.logprobs, [1] * len(o.token_ids), o.finish_reason, o.first_version,
                        o.last_version, o.gen_ms) for o in outs]
 

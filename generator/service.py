@@ -37,7 +37,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from generator.rollout import AgentFailed, Context, encode_group, score_group
+from generator.rollout import AgentFailed, Context, encode_group, score_group, seed_of
 from generator.spec import CannotServe, Spec
 from generator.stages import Stages
 from pipeline import protocol as P
@@ -514,7 +514,8 @@ class Generator:
                           else encode_prompt(self.tok, self.cfg.data, item.messages or item.prompt))
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
-            ctx = Context(lease.group_size or self.welcome.group_size, lease.sampling, self.tok, item)
+            ctx = Context(lease.group_size or self.welcome.group_size, lease.sampling, self.tok, item,
+                          seed_of(self.cfg.sampling.seed, item.epoch, item.prompt_id))
             self.stages.rollouts(+1)
             try:
                 with trace.span("generate", lane, prompt=item.prompt_id) as span:

@@ -114,6 +114,11 @@ class SamplingConfig:
     nucleus is renormalised, the learner's over the whole vocabulary: below 1 every importance weight would be off."""
     ignore_eos: bool = False
     """Generate exactly max_tokens (benchmarks)."""
+    seed: int | None = None
+    """None: each engine samples from a seed of its own (generator.seed and its process id). An integer: each request
+    is seeded from it, the prompt (epoch and index), the sample and the call, so that a run at max_staleness 0 samples
+    what it sampled the last time, up to the engine's batching (tests, debugging). vLLM draws a seeded request's tokens
+    apart from the batch's: slower on a GPU."""
 
 
 @dataclass

