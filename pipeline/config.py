@@ -583,11 +583,11 @@ def slowed_step_s() -> float:
     return float(env_flag("PIPELINE_TEST_SLOW_STEP_S") or 0)
 
 
-def held_at_step() -> int:
-    """For tests only: the version after which the learner stops and waits to be killed (PIPELINE_TEST_HOLD_AT_STEP),
-    so that a test kills a run at a known step whatever the machine's speed (tests/integration/test_restart.py).
-    Unset: 0, never."""
-    return int(env_flag("PIPELINE_TEST_HOLD_AT_STEP") or 0)
+def held_at_step() -> tuple[int, str]:
+    """For tests only: (the version after which the learner waits, the file whose existence lets it go on): a test acts
+    at a known step whatever the machine's speed (PIPELINE_TEST_HOLD_AT_STEP, PIPELINE_TEST_RELEASE; no file: it waits
+    to be killed). The hub serves meanwhile. Unset: (0, ""), never."""
+    return int(env_flag("PIPELINE_TEST_HOLD_AT_STEP") or 0), env_flag("PIPELINE_TEST_RELEASE")
 
 
 def env_flag(name: str, default: str = "") -> str:

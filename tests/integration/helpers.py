@@ -11,12 +11,13 @@ from pipeline.metrics import read_metrics
 from tests.conftest import wait_for
 
 
-def start_learner(procs, run_dir: Path, port: int, overrides: list[str], extra: list[str] = ()) -> object:
+def start_learner(procs, run_dir: Path, port: int, overrides: list[str], extra: list[str] = (),
+                  env: dict | None = None) -> object:
     run_dir.mkdir(parents=True, exist_ok=True)
     args = ["learner", "-c", "configs/demo.yaml", "--run-dir", str(run_dir), "--set", f"hub.port={port}"]
     for o in overrides:
         args += ["--set", o]
-    return procs([*args, *extra], run_dir.parent / f"{run_dir.name}-learner.log")
+    return procs([*args, *extra], run_dir.parent / f"{run_dir.name}-learner.log", env)
 
 
 def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name: str = "gen", env: dict | None = None,

@@ -12,16 +12,21 @@ from tests.integration.helpers import Gate, start_generator, start_learner, wait
 pytestmark = pytest.mark.integration
 
 
+def _registers(run_dir) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
+
+
 def _applied(run_dir) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "weights_applied"]
 
 
 def test_collective_transport_with_a_late_joiner(procs, tmp_path, model_cache, free_port):
-    run_dir = tmp_path / "nccl"
-    steps = 12  # the late generator joins near step 3 (its engine warm, its gate opened then), so mid-run
+    run_dir, release = tmp_path / "nccl", tmp_path / "release"
+    steps = 8  # the learner holds after step 3 until the late generator (its engine warm) has joined: mid-run
     common = [f"trainer.total_steps={steps}", "weights.transport=nccl", "trainer.max_staleness=1",
               "weights.collective_timeout_s=60"]
-    learner = start_learner(procs, run_dir, free_port, common)
+    learner = start_learner(procs, run_dir, free_port, common, env={
+        "PIPELINE_TEST_HOLD_AT_STEP": "3", "PIPELINE_TEST_RELEASE": str(release)})
     with Gate(free_port) as first_gate, Gate(free_port) as late_gate:
         # both engines start side by side; each generator reaches the hub only once its gate opens, so the late one
         # joins mid-run without the run waiting for its engine to start
@@ -32,12 +37,14 @@ def test_collective_transport_with_a_late_joiner(procs, tmp_path, model_cache, f
         first_gate.open()
         wait_steps(run_dir, 3, 600, [learner, first])
         late_gate.open()
+        wait_for(lambda: len(_registers(run_dir)) == 2, 120, "the late generator to register", [learner, late])
+        release.touch()
         wait_for(lambda: len({e["generator"] for e in _applied(run_dir) if e["via"] == "nccl"}) == 2, 400,
                  "the late generator to receive a broadcast", [learner, first, late])
         assert learner.wait(400) == 0, learner.tail()
         for g in (first, late):
             assert g.wait(60) == 0, g.tail()
-    registers = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
+    registers = _registers(run_dir)
     assert [e["transport"] for e in registers] == ["nccl", "nccl"]
     late_id = registers[1]["generator"]
     late_versions = [(e["version"], e["via"]) for e in _applied(run_dir) if e["generator"] == late_id]

@@ -151,19 +151,21 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
     before), and its leased prompts are trained by b, started then, which receives every later version by broadcast:
     every prompt of the epoch is trained exactly once."""
     learner_at, _, _ = hosts.add("a"), hosts.add("b"), hosts.add("d")
-    # 24 steps: with 12, d once trained 11 before the freezer (a Python process of its own) had it stopped
-    run_dir, steps, batch, heartbeat_timeout = tmp_path / "nccl", 24, 8, 3
+    # d's rewards wait while the gate file exists: once it is made, d holds its leases and the run stops (with 24
+    # steps and no gate, d once trained 11 of 12 before the freezer, a Python process of its own, had it stopped)
+    run_dir, steps, batch, heartbeat_timeout, gate = tmp_path / "nccl", 10, 8, 3, tmp_path / "reward-gate"
     keys, own = _keys(tmp_path, ["host-b", "host-d"])
     common = [f"trainer.total_steps={steps}", "trainer.epochs=1", f"data.size={steps * batch}",
               f"trainer.batch_size={batch}", "weights.transport=nccl", "weights.collective_timeout_s=60",
-              "hub.heartbeat_s=0.5", f"hub.heartbeat_timeout_s={heartbeat_timeout}"]
+              "hub.heartbeat_s=0.5", f"hub.heartbeat_timeout_s={heartbeat_timeout}",
+              "rewards=[{fn: 'tests.integration.slow_rewards:gated_echo'}]"]
     learner = start_learner(_on(hosts, "a", procs), run_dir, free_port,
                             [*common, "hub.host=0.0.0.0", f"auth.keys={keys}"])
 
     def generator(h: str):
         return start_generator(_on(hosts, h, procs), run_dir, free_port,
                                [*common, f"auth.keys={own['host-' + h]}", f"auth.identity=host-{h}"], h,
-                               host=learner_at)
+                               host=learner_at, env={"REWARD_GATE": str(gate)})
 
     # d alone until its link is cut, b only then: the run cannot end before the cut (started together, d could join
     # when b had nearly ended the run; with b started once d was in, CI twice saw the run end while the cut's status
@@ -173,9 +175,11 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
     id_d = _id_of(run_dir, gens["d"])
     wait_for(lambda: [t for r in read_jsonl(run_dir / "metrics.jsonl") for t in r["trained"] if t[3] == id_d], 300,
              "d to contribute", [learner, gens["d"]])
+    gate.touch()  # d's next groups wait in scoring, their leases held
     _python(hosts, "a", FREEZE, f"tcp://127.0.0.1:{free_port}", str(keys), id_d, str(gens["d"].pid))
     hosts.cut("d")  # while it holds a lease; then it runs on, unheard
     os.killpg(gens["d"].pid, signal.SIGCONT)
+    gate.unlink()  # (d is unheard now; b scores at once)
     cut_at = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert cut_at < steps - 2, "the run was nearly over before the cut: raise the steps"
     gens["b"] = generator("b")
