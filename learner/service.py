@@ -29,7 +29,7 @@ import torch
 
 from hub.hub import DatasetExhausted, Hub
 from learner import checkpoint
-from learner.model import Extras, build_engine, init_distributed
+from learner.model import Extras, build_engine, init_distributed, leave_distributed
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
 from learner.step import train_step
@@ -140,6 +140,7 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
             trace.merge(run_dir)
         if roster is not None:
             roster.close()
+    leave_distributed()  # the run ended well on this rank (an error has left above)
     return run_dir
 
 

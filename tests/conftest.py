@@ -92,9 +92,9 @@ def procs():
 
     def start(args: list[str], log: Path, env: dict | None = None, prefix: list[str] = ()) -> Proc:
         """`prefix`: what runs the service (`ip netns exec NS`: in a network namespace; it execs, so the PID is the
-        service's). A new run samples seeded (sampling.seed 0, before the test's own settings): the same completions
-        each time the suite runs, up to the engine's batching."""
-        if args[:1] in (["run"], ["learner"]) and "--resume" not in args:
+        service's). A run samples seeded (sampling.seed 0, before the test's own settings; a resume's too, as the run it
+        resumes): the same completions each time the suite runs, up to the engine's batching."""
+        if args[:1] in (["run"], ["learner"]):
             args = [args[0], "--set", "sampling.seed=0", *args[1:]]
         p = Proc([*prefix, sys.executable, "-m", "pipeline", *args], log, env)
         started.append(p)

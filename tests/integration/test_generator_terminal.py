@@ -159,8 +159,8 @@ def test_sigterm_and_ctrl_c_drain_generators_and_sigterm_stops_the_learner(procs
         assert all(os.getsid(p) != gen.pid for p, _ in engine)  # out of the terminal's reach: the supervisor forwards
         record = Path(f"/dev/shm/pipeline-recv-{real}/segments")
         segments = record.read_text().split() if record.exists() else []
-        before = terminal_busy()
-        assert before is not None  # groups in flight as Ctrl-C is typed
+        # groups in flight as Ctrl-C is typed (waited for again, not looked at once: between two groups it holds none)
+        before = wait_for(terminal_busy, 120, "the generator's groups in flight", [learner])
         gen.ctrl_c()
         assert gen.wait(300) == 0, gen.tail()
         after = request_once(address, P.StatusRequest())

@@ -23,7 +23,7 @@ from tests.integration.helpers import start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 
-STEPS = 24  # after k is raised at step 4, a window of 7 batches is drained while the engine is built again
+STEPS = 10  # the learner holds after version 4 while k is raised and the generator builds its engine again
 
 
 def _status(address: str) -> P.StatusReply:
@@ -35,11 +35,12 @@ def test_generators_serve_the_runs_config_and_the_others_are_refused_naming_the_
     from pipeline.tinymodel import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other-tiny", seed=1)  # the same architecture, other weights
-    run_dir, address = tmp_path / "run", f"tcp://127.0.0.1:{free_port}"
+    run_dir, address, release = tmp_path / "run", f"tcp://127.0.0.1:{free_port}", tmp_path / "release"
     run = ["model.lora={r: 8, alpha: 16}", "model.quantization=4bit", "generator.lora_mode=adapter",
            "trainer.max_staleness=0", f"trainer.total_steps={STEPS}", "trainer.batch_size=8", "trainer.group_size=4",
            "trainer.lr=1e-2", "trainer.checkpoint_every=0", "run.tensorboard=false"]
-    learner = start_learner(procs, run_dir, free_port, run)
+    learner = start_learner(procs, run_dir, free_port, run, env={"PIPELINE_TEST_HOLD_AT_STEP": "4",
+                                                                 "PIPELINE_TEST_RELEASE": str(release)})
     wait_for(lambda: (run_dir / "hub.json").exists(), 300, "the learner's hub", [learner])
     # the learner's config file and --set, but for one value each
     refused = {
@@ -66,6 +67,7 @@ def test_generators_serve_the_runs_config_and_the_others_are_refused_naming_the_
     assert set_k.returncode == 0, set_k.stderr
     wait_for(lambda: [g.adapter_slots for g in _status(address).generators] == [8], 300,
              "the generator back with 8 adapter slots", [learner, plain])
+    release.touch()  # (held after version 4: the run could not end before the generator was back)
     assert learner.wait(900) == 0, learner.tail()
     assert plain.wait(60) == 0, plain.tail()
 
