@@ -28,8 +28,9 @@ import numpy as np
 # 6: an agent's trajectories (Sample.prompt_ids, trajectory, turns); 7: model fingerprints of format 2
 # (pipeline/fingerprint.py), which a peer of an earlier release computes otherwise (its files would be refused as other
 # files), and the content digests of the code and files the run's config names (RunSpec.contents, Register.contents:
-# pipeline/pinning.py), which a Register must show
-SCHEMA_VERSION = 7
+# pipeline/pinning.py), which a Register must show; 8: the run's spec carries sampling.seed (a per-request seed),
+# which a generator of an earlier release would not know
+SCHEMA_VERSION = 8
 
 
 @dataclass(frozen=True)

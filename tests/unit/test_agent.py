@@ -7,6 +7,7 @@ agent ends at its timeout, and the endpoint refuses calls without the session's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import sys
@@ -38,9 +39,10 @@ class ScriptedEngine:
         self.tok, self.replies, self.delay = tok, iter(replies), delay
         self.versions = iter(versions or itertools.repeat(3))
         self.version = 3
-        self.prompts, self.sampled = [], []
+        self.prompts, self.sampled, self.seeds = [], [], []
 
     async def generate(self, prompt_ids, n, sampling, seed=None, stop=()):
+        self.seeds.append(seed)
         await asyncio.sleep(self.delay)
         reply = next(self.replies)  # a list: its pieces tokenized apart, as a model may sample a word in two tokens
         pieces = reply if isinstance(reply, list) else [reply]
@@ -502,3 +504,21 @@ async def test_a_large_request_is_rendered_and_tokenized_off_the_event_loop(tok)
     finally:
         rollout.endpoint.close(session)
         await rollout.aclose()
+
+
+async def test_a_seeded_groups_calls_each_get_a_seed_of_their_own_and_the_same_each_time(tok):
+    """sampling.seed: each call of each sample is seeded from the group's seed (generator/rollout.py seed_of), so a
+    run repeats what it sampled; no two calls share a seed (two samples of one prompt would sample alike). Unseeded,
+    the engine's own seed: no per-request seed at all."""
+    cfg = _cfg(agent=f"{__name__}:tool_agent")
+    seeds = []
+    for group_seed in (123, 123, 124, None):
+        engine, rollout = ScriptedEngine(tok, ["a", "b", "c"] * 2), AgentRollout(cfg)
+        ctx = dataclasses.replace(_ctx(tok, cfg, n=2), seed=group_seed)
+        try:
+            await rollout(engine, _prompt(tok, ctx), ctx)
+        finally:
+            await rollout.aclose()
+        seeds.append(sorted(engine.seeds, key=str))
+    assert len(seeds[0]) == 6 and len(set(seeds[0])) == 6 and None not in seeds[0]
+    assert seeds[0] == seeds[1] and not set(seeds[0]) & set(seeds[2]) and seeds[3] == [None] * 6

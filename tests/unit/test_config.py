@@ -225,3 +225,10 @@ def test_shipped_functions_have_builtin_names_and_their_old_paths_load_with_a_wa
         config_from_dict({"rewards": [{"fn": "builtin:echo_reward"}, {"fn": "builtin:math"}]})
     with pytest.raises(ConfigError, match="generator.agent: 'builtin:nope' is not a builtin"):
         config_from_dict({"generator": {"rollout": "agent", "agent": "builtin:nope"}})
+
+
+def test_sampling_seed_is_none_or_a_non_negative_integer():
+    assert load_config(None, []).sampling.seed is None
+    assert load_config(None, ["sampling.seed=7"]).sampling.seed == 7
+    with pytest.raises(ConfigError, match=r"sampling.seed: must be >= 0"):
+        load_config(None, ["sampling.seed=-1"])
