@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from pipeline import protocol as P
-from pipeline.metrics import read_metrics
+from pipeline.metrics import read_jsonl, read_metrics
 from tests.conftest import wait_for
 
 
@@ -49,6 +49,17 @@ def descendants(pid: int) -> list[tuple[int, str]]:
         out.append((p, f"{comm} {cmd}"))
         todo += children.get(p, [])
     return out
+
+
+def events(run_dir: Path, name: str | None = None, after: int = 0) -> list[dict]:
+    """The hub's events (RUN_DIR/events.jsonl) from the `after`-th on, those named `name` where it is given."""
+    return [e for e in read_jsonl(run_dir / "events.jsonl")[after:] if name is None or e["event"] == name]
+
+
+def held_at(step: int, release: Path | None = None) -> dict:
+    """The environment of a learner that waits after version `step` until the file `release` exists (None: until it
+    is killed): the test hooks of pipeline/config.py held_at_step."""
+    return {"PIPELINE_TEST_HOLD_AT_STEP": str(step), **({"PIPELINE_TEST_RELEASE": str(release)} if release else {})}
 
 
 def wait_steps(run_dir: Path, n: int, timeout: float, watch) -> list[dict]:

@@ -28,7 +28,7 @@ from pipeline.client import request_once
 from pipeline.metrics import read_jsonl
 from pipeline.security import client_keys, make_keys
 from tests.conftest import wait_for
-from tests.integration.helpers import descendants, start_generator, start_learner
+from tests.integration.helpers import descendants, events, start_generator, start_learner
 from tests.unit.peers import Peer
 
 pytestmark = pytest.mark.integration
@@ -37,10 +37,6 @@ pytestmark = pytest.mark.integration
 # busy cores), and for one generator to finish it alone
 PROMPTS, BATCH, GROUP, K = 800, 8, 8, 2  # K: the bound after `pipeline set` raises it from 1 to 2
 STEPS = PROMPTS // BATCH
-
-
-def _events(run_dir, name: str | None = None, after: int = 0) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl")[after:] if name is None or e["event"] == name]
 
 
 def _trained_by(run_dir, gen_id: str) -> list[list]:
@@ -52,7 +48,7 @@ def _steps(run_dir) -> int:
 
 
 def _id_of(run_dir, proc) -> str:
-    return next(e["generator"] for e in _events(run_dir, "register") if f"-{proc.pid}-" in e["generator"])
+    return next(e["generator"] for e in events(run_dir, "register") if f"-{proc.pid}-" in e["generator"])
 
 
 def test_chaos(procs, tmp_path, model_cache, free_port):
@@ -73,7 +69,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     gen_c = start_generator(procs, run_dir, free_port, common, "c")
     learner = start_learner(procs, run_dir, free_port, common)
     watch = [learner, gen_a, gen_b, gen_c]
-    wait_for(lambda: len(_events(run_dir, "register")) >= 3, 600, "three generators to register", watch)
+    wait_for(lambda: len(events(run_dir, "register")) >= 3, 600, "three generators to register", watch)
     id_a, id_b, id_c = (_id_of(run_dir, g) for g in (gen_a, gen_b, gen_c))
     wait_for(lambda: all(_trained_by(run_dir, g) for g in (id_a, id_b, id_c)), 300, "all three to contribute", watch)
     timeline.append(f"step {_steps(run_dir)}: three generators contribute")
@@ -117,7 +113,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     assert rows[id_b].leases > 0, "b never held a lease"
     segments = (Path("/dev/shm") / f"pipeline-recv-{gen_b.pid}" / "segments").read_text().split()  # its engine's
     gen_b.stop(grace=0)  # SIGKILL to its process group: nobody unlinks them now
-    requeue = wait_for(lambda: [e for e in _events(run_dir, "requeue") if e["generator"] == id_b], 60,
+    requeue = wait_for(lambda: [e for e in events(run_dir, "requeue") if e["generator"] == id_b], 60,
                        "b to be declared dead", [learner])[0]
     assert requeue["prompts"] > 0
     timeline.append(f"step {_steps(run_dir)}: b killed holding leases; {requeue['prompts']} prompts re-queued")
@@ -127,7 +123,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     assert core, descendants(gen_a.pid)
     os.kill(core[0], signal.SIGKILL)
     assert gen_a.wait(60) == 1, gen_a.tail()
-    leave = next(e for e in _events(run_dir, "leave") if e["generator"] == id_a)
+    leave = next(e for e in events(run_dir, "leave") if e["generator"] == id_a)
     assert "vLLM engine died" in leave["reason"], leave
     timeline.append(f"step {_steps(run_dir)}: a's engine core killed; a left: {leave['reason'][:60]}...")
 
@@ -137,7 +133,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
         assert learner.proc.poll() is None, "the run ended before the faults were done: raise PROMPTS"
         _signal_learner(learner.pid, signal.SIGSTOP)
         n, latest = _steps(run_dir), run_dir / "checkpoints" / "latest"
-        applied = [e["version"] for e in _events(run_dir, "weights_applied") if e["generator"] == id_c]
+        applied = [e["version"] for e in events(run_dir, "weights_applied") if e["generator"] == id_c]
         if n % 2 == 1 and n > 8 and max(applied or [0]) >= n and latest.exists() and int(latest.read_text()[1:]) < n:
             return True
         _signal_learner(learner.pid, signal.SIGCONT)
@@ -152,10 +148,10 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     timeline.append(f"step {killed_at}: learner killed (SIGKILL, 2 ranks); newest checkpoint v{checkpoint}")
     n_events = len(read_jsonl(run_dir / "events.jsonl"))
     resumed = start_learner(procs, run_dir, free_port, common, ["--resume", str(run_dir)])
-    wait_for(lambda: _events(run_dir, "register", n_events), 300, "c to reconnect", [resumed, gen_c])
+    wait_for(lambda: events(run_dir, "register", n_events), 300, "c to reconnect", [resumed, gen_c])
     assert resumed.wait(900) == 0, resumed.tail()
     assert gen_c.wait(60) == 0, gen_c.tail()  # it leaves once the run is complete
-    after = _events(run_dir, after=n_events)
+    after = events(run_dir, after=n_events)
     applied = [e["version"] for e in after if e["event"] == "weights_applied" and e["generator"] == id_c]
     assert applied[0] == checkpoint and applied[-1] == STEPS  # the resumed weights first; the final ones last
     timeline.append(f"learner resumed at v{checkpoint}; c reconnected and loaded v{applied[0]} first")
@@ -175,7 +171,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     assert all(r["max_staleness"] == 2 for r in records[from_step:])  # from the step the reply named
     assert all(r["lr"] == 1e-3 for r in records[checkpoint:])  # the change survived the resume
     assert learner_log_count(resumed, "re-applied run-time changes from changes.jsonl") == 2  # on both ranks
-    reward_error = _events(run_dir, "reward_error")[0]
+    reward_error = events(run_dir, "reward_error")[0]
     assert "ZeroDivisionError" in reward_error["error"] and "flaky_echo" in reward_error["error"]
     assert (0, reward_error["prompt_id"]) in set(trained)  # its prompt was trained after all
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("v*")) == sorted([f"v{STEPS - 2}", f"v{STEPS}"])

@@ -24,7 +24,7 @@ from bench.netns import Hosts, remove_stale
 from pipeline.metrics import read_jsonl
 from pipeline.security import make_keys
 from tests.conftest import REPO, wait_for
-from tests.integration.helpers import start_generator, start_learner
+from tests.integration.helpers import events, start_generator, start_learner
 
 pytestmark = pytest.mark.integration
 
@@ -64,12 +64,8 @@ def _keys(tmp_path: Path, names: list[str]) -> tuple[Path, dict[str, Path]]:
     return keys, own
 
 
-def _events(run_dir: Path, name: str) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == name]
-
-
 def _id_of(run_dir: Path, proc) -> str:
-    return next(e["generator"] for e in _events(run_dir, "register") if f"-{proc.pid}-" in e["generator"])
+    return next(e["generator"] for e in events(run_dir, "register") if f"-{proc.pid}-" in e["generator"])
 
 
 # a stranger: no keys, then a key pair of its own (it knows the hub's public key, which is no secret)
@@ -132,9 +128,9 @@ def test_a_generator_on_another_host_trains_over_zmq_and_a_stranger_gets_nothing
     assert learner.wait(300) == 0, learner.tail()
     assert gen.wait(60) == 0, gen.tail()
 
-    (register,) = _events(run_dir, "register")  # b's; the stranger's Register never reached the hub
+    (register,) = events(run_dir, "register")  # b's; the stranger's Register never reached the hub
     assert register["generator"] == _id_of(run_dir, gen) and register["transport"] == "zmq"  # another host: not shm
-    applied = [(e["version"], e["via"]) for e in _events(run_dir, "weights_applied")]
+    applied = [(e["version"], e["via"]) for e in events(run_dir, "weights_applied")]
     assert {via for _, via in applied} == {"zmq"} and applied[-1][0] == steps
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, steps + 1))
@@ -171,7 +167,7 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
     # when b had nearly ended the run; with b started once d was in, CI twice saw the run end while the cut's status
     # request was under way)
     gens = {"d": generator("d")}
-    wait_for(lambda: _events(run_dir, "register"), 300, "d to register", [learner, gens["d"]])
+    wait_for(lambda: events(run_dir, "register"), 300, "d to register", [learner, gens["d"]])
     id_d = _id_of(run_dir, gens["d"])
     wait_for(lambda: [t for r in read_jsonl(run_dir / "metrics.jsonl") for t in r["trained"] if t[3] == id_d], 300,
              "d to contribute", [learner, gens["d"]])
@@ -183,17 +179,17 @@ def test_the_collective_transport_reaches_another_host_and_a_cut_link_drops_only
     cut_at = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert cut_at < steps - 2, "the run was nearly over before the cut: raise the steps"
     gens["b"] = generator("b")
-    requeue = wait_for(lambda: [e for e in _events(run_dir, "requeue") if e["generator"] == id_d], 60,
+    requeue = wait_for(lambda: [e for e in events(run_dir, "requeue") if e["generator"] == id_d], 60,
                        "d to be dropped", [learner, gens["b"]])[0]
     assert requeue["reason"] == "heartbeat timeout" and requeue["prompts"] > 0
     assert learner.wait(300) == 0, learner.tail()
     assert gens["b"].wait(60) == 0, gens["b"].tail()
     gens["d"].stop(grace=0)  # its host is gone: nothing to drain
 
-    registers = _events(run_dir, "register")
+    registers = events(run_dir, "register")
     id_b = _id_of(run_dir, gens["b"])
     assert [e["transport"] for e in registers] == ["nccl", "nccl"]
-    applied = [(e["version"], e["via"]) for e in _events(run_dir, "weights_applied") if e["generator"] == id_b]
+    applied = [(e["version"], e["via"]) for e in events(run_dir, "weights_applied") if e["generator"] == id_b]
     versions = [v for v, _ in applied]  # in order, by broadcast (one that joined late may skip one as it joins)
     assert {via for _, via in applied} == {"nccl"} and versions == sorted(set(versions)) and versions[-1] == steps
     records = read_jsonl(run_dir / "metrics.jsonl")

@@ -19,7 +19,7 @@ from pipeline import protocol as P
 from pipeline.client import request_once
 from pipeline.metrics import read_jsonl
 from tests.conftest import REPO, wait_for
-from tests.integration.helpers import start_generator, start_learner, wait_steps
+from tests.integration.helpers import held_at, start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 
@@ -39,8 +39,7 @@ def test_generators_serve_the_runs_config_and_the_others_are_refused_naming_the_
     run = ["model.lora={r: 8, alpha: 16}", "model.quantization=4bit", "generator.lora_mode=adapter",
            "trainer.max_staleness=0", f"trainer.total_steps={STEPS}", "trainer.batch_size=8", "trainer.group_size=4",
            "trainer.lr=1e-2", "trainer.checkpoint_every=0", "run.tensorboard=false"]
-    learner = start_learner(procs, run_dir, free_port, run, env={"PIPELINE_TEST_HOLD_AT_STEP": "4",
-                                                                 "PIPELINE_TEST_RELEASE": str(release)})
+    learner = start_learner(procs, run_dir, free_port, run, env=held_at(4, release))
     wait_for(lambda: (run_dir / "hub.json").exists(), 300, "the learner's hub", [learner])
     # the learner's config file and --set, but for one value each
     refused = {

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import REPO, running, wait_for
-from tests.integration.helpers import descendants
+from tests.integration.helpers import descendants, held_at
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def test_a_killed_named_run_leaves_nothing_is_refused_again_and_resumes_exactly_
     # the learner stops after step 5, past the checkpoint of version 3, and waits to be killed: on a fast machine a
     # poll for "a step past a checkpoint" once missed all 16 steps (pipeline/config.py held_at_step)
     first = procs(again + [a for s in settings for a in ("--set", s)], tmp_path / "first.log",
-                  env={"PIPELINE_TEST_HOLD_AT_STEP": "5"})
+                  env=held_at(5))
     wait_for(lambda: _checkpoint(run_dir) == 3 and len(read_jsonl(run_dir / "metrics.jsonl")) == 5, 600,
              "the run held after its fifth step", [first])
     services = descendants(first.pid)  # learner, generator, its engine core and worker, the guards
