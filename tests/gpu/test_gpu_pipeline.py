@@ -7,8 +7,10 @@ tokenizer covering its 151936 ids (tests/gpu/helpers.py).
   were checked equal to vLLM's load_weights.
 - 4 GPUs: a second generator with tensor_parallel_size 2 (GPUs 2 and 3) joins mid-run: it gets the
   current version by broadcast into both workers, then every new one, and its rollouts are trained on.
-- The learner on GPUs 0 and 1 (two ranks, ZeRO-3: each version gathered in groups of parameters on rank 0
-  while it is broadcast), the generator on GPU 2 (with 2 GPUs: on GPU 1, beside learner rank 1).
+- A ZeRO-3 learner (each version gathered in groups of parameters on rank 0 while it is broadcast): on GPUs 0
+  and 1 with the generator on GPU 2 (with 2 GPUs: on GPU 1, beside learner rank 1); with 4 GPUs, on GPUs 0-2 with
+  the generator on GPU 3 (TRL's "cuda:4 and cuda:0" setup), and on GPUs 0-1 with a tensor-parallel generator on
+  GPUs 2 and 3. Each delivers every version, and its mismatch KL at lag 0 matches the one-rank run's.
 All check strict device isolation: nvidia-smi's compute apps, sampled while the run goes on, never show
 a process of one service on a GPU it was not given. Processes are stopped by process group, never by name.
 """
@@ -184,11 +186,23 @@ def _check_every_version_by_broadcast(run_dir: Path) -> None:
     assert not rejected, rejected  # vLLM's real log-probs, token ids and versions all pass the hub's checks
 
 
+ONE_RANK: dict[str, float] = {}  # the one-rank run's mismatch KL at lag 0, for the ZeRO-3 runs to match
+
+
+def _kl_lag0(run_dir: Path) -> float:
+    """The run's mismatch KL at lag 0 over its steps (the engines' numerical difference at equal weights)."""
+    kls = [r["mismatch/kl_lag0"] for r in read_jsonl(run_dir / "metrics.jsonl") if "mismatch/kl_lag0" in r]
+    assert kls, "no step trained lag-0 samples"
+    return sum(kls) / len(kls)
+
+
 def test_learner_and_generator_on_separate_gpus(model_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # seconds: DeepSpeed start, vLLM start, a few steps
     watch = _run_to_end(_config(model_dir, tmp_path), run_dir, tmp_path, "0", "1", timeout=300)
     _check_every_version_by_broadcast(run_dir)
+    ONE_RANK["kl_lag0"] = _kl_lag0(run_dir)
+    print("one rank: mismatch KL at lag 0", ONE_RANK["kl_lag0"])
     # staged receive: the copies recorded from vLLM's load_weights, replayed, gave the same weights
     assert "weights copy plan verified" in (tmp_path / "generator.log").read_text(), _tail(tmp_path / "generator.log")
     watch.check({"learner": [0], "generator": [1]})
@@ -241,15 +255,35 @@ def test_tensor_parallel_generator_joins_mid_run(model_dir: Path, tmp_path: Path
     watch.check({"learner": [0], "first": [1], "joiner": [2, 3]})
 
 
-def test_zero3_learner_on_two_gpus(model_dir: Path, tmp_path: Path) -> None:
+ZERO3 = [  # (learner GPUs, generator GPUs, tensor_parallel_size, GPUs needed)
+    pytest.param("0,1", "2" if gpu_count() >= 3 else "1", 1, 2, id="learner-0-1"),
+    pytest.param("0,1,2", "3", 1, 4, id="learner-0-2-generator-3"),
+    pytest.param("0,1", "2,3", 2, 4, id="learner-0-1-tp2-generator-2-3"),
+]
+
+
+@pytest.mark.parametrize("learner_gpus,gen_gpus,tp,needs", ZERO3)
+def test_zero3_learner(model_dir: Path, tmp_path: Path, learner_gpus: str, gen_gpus: str, tp: int,
+                       needs: int) -> None:
+    if gpu_count() < needs:
+        pytest.skip(f"needs {needs} GPUs")
     run_dir = tmp_path / "run"
-    # a third GPU for the generator when there is one; on two it shares GPU 1 with learner rank 1 (the
-    # weights still go by broadcast from rank 0's GPU 0)
-    gen_gpu = 2 if gpu_count() >= 3 else 1
     cfg_path = _config(model_dir, tmp_path, zero_stage=3)
-    watch = _run_to_end(cfg_path, run_dir, tmp_path, "0,1", str(gen_gpu), timeout=360)
+    if tp > 1:
+        import yaml
+
+        cfg = yaml.safe_load(cfg_path.read_text())
+        cfg["generator"]["tensor_parallel_size"] = tp
+        cfg_path.write_text(yaml.safe_dump(cfg))
+    watch = _run_to_end(cfg_path, run_dir, tmp_path, learner_gpus, gen_gpus, timeout=360)
     _check_every_version_by_broadcast(run_dir)
     assert all(r["grad_norm"] > 0 for r in read_jsonl(run_dir / "metrics.jsonl"))
+    # the gathered weights are the one-rank run's numbers: the engine's log-probs at equal versions agree as well
+    kl = _kl_lag0(run_dir)
+    print(f"ZeRO-3 on {learner_gpus}, generator on {gen_gpus}: mismatch KL at lag 0 {kl}, one rank {ONE_RANK}")
+    assert 0 <= kl < 0.05
+    if "kl_lag0" in ONE_RANK:
+        assert kl <= 3 * ONE_RANK["kl_lag0"] + 1e-4, (kl, ONE_RANK)
     # the final weights are whole parameters (gathered, not rank shards) and moved from the initial ones
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -258,4 +292,5 @@ def test_zero3_learner_on_two_gpus(model_dir: Path, tmp_path: Path) -> None:
     initial = load_file(str(model_dir / "model.safetensors"))
     assert all(final[name].shape == t.shape for name, t in initial.items() if name in final)
     assert sum(float((final[name].float() - t.float()).abs().sum()) for name, t in initial.items() if name in final) > 0
-    watch.check({"learner": [0, 1], "generator": [gen_gpu]})
+    watch.check({"learner": [int(g) for g in learner_gpus.split(",")],
+                 "generator": [int(g) for g in gen_gpus.split(",")]})
