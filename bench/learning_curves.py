@@ -121,7 +121,28 @@ TASKS = {
 }
 
 
+def shipped_config(k: int, loss: str, seed: int, args) -> dict:
+    """A shipped config (--config) as a user runs it, but for what the grid varies (k, loss, seed, steps) and what
+    sharing a GPU needs (the engine's memory, the runs' GPU and port); its data, rewards, lengths, lr and evaluation
+    are the file's."""
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, minibatches=args.minibatches,
+                          checkpoint_every=0)
+    batch = cfg["trainer"].get("batch_size", args.batch_size)
+    cfg.setdefault("generator", {}).update(seed=seed, max_inflight_groups=max(32, (k + 1) * batch))
+    if args.enforce_eager is not None:
+        cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
+    cfg.setdefault("hub", {})["port"] = 0
+    cfg["run"] = {"generators": args.generators, "tensorboard": False}
+    if args.gpus:
+        cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
+        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory)
+    return cfg
+
+
 def run_config(k: int, loss: str, seed: int, args) -> dict:
+    if args.config:
+        return shipped_config(k, loss, seed, args)
     task = TASKS[args.task]
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cpu_fp32 = args.model == "builtin:tiny" or (args.model == "builtin:smollm2" and not args.gpus)
@@ -290,6 +311,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=sorted(TASKS), default="reverse", help="reverse: builtin:reverse, the reward as "
                    "the curve; arith: builtin:arith (use --model builtin:smollm2), held-out accuracy as the curve")
+    p.add_argument("--config", default="", help="a shipped config (e.g. configs/gpu-smollm2-math.yaml) as the runs' "
+                   "settings: the grid sets only k, the loss, the seed, --steps, --minibatches and the GPU sharing; "
+                   "--task names its curve (arith: held-out accuracy), and --lr, --max-tokens, --batch-size, "
+                   "--group-size and the --eval options are the file's")
     p.add_argument("--ks", default="0,1,2,4,8")
     p.add_argument("--losses", default="ppo,tis,decoupled,masked", help="trainer.loss values (learner/loss.py)")
     p.add_argument("--seeds", type=int, default=3)
@@ -341,6 +366,12 @@ def main() -> int:
     for opt in ("lr", "max_tokens", "eval_every", "eval_prompts"):
         if getattr(args, opt) is None:
             setattr(args, opt, task[opt])
+    if args.config:  # the settings the runs take from the file, recorded as they are
+        shipped = yaml.safe_load(Path(args.config).read_text())
+        args.batch_size, args.group_size, args.lr = (shipped["trainer"][x] for x in ("batch_size", "group_size", "lr"))
+        args.max_tokens = shipped["sampling"]["max_tokens"]
+        args.eval_every, args.eval_prompts = shipped["eval"]["every"], shipped["eval"].get("max_prompts")
+        args.eval_samples = shipped["eval"].get("samples", args.eval_samples)
     ks, losses = [int(k) for k in args.ks.split(",")], args.losses.split(",")
     check_losses(losses)
     size = args.model if args.model in SIZES else None
