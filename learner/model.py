@@ -75,8 +75,8 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
         from pipeline.memory import check_learner
 
         ranks = dist.get_world_size() if dist.is_initialized() else 1
-        total = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[1]
-        log.info("memory: %s", check_learner(cfg, model_path, total, ranks))
+        total = cap_gpu_memory(t.gpu_memory_gb)
+        log.info("memory: %s", check_learner(cfg, model_path, total, ranks))  # the cap as the card, where set
     torch.manual_seed(t.seed)
     dtype = run_dtype(cfg)
     if cfg.model.quantization is not None:  # QLoRA: the frozen base quantized (pipeline/quantization.py)
@@ -131,6 +131,29 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
         ref.config.use_cache = False
         extras.reference = ref.requires_grad_(False)
     return engine, extras
+
+
+def cap_gpu_memory(gb: float) -> int:
+    """Cap torch's allocator in this process at `gb` GB of this rank's GPU (trainer.gpu_memory_gb; 0: no cap) and
+    return the GPU's bytes. Past the cap an allocation fails with CUDA's out-of-memory error, as on a card of that
+    size; the CUDA context and NCCL's buffers, outside the allocator, come on top. Set before anything is allocated:
+    the cap counts what the allocator holds."""
+    device = torch.cuda.current_device()  # the rank's, chosen in init_distributed
+    total = torch.cuda.mem_get_info(device)[1]
+    if gb > 0:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 1e9 / total), device)
+        log.info("trainer.gpu_memory_gb: this rank's allocator capped at %.1f GB of the GPU's %.1f GB", gb,
+                 total / 1e9)
+    return total
+
+
+def free_gpu_bytes(device=None) -> int:
+    """What this process may still allocate on its GPU: the device's free memory plus what torch's allocator holds
+    unused, within the allocator's cap (trainer.gpu_memory_gb) where one is set."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    room = free + torch.cuda.memory_reserved(device) - allocated
+    return int(min(room, torch.cuda.get_per_process_memory_fraction(device) * total - allocated))
 
 
 def run_dtype(cfg: Config) -> torch.dtype:

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from learner.model import free_gpu_bytes
 from learner.versions import version_kind
 from weights.plan import Packer, manifest, nbytes, unpack
 
@@ -138,13 +139,11 @@ class HostCopy:
 
     def begin(self, device) -> None:
         """A version starts: buckets may hold up to half the free device memory (the caching allocator's
-        unused blocks included), at least INFLIGHT_BYTES."""
+        unused blocks included, within trainer.gpu_memory_gb), at least INFLIGHT_BYTES."""
         self.waited_ms = 0.0
         if self.stream is None or torch.device(device).type != "cuda":
             return
-        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
-            - torch.cuda.memory_allocated(device)
-        self.limit = max(INFLIGHT_BYTES, free // 2)
+        self.limit = max(INFLIGHT_BYTES, free_gpu_bytes(device) // 2)
 
     def store(self, buffers: dict, named: list, flat: torch.Tensor) -> None:
         self.held.append((buffers, named, flat))

@@ -30,7 +30,7 @@ from learner.batching import Row, build_rows, collate, micro_batches, padded
 from learner.health import StepHealth
 from learner.logprobs import forward_logprobs
 from learner.loss import Loss, masked_sum
-from learner.model import Extras
+from learner.model import Extras, free_gpu_bytes
 from pipeline import protocol as P
 from pipeline.config import Config, runtime_values
 
@@ -93,14 +93,14 @@ AUTO_SHARE = 0.8  # of the memory free at a step that its largest micro-batch ma
 
 def token_budget(engine, configured: int, per_token: float) -> int:
     """The micro-batch token budget of this step: `configured`, or with 0 the tokens that fit in AUTO_SHARE of the
-    GPU memory free now (the device's free memory plus what this process's allocator holds unused), at the bytes
-    per token the largest micro-batch took so far (`per_token`, 0: none yet). Every rank takes the smallest rank's
-    budget (the ranks must run the same micro-batches)."""
+    GPU memory free now (`free_gpu_bytes`: within trainer.gpu_memory_gb's cap), at the bytes per token the largest
+    micro-batch took so far (`per_token`, 0: none yet). Every rank takes the smallest rank's budget (the ranks must run
+    the same micro-batches)."""
     if configured > 0:
         return configured
     if not torch.cuda.is_available():
         return AUTO_FIRST_TOKENS
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    free = free_gpu_bytes()
     budget = max(AUTO_FIRST_TOKENS // 8, int(AUTO_SHARE * free / per_token)) if per_token > 0 else AUTO_FIRST_TOKENS
     smallest = torch.tensor([budget], device=engine.device)
     if _world() > 1:  # every rank, every step: the same collectives

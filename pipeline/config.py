@@ -185,6 +185,12 @@ class TrainerConfig:
     """With zero_stage 1-3: the optimizer's state and fp32 master weights on the CPU (DeepSpeed's offload_optimizer,
     stepped by DeepSpeedCPUAdam): 12 bytes a parameter leave the GPUs (a 7B model's 91 GB, spread over the ranks'
     hosts), for a slower step. Its C++ kernel builds once per machine (about 30 s)."""
+    gpu_memory_gb: float = 0.0
+    """GB (10^9 bytes) of its GPU each learner rank may take at most: a cap on torch's allocator in the rank's process
+    (torch.cuda.set_per_process_memory_fraction), set before the model loads, and the card size of the memory check
+    at start (pipeline/memory.py). The CUDA context and NCCL's own buffers, outside torch's allocator, come on top
+    (an estimated 0.5-1 GB). For a learner that shares its card, or a run held to a smaller card's size on a larger
+    one. 0: the whole card."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     seed: int = 0

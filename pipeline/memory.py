@@ -1,6 +1,8 @@
 """What a generator's model takes of its GPU, worked out from its files before vLLM loads anything; and what a
 learner's weights, gradients and optimizer state take of each rank's GPU (`check_learner`: ZeRO's stages shard them,
-trainer.offload_optimizer moves Adam's state and the fp32 masters to the CPU; activations are not counted).
+trainer.offload_optimizer moves Adam's state and the fp32 masters to the CPU; with model.lora, a frozen base and the
+adapters' states, the base's linear layers in 4 or 8 bits with model.quantization; trainer.gpu_memory_gb is the card
+where set; activations are not counted).
 
 vLLM sizes its KV cache last: `gpu_memory_utilization` of the GPU's memory, less the weights, less what its
 profiling run peaks at; a card too small fails there, minutes after the start, with "no memory available for the
@@ -35,6 +37,7 @@ refusal is never wrong for want of a modeled feature. The overhead is an estimat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -285,34 +288,106 @@ def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
 
 
 def check_learner(cfg, model_path: str | Path, gpu_bytes: int, ranks: int) -> str:
-    """The plan line for each learner rank's GPU of `gpu_bytes`: what the weights, gradients and Adam's state (fp32
-    masters beside bf16 weights) take there under trainer.zero_stage and trainer.offload_optimizer; ConfigError, with
-    the numbers and what to change, where they alone do not fit. Activations are not counted (they follow
-    trainer.micro_batch_tokens), nor ZeRO's buffers: the figure errs low, so a refusal is never wrong."""
+    """The plan line for each learner rank's GPU of `gpu_bytes` (or trainer.gpu_memory_gb, the rank's cap, where set):
+    what the weights, gradients and Adam's state (fp32 masters beside bf16 weights) take there under trainer.zero_stage
+    and trainer.offload_optimizer; with model.lora, the frozen base (model.quantization: its linear layers quantized)
+    and the adapters with their gradients and Adam's state. ConfigError, with the numbers and what to change, where
+    they alone do not fit. Activations are not counted (they follow trainer.micro_batch_tokens), nor ZeRO's buffers:
+    the figure errs low, so a refusal is never wrong."""
     t, m = cfg.trainer, cfg.model
     model_dir, config, name = _model(model_path)
-    if m.quantization is not None or m.lora is not None:
-        return f"{name}: check skipped for {'model.quantization' if m.quantization else 'model.lora'}"
+    if t.gpu_memory_gb:
+        gpu_bytes = min(gpu_bytes, int(t.gpu_memory_gb * GB))
     try:
         params = footprint(config, m.dtype, 1, model_dir).params
     except NotModeled as e:
         return _unweighed(name, e)
     if params is None:
         return f"{name}: check skipped for a {_quantization(config)} checkpoint"
-    gpu, cpu = learner_bytes(params, DTYPE_BYTES[m.dtype], t.zero_stage, ranks, t.offload_optimizer)
+    try:
+        what, gpu, cpu, advice = _learner_plan(language_model(config), params, cfg, ranks)
+    except (NotModeled, KeyError, TypeError) as e:  # model.lora's linear layers
+        return f"{name}: check skipped for model.lora ({e if isinstance(e, NotModeled) else _missing(e)})"
     line = (f"{name} ({params / 1e9:.2f} B parameters) in {m.dtype} under ZeRO {t.zero_stage} over {ranks} "
-            f"rank{'s' if ranks > 1 else ''}: {gpu / GB:.1f} GB of weights, gradients and optimizer state on each "
-            f"rank's GPU of {gpu_bytes / GB:.1f} GB (activations besides)")
+            f"rank{'s' if ranks > 1 else ''}: {gpu / GB:.1f} GB of {what} on each rank's GPU of "
+            f"{gpu_bytes / GB:.1f} GB ({'trainer.gpu_memory_gb; ' if t.gpu_memory_gb else ''}activations besides)")
     if cpu:
         line += f", {cpu / GB:.1f} GB of optimizer state in the CPUs' memory"
     if gpu > gpu_bytes:
-        sharded = learner_bytes(params, DTYPE_BYTES[m.dtype], 3, ranks, False)[0]
-        offloaded = learner_bytes(params, DTYPE_BYTES[m.dtype], 3, ranks, True)[0]
-        raise ConfigError(f"{line}: they do not fit. trainer.zero_stage: 3 shards them over the ranks "
-                          f"({sharded / GB:.1f} GB each), with trainer.offload_optimizer: true Adam's state and the "
-                          f"masters go to the CPU ({offloaded / GB:.1f} GB each); more ranks, or model.lora (adapters "
-                          "on a frozen base), take less")
+        more = ", or a larger trainer.gpu_memory_gb" if t.gpu_memory_gb else ""
+        raise ConfigError(f"{line}: they do not fit. {advice}{more}")
     return line
+
+
+def _learner_plan(c: dict, params: int, cfg, ranks: int) -> tuple[str, int, int, str]:
+    """(what each rank's GPU holds, in words; its bytes there, and on the CPUs in all; what to change where they do
+    not fit) of a learner of `params` parameters, config.json's fields `c`."""
+    t, m = cfg.trainer, cfg.model
+    size = DTYPE_BYTES[m.dtype]
+    if m.lora is None:
+        gpu, cpu = learner_bytes(params, size, t.zero_stage, ranks, t.offload_optimizer)
+        return "weights, gradients and optimizer state", gpu, cpu, _full_advice(params, size, ranks)
+    base, trained = lora_bytes(c, params, m)
+    gpu, cpu = learner_bytes(trained, size, t.zero_stage, ranks, t.offload_optimizer)
+    frozen = base // ranks if t.zero_stage == 3 else base  # no gradient, no optimizer state
+    kind = f"in {m.quantization}; {params * size / GB:.1f} GB in {m.dtype}" if m.quantization else f"in {m.dtype}"
+    what = (f"a frozen base ({frozen / GB:.1f} GB {kind}) and LoRA r {m.lora.r} ({trained / 1e6:.1f} M trained "
+            f"parameters: {gpu / GB:.2f} GB with their gradients and optimizer state)")
+    return what, frozen + gpu, cpu, _lora_advice(c, params, m)
+
+
+def _full_advice(params: int, size: int, ranks: int) -> str:
+    sharded = learner_bytes(params, size, 3, ranks, False)[0]
+    offloaded = learner_bytes(params, size, 3, ranks, True)[0]
+    return (f"trainer.zero_stage: 3 shards them over the ranks ({sharded / GB:.1f} GB each), with "
+            f"trainer.offload_optimizer: true Adam's state and the masters go to the CPU ({offloaded / GB:.1f} GB "
+            "each); more ranks, or model.lora (adapters on a frozen base), take less")
+
+
+def _lora_advice(c: dict, params: int, m) -> str:
+    if m.quantization == "4bit":
+        return "A GPU with more memory, or a smaller model"
+    four = lora_bytes(c, params, dataclasses.replace(m, quantization="4bit"))[0]
+    return f"model.quantization: 4bit holds the base in {four / GB:.1f} GB (QLoRA); or a GPU with more memory"
+
+
+# bytes of one weight of a linear layer quantized by bitsandbytes: NF4's 4 bits and one byte of absmax per block of
+# 64 (double quantization; its second level, 4 bytes per 256 blocks, left out); LLM.int8's byte (its row scales left
+# out). Both err low.
+QUANTIZED_BYTES = {"4bit": 0.5 + 1 / 64, "8bit": 1.0}
+
+
+def lora_bytes(c: dict, params: int, m) -> tuple[int, int]:
+    """(bytes of the frozen base, parameters trained) of model.lora on the decoder of config `c`, `params` parameters
+    in all. The base: its decoder layers' linear weights at QUANTIZED_BYTES with model.quantization, the rest (and
+    all of it without) in model.dtype. Trained: r x (in + out) for each linear layer the adapters target, and the
+    output head or input embedding where modules_to_save names it (other saved modules, small, are left out)."""
+    lora, size, layers = m.lora, DTYPE_BYTES[m.dtype], c["num_hidden_layers"]
+    linears = _linears(c)
+    linear = layers * sum(i * o for i, o in linears.values())
+    weight = QUANTIZED_BYTES[m.quantization] if m.quantization else size
+    base = int(linear * weight) + max(0, params - linear) * size
+    targets = lora.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        raise NotModeled(f"model.lora.target_modules {targets!r} (a regular expression)")
+    names = [n for n in linears if targets == "all-linear" or any(t.split(".")[-1] == n for t in targets)]
+    adapters = layers * lora.r * sum(sum(linears[n]) for n in names)
+    whole = c["vocab_size"] * c["hidden_size"] * sum(s.split(".")[-1] in ("lm_head", "embed_tokens")
+                                                     for s in lora.modules_to_save)
+    return base, adapters + whole
+
+
+def _linears(c: dict) -> dict[str, tuple[int, int]]:
+    """One decoder layer's linear layers, {name: (in, out)}: those bitsandbytes quantizes and all-linear adapts."""
+    reason = _unmodeled(c) or ("a mixture of experts" if _experts(c) else "")
+    reason = reason or ("multi-head latent attention" if c.get("kv_lora_rank") else "")
+    if reason:
+        raise NotModeled(f"{reason}: its linear layers for model.lora")
+    h, head = c["hidden_size"], _head_dim(c)
+    q, kv = c["num_attention_heads"] * head, _kv_heads(c) * head
+    inter = c.get("intermediate_size_mlp") or c["intermediate_size"]
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
 
 def learner_bytes(params: int, size: int, stage: int, ranks: int, offload: bool) -> tuple[int, int]:

@@ -58,7 +58,7 @@ RANGES = {
     "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,
     "trainer.keep_checkpoints": Range(1), "trainer.minibatches": POSITIVE, "trainer.overlong_buffer": NON_NEGATIVE,
     "trainer.overlong_penalty": NON_NEGATIVE, "trainer.kl_coef": NON_NEGATIVE, "trainer.max_skipped_steps": POSITIVE,
-    "trainer.rank_timeout_s": Range(30),
+    "trainer.rank_timeout_s": Range(30), "trainer.gpu_memory_gb": NON_NEGATIVE,
     "sampling.max_tokens": POSITIVE, "sampling.temperature": TEMPERATURE, "sampling.top_p": FRACTION,
     "sampling.seed": NON_NEGATIVE,
     "generator.lease_size": Range(1, 4096, why="prompt groups per lease; a generator asks for what its engine runs"),

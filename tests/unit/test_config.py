@@ -51,6 +51,9 @@ def test_file_then_overrides(tmp_path):
     ({}, ["sampling.max_tokens=256"], "sampling.max_tokens: 256 leaves no room for a prompt"),
     ({}, ["hub.heartbeat_timeout_s=0.5"], "hub.heartbeat_timeout_s: must exceed hub.heartbeat_s"),
     ({}, ["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization: must be in (0, 1]"),
+    ({}, ["trainer.gpu_memory_gb=-1"], "trainer.gpu_memory_gb: must be >= 0, got -1.0"),
+    ({}, ["trainer.gpu_memory_gb=.inf"], "trainer.gpu_memory_gb: must be a finite number"),
+    ({}, ["trainer.gpu_memory_gb=forty"], "trainer.gpu_memory_gb: expected float, got 'forty'"),
     ({"trainer": 5}, [], "trainer: expected a mapping"),
     ({"trainer": {"compile": True, "zero_stage": 3}}, [], "trainer.compile: not with trainer.zero_stage 3"),
     ({"trainer": {"offload_optimizer": True}}, [], "trainer.offload_optimizer: needs trainer.zero_stage 1-3"),
@@ -81,6 +84,14 @@ def test_bad_fields_are_named(data, overrides, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict(data, overrides)
     assert message in str(e.value)
+
+
+def test_the_learners_gpu_memory_cap_is_gb_and_0_is_none():
+    assert config_from_dict({}).trainer.gpu_memory_gb == 0.0
+    assert config_from_dict({"trainer": {"gpu_memory_gb": 40}}).trainer.gpu_memory_gb == 40.0
+    assert config_from_dict({}, ["trainer.gpu_memory_gb=39.5"]).trainer.gpu_memory_gb == 39.5
+    with pytest.raises(ConfigError, match="cannot change while a run goes on"):
+        apply_runtime_change(load_config(), "trainer.gpu_memory_gb", 20)  # set before the model loads
 
 
 def test_lora_takes_peft_target_modules_as_a_name_or_a_list():

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from pipeline.config import ConfigError, config_from_dict
-from pipeline.memory import GB, check_generator, check_learner, footprint, learner_bytes
+from pipeline.memory import GB, check_generator, check_learner, footprint, learner_bytes, lora_bytes
 
 QWEN25_7B = {"_name_or_path": "Qwen/Qwen2.5-7B-Instruct", "hidden_size": 3584, "num_hidden_layers": 28,
              "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
@@ -187,7 +187,8 @@ def test_a_7b_learner_on_24_gb_cards_needs_zero_3_with_the_optimizer_offloaded_a
         "91.4 GB of optimizer state in the CPUs' memory")
     with pytest.raises(ConfigError, match="ZeRO 0 over 1 rank: 121.8 GB"):  # one H100 cannot hold it unsharded
         check_learner(*_learner(tmp_path, 0), 80 * 10**9, 1)
-    assert "check skipped for model.lora" in check_learner(*_learner(tmp_path, 0, lora={"r": 8}), 24 * 10**9, 1)
+    assert "15.6 GB of a frozen base (15.2 GB in bfloat16) and LoRA r 8" in check_learner(
+        *_learner(tmp_path, 0, lora={"r": 8}), 24 * 10**9, 1)  # adapters: it fits
 
 
 def test_each_zero_stage_shards_what_deepspeed_shards():
@@ -198,3 +199,89 @@ def test_each_zero_stage_shards_what_deepspeed_shards():
     assert learner_bytes(p, 2, 3, 4, False) == (16 * p // 4, 0)  # and the weights
     assert learner_bytes(p, 2, 3, 4, True) == (4 * p // 4, 12 * p)
     assert learner_bytes(p, 4, 0, 1, False) == (16 * p, 0)  # fp32: no masters, the weights are
+
+
+QKVO_GUD = [(3584, 3584), (3584, 512), (3584, 512), (3584, 3584), (3584, 18944), (3584, 18944), (18944, 3584)]
+
+
+def test_a_4bit_base_needs_about_a_quarter_of_the_bf16_bytes_plus_the_adapter_and_its_optimizer(tmp_path):
+    """QLoRA on the Qwen2.5-7B shape (issue 54's setup): the decoder layers' linear weights in NF4 take 4 bits and a
+    byte of absmax per 64 (0.26 of their bf16 bytes); the embeddings and the output head stay in bf16 (5.5 GB of
+    base in all, against 15.2); LoRA r 16 on every linear layer trains r (in + out) a layer each, 16 bytes a parameter
+    with its gradient, fp32 master and Adam's moments."""
+    cfg, path = _learner(tmp_path, 0, lora={"r": 16}, quantization="4bit")
+    params = footprint(QWEN25_7B, "bfloat16").params
+    base, trained = lora_bytes(QWEN25_7B, params, cfg.model)
+    linear = 28 * sum(i * o for i, o in QKVO_GUD)
+    whole = params - linear  # the embedding, the untied output head, the norms
+    assert whole == 2 * 152064 * 3584 + 57 * 3584
+    assert 0.25 < (base - 2 * whole) / (2 * linear) < 0.26  # about a quarter of the bf16 bytes
+    assert base == int(linear * (0.5 + 1 / 64)) + 2 * whole
+    assert trained == 28 * 16 * sum(i + o for i, o in QKVO_GUD) == 40_370_176
+    assert check_learner(cfg, path, 42 * 10**9, 1) == (
+        "Qwen2.5-7B-Instruct (7.62 B parameters) in bfloat16 under ZeRO 0 over 1 rank: 6.2 GB of a frozen base (5.5 GB "
+        "in 4bit; 15.2 GB in bfloat16) and LoRA r 16 (40.4 M trained parameters: 0.65 GB with their gradients and "
+        "optimizer state) on each rank's GPU of 42.0 GB (activations besides)")
+    assert (base + 16 * trained) / GB == pytest.approx(6.19, abs=0.01)
+    cfg, _ = _learner(tmp_path, 0, lora={"r": 16, "target_modules": ["q_proj", "self_attn.v_proj"],
+                                         "modules_to_save": ["lm_head"]}, quantization="8bit")
+    base, trained = lora_bytes(QWEN25_7B, params, cfg.model)
+    assert base == linear + 2 * whole and trained == 28 * 16 * (3584 * 2 + 3584 + 512) + 152064 * 3584
+
+
+def test_the_learners_cap_is_its_card_and_a_model_past_it_is_refused_with_the_numbers(tmp_path):
+    """trainer.gpu_memory_gb: the check counts the cap as the card (an H200's 141 GB held to 40, as on an A100)."""
+    h200 = 141 * 10**9
+    cfg, path = _learner(tmp_path, 0, lora={"r": 16}, quantization="4bit")
+    cfg.trainer.gpu_memory_gb = 40.0
+    assert check_learner(cfg, path, h200, 1).endswith("on each rank's GPU of 40.0 GB (trainer.gpu_memory_gb; "
+                                                      "activations besides)")
+    cfg.trainer.gpu_memory_gb = 5.0
+    with pytest.raises(ConfigError) as e:
+        check_learner(cfg, path, h200, 1)
+    assert str(e.value).endswith(
+        "6.2 GB of a frozen base (5.5 GB in 4bit; 15.2 GB in bfloat16) and LoRA r 16 (40.4 M trained parameters: "
+        "0.65 GB with their gradients and optimizer state) on each rank's GPU of 5.0 GB (trainer.gpu_memory_gb; "
+        "activations besides): they do not fit. A GPU with more memory, or a smaller model, or a larger "
+        "trainer.gpu_memory_gb")
+    cfg, path = _learner(tmp_path, 0, lora={"r": 16})  # the base in bf16: told what 4bit would take
+    cfg.trainer.gpu_memory_gb = 12.0
+    with pytest.raises(ConfigError, match=r"15.9 GB of a frozen base \(15.2 GB in bfloat16\).* GPU of 12.0 GB .*: they "
+                                          r"do not fit. model.quantization: 4bit holds the base in 5.5 GB \(QLoRA\)"):
+        check_learner(cfg, path, h200, 1)
+    cfg, path = _learner(tmp_path, 0)  # full weights: 121.8 GB fit the card, not the cap
+    assert "121.8 GB of weights" in check_learner(cfg, path, h200, 1)
+    cfg.trainer.gpu_memory_gb = 40.0
+    with pytest.raises(ConfigError, match=r"121.8 GB .* GPU of 40.0 GB .* or a larger trainer.gpu_memory_gb$"):
+        check_learner(cfg, path, h200, 1)
+
+
+def test_adapters_on_layers_the_arithmetic_does_not_model_are_not_refused_but_said_so(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    cfg = config_from_dict({"model": {"dtype": "bfloat16", "lora": {"r": 8}}})
+    assert check_learner(cfg, tmp_path, 24 * 10**9, 1).endswith(
+        "check skipped for model.lora (a mixture of experts: its linear layers for model.lora)")
+    cfg, path = _learner(tmp_path, 0, lora={"target_modules": ".*proj"})  # PEFT reads a string as a pattern
+    assert check_learner(cfg, path, 24 * 10**9, 1).endswith(
+        "check skipped for model.lora (model.lora.target_modules '.*proj' (a regular expression))")
+
+
+def test_the_learner_caps_its_allocator_and_sizes_what_it_may_still_take_within_the_cap(monkeypatch):
+    """learner/model.py on a stand-in H200 (no GPU here): trainer.gpu_memory_gb sets torch's per-process fraction,
+    and the room the automatic micro-batch budget and the publisher's buckets count is the cap's, not the card's."""
+    import torch
+
+    from learner.model import cap_gpu_memory, free_gpu_bytes
+
+    fraction = {0: 1.0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 10**9, 141 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 30 * 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 35 * 10**9)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fraction.update({device: f}))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction[0])
+    assert cap_gpu_memory(0) == 141 * 10**9 and fraction[0] == 1.0  # no cap: nothing set
+    assert free_gpu_bytes() == 105 * 10**9  # free, and what the allocator holds unused
+    assert cap_gpu_memory(40) == 141 * 10**9 and fraction[0] == pytest.approx(40 / 141)
+    assert free_gpu_bytes() == pytest.approx(10 * 10**9, abs=1)  # 40 GB less the 30 allocated
+    assert cap_gpu_memory(200) == 141 * 10**9 and fraction[0] == 1.0  # a cap past the card is the card

@@ -113,7 +113,7 @@ def test_a_resume_may_change_only_how_the_run_goes_on():
     same = load_config(REPO / "configs" / "demo.yaml", [
         "model.lora={r: 8, alpha: 16}", "trainer.total_steps=500", "trainer.lr=1e-4", "trainer.max_staleness=4",
         "hub.port=6000", "run.generators=3", "generator.gpu_memory_utilization=0.8", "trainer.micro_batch_tokens=0",
-        "trainer.checkpoint_every=5", "eval.every=10"])
+        "trainer.checkpoint_every=5", "eval.every=10", "trainer.gpu_memory_gb=40"])
     assert runspec.resume_conflict(same, saved, "RUN/config.yaml") == ""
     for override, field in (("model.lora.alpha=64", "model.lora.alpha"), ("model.lora.use_rslora=true",
                                                                           "model.lora.use_rslora"),
