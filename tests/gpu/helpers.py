@@ -1,15 +1,18 @@
-"""The GPU tests' model, data and reward, built locally (no download).
+"""The GPU tests' model, data and reward, built locally (no download), and what nvidia-smi says of their memory.
 
 A random-weight Qwen2 of Qwen2.5-0.5B's shape in bf16 with a word-level tokenizer over all its 151936 ids
 (letters and digits first, then "tN" for id N), so prompts of letters encode to ids and every sampled id
 decodes; prompts of random letters; and a reward with variance, so no group is skipped. The generator
 imports the reward by name (`tests.gpu.helpers:parity_reward`), so this module imports nothing heavy at the top.
+`MemorySamples`: each GPU's memory and each service's, by process id, sampled while a run goes on.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import time
 from pathlib import Path
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -87,3 +90,63 @@ def write_dataset(path: Path, rows: int, prompt_tokens: int, seed: int = 0) -> P
 def parity_reward(prompts, completions, completion_ids=None, **_) -> list[float]:
     """Fraction of odd token ids: random weights still give rewards with variance."""
     return [sum(t & 1 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def smi(query: str, kind: str = "gpu") -> list[list[str]]:
+    """nvidia-smi's rows for `--query-{kind}=QUERY`, without header or units."""
+    out = subprocess.run(["nvidia-smi", f"--query-{kind}={query}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def descendants(pid: int) -> set[int]:
+    """`pid` and every process below it (vLLM's engine core, torchrun's ranks), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+class MemorySamples:
+    """nvidia-smi's view of a run, one sample a call (the test's loop calls it every second): the MiB used on each GPU
+    by index, and the MiB each watched service holds on each GPU, summed over its processes (found by process id)."""
+
+    def __init__(self) -> None:
+        self.index = {uuid: int(i) for i, uuid in smi("index,uuid")}
+        self.samples: list[tuple[float, dict[int, int], dict[str, dict[int, int]]]] = []  # (unix time, used, held)
+        self.listed: set[int] = set()  # every process id nvidia-smi listed: a container may show the host's
+
+    def sample(self, services: dict[str, int]) -> None:
+        """`services`: name -> the pid of its top process."""
+        pids = {name: descendants(pid) for name, pid in services.items()}
+        used = {int(i): int(mib) for i, mib in smi("index,memory.used")}
+        held: dict[str, dict[int, int]] = {name: {} for name in services}
+        for pid, uuid, mib in smi("pid,gpu_uuid,used_memory", "compute-apps"):
+            self.listed.add(int(pid))
+            for name, mine in pids.items():
+                if int(pid) in mine:
+                    gpu = self.index[uuid]
+                    held[name][gpu] = held[name].get(gpu, 0) + (int(mib) if mib.isdigit() else 0)
+        self.samples.append((time.time(), used, held))  # unix time, as events.jsonl's
+
+    def gpus_of(self, name: str) -> set[int]:
+        """The GPUs on which the service held memory in any sample."""
+        return {gpu for _, _, held in self.samples for gpu in held.get(name, {})}
+
+    def peak_mib(self, name: str) -> int:
+        """The most the service held on all its GPUs together in one sample."""
+        return max((sum(held.get(name, {}).values()) for _, _, held in self.samples), default=0)
+
+    def used_mib(self, gpu: int, start: float = 0.0, end: float = float("inf")) -> list[int]:
+        """The MiB used on `gpu` in the samples between two unix times."""
+        return [used[gpu] for t, used, _ in self.samples if start <= t <= end]
