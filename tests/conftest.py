@@ -86,8 +86,7 @@ class Proc(Child):
         return super().tail(n)
 
 
-@pytest.fixture
-def procs():
+def _procs():
     started: list[Proc] = []
 
     def start(args: list[str], log: Path, env: dict | None = None, prefix: list[str] = ()) -> Proc:
@@ -103,6 +102,17 @@ def procs():
     yield start
     for p in reversed(started):
         p.stop()
+
+
+@pytest.fixture
+def procs():
+    yield from _procs()
+
+
+@pytest.fixture(scope="module")
+def module_procs():
+    """`procs` for a module's fixture: one run that several tests of the module read."""
+    yield from _procs()
 
 
 def running(pid: int) -> bool:

@@ -1,9 +1,15 @@
-"""`pipeline run --profile`: RUN_DIR/trace.json, a Chrome/Perfetto trace of every process, whose spans account for
-each learner step's wall time, and metrics.jsonl's per-step sums that agree with it (pipeline/trace.py)."""
+"""One `pipeline run` of the tiny model, read by two tests:
+- `--profile`: RUN_DIR/trace.json, a Chrome/Perfetto trace of every process, whose spans account for each learner
+  step's wall time, and metrics.jsonl's per-step sums that agree with it (pipeline/trace.py);
+- a generator on GPUs of its own starts beside the learner: the hub's port is chosen first, and the generator builds
+  its engine from the run's config while the learner starts (generator/spec.py), then registers.
+Neither setting changes what the other test reads, and one run's start (about 25 s on 2 cores) serves both.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,15 +18,27 @@ from pipeline.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
 
+STEPS = 6
 
-def test_a_profiled_run_accounts_for_every_second_of_each_step(procs, tmp_path, model_cache):
-    run_dir = tmp_path / "run"
-    steps = 6
+
+@pytest.fixture(scope="module")
+def profiled(module_procs, tmp_path_factory, model_cache):
+    """The finished run: (its process, its directory)."""
+    tmp = tmp_path_factory.mktemp("profiled")
+    run_dir = tmp / "run"
     # heartbeats (which carry the generator's seconds) every 0.1 s: at the default 1 s, steps 1 to 5 may all be
-    # trained from buffered rollouts within one second of step 0, before any heartbeat since generation began
-    run = procs(["run", "--profile", "--run-dir", str(run_dir), "--set", f"trainer.total_steps={steps}",
-                 "--set", "hub.heartbeat_s=0.1"], tmp_path / "run.log")
+    # trained from buffered rollouts within one second of step 0, before any heartbeat since generation began.
+    # On this CPU machine the GPU sets only name CUDA_VISIBLE_DEVICES: what the launcher decides by is that they differ
+    run = module_procs(["run", "--profile", "--run-dir", str(run_dir), "--set", f"trainer.total_steps={STEPS}",
+                        "--set", "hub.heartbeat_s=0.1", "--set", "run.learner_gpus='0'",
+                        "--set", "run.generator_gpus=['1']"], tmp / "run.log")
     assert run.wait(600) == 0, run.tail()
+    return run, run_dir
+
+
+def test_a_profiled_run_accounts_for_every_second_of_each_step(profiled):
+    run, run_dir = profiled
+    steps = STEPS
     events = trace.read(run_dir / "trace.json")
     json.dumps(events)  # plain JSON: what ui.perfetto.dev and chrome://tracing read
     spans = trace.spans(events)
@@ -49,3 +67,15 @@ def test_a_profiled_run_accounts_for_every_second_of_each_step(procs, tmp_path, 
     assert sum(r.get("time/hub/rollout_s", 0) for r in records) > 0
     assert sum(r.get("gen/generating_s", 0) for r in records) > 0 and sum(r.get("gen/score_s", 0) for r in records) > 0
     assert "timeline:" in run.tail()
+
+
+def test_a_generator_on_gpus_of_its_own_starts_beside_the_learner(profiled):
+    run, run_dir = profiled
+    started = re.search(r"generator-0 pid (\d+) on GPUs 1, beside the learner", run.tail(200))
+    assert started, run.tail(200)
+    learner = (run_dir / "logs" / "learner.log").read_text()
+    listening = re.search(r"hub listening on tcp://127\.0\.0\.1:(\d+)", learner)
+    assert listening and (run_dir / "launch.yaml").read_text().count(f"port: {listening.group(1)}") == 1
+    assert [r["version"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    (registered,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
+    assert f"-{started.group(1)}-" in registered["generator"]  # that process served the run
