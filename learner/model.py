@@ -153,7 +153,8 @@ def free_gpu_bytes(device=None) -> int:
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     room = free + torch.cuda.memory_reserved(device) - allocated
-    return int(min(room, torch.cuda.get_per_process_memory_fraction(device) * total - allocated))
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # (a torch without it: the card)
+    return int(min(room, (fraction(device) if fraction else 1.0) * total - allocated))
 
 
 def run_dtype(cfg: Config) -> torch.dtype:
