@@ -75,11 +75,15 @@ def step_record(step: int, stats: dict, *, sync_ms: float, elapsed_s: float, pub
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file (metrics, events, changes); none while it does not exist yet."""
+    """The records of a JSON-lines file (metrics, events, changes); none while it does not exist yet. Every record
+    ends with its newline: a last line without one is a record still being written (a reader beside the writer) or
+    one its writer did not finish (killed while writing), left out."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    whole = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
