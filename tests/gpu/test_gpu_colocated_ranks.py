@@ -1,9 +1,10 @@
-"""GPU, two devices: one engine on each training GPU, `pipeline run -c configs/colocated-2gpu.yaml` (issue 54, setup 2)
-on the 0.5B shape with random weights: two learner ranks on GPUs 0 and 1, generator i on GPU i, one command. The run
-holds:
-- both generators register and apply every version in order: the one on rank 0's GPU over CUDA IPC (it copies rank
-  0's buckets), the one on rank 1's GPU by NCCL broadcast from rank 0 (only rank 0 sends: configs/colocated-2gpu.yaml);
-- every version is trained, on rollouts of both generators;
+"""GPU, two and four devices: one engine on each training GPU, `pipeline run -c configs/colocated-2gpu.yaml` (issue 54,
+setup 2) on the 0.5B shape with random weights: two learner ranks on GPUs 0 and 1, generator i on GPU i, one command;
+and the same config with four ranks and four generators on GPUs 0-3 (issue 58, item 4: run.learner_gpus, run.generators
+and run.generator_gpus set on the command line). The run holds:
+- every generator registers and applies every version in order: the one on rank 0's GPU over CUDA IPC (it copies rank
+  0's buckets), the others by NCCL broadcast from rank 0 (only rank 0 sends: configs/colocated-2gpu.yaml);
+- every version is trained, on rollouts of every generator;
 - by process id (nvidia-smi's compute apps), generator i and learner rank i hold memory on GPU i only.
 Prints each GPU's peak and the steps/min.
 
@@ -39,13 +40,13 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def _services(log: Path) -> dict[str, int]:
-    """The generators' and the learner ranks' process ids, once `pipeline run` printed them and torchrun started
-    the ranks."""
+def _services(log: Path, ranks: int) -> dict[str, int]:
+    """The learner's, its `ranks` ranks' (rank0, ...) and the generators' process ids, once `pipeline run` printed them
+    and torchrun started the ranks. A lone rank is the learner's own process: no rank0."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    found = {name: int(pid) for name, pid in re.findall(r"^(learner|generator-\d) pid (\d+)", text, re.M)}
-    learner = found.pop("learner", None)
-    for rank in (0, 1):
+    found = {name: int(pid) for name, pid in re.findall(r"^(learner|generator-\d+) pid (\d+)", text, re.M)}
+    learner = found.get("learner")
+    for rank in range(ranks if ranks > 1 else 0):
         try:
             found[f"rank{rank}"] = _rank(learner, rank) if learner else 0
         except AssertionError:  # not started yet
@@ -53,12 +54,18 @@ def _services(log: Path) -> dict[str, int]:
     return {name: pid for name, pid in found.items() if pid}
 
 
-def test_two_learner_ranks_each_with_an_engine_on_its_own_gpu(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("ranks", [2, 4], ids=["2-ranks", "4-ranks"])
+def test_learner_ranks_each_with_an_engine_on_its_own_gpu(model_dir: Path, tmp_path: Path, ranks: int) -> None:  # noqa: F811
+    if gpu_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs")
+    gpus = ",".join(str(i) for i in range(ranks))
     sets = [f"model.path={model_dir}", f"data.path={model_dir.parent / 'data.jsonl'}", "data.chat_template=false",
             "data.system_prompt=null", "rewards=[{fn: 'tests.gpu.helpers:parity_reward'}]",
             f"trainer.total_steps={STEPS}", "trainer.batch_size=8", "trainer.group_size=4",
             "trainer.micro_batch_tokens=4096", "sampling.max_tokens=32", "sampling.ignore_eos=true",
             "generator.max_model_len=256", "eval.every=0", "trainer.checkpoint_every=0",
+            f"run.learner_gpus={gpus}", f"run.generator_gpus=[{gpus}]", f"run.generators={ranks}",
+            "generator.lease_size=2",  # the window's 16 groups in leases for every generator, not two
             "generator.enforce_eager=true"]  # start-up is not what is measured: no CUDA graphs
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     argv = [sys.executable, "-m", "pipeline", "run", "-c", str(ROOT / "configs" / "colocated-2gpu.yaml"),
@@ -67,10 +74,10 @@ def test_two_learner_ranks_each_with_an_engine_on_its_own_gpu(model_dir: Path, t
     memory, pids = MemorySamples(), {}
     run = Proc(argv, log, env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
     try:
-        deadline = time.monotonic() + 480  # seconds: torchrun's ranks, two engines, 6 steps
+        deadline = time.monotonic() + 480  # seconds: torchrun's ranks, the engines, 6 steps
         while run.proc.poll() is None:
             assert time.monotonic() < deadline, "run did not finish: " + log.read_text(errors="replace")[-3000:]
-            pids |= _services(log)
+            pids |= _services(log, ranks)
             memory.sample(pids)
             time.sleep(1.0)
     finally:
@@ -83,20 +90,21 @@ def test_two_learner_ranks_each_with_an_engine_on_its_own_gpu(model_dir: Path, t
            for name, pid in pids.items() if name.startswith("generator")}
     transports = {name: next(e["transport"] for e in events if e["event"] == "register" and e["generator"] == gid)
                   for name, gid in ids.items()}
-    assert transports == {"generator-0": "ipc", "generator-1": "nccl"}, transports
+    assert transports == {f"generator-{i}": "nccl" if i else "ipc" for i in range(ranks)}, transports
     for name, gid in ids.items():
         applied = [(e["version"], e["via"]) for e in events
                    if e["event"] == "weights_applied" and e["generator"] == gid]
         assert applied == [(v, transports[name]) for v in range(STEPS + 1)], (name, applied)
         assert sum(r["groups_by_generator"].get(gid, 0) for r in records) > 0, f"no rollout of {name} was trained"
 
-    seen = {name: memory.gpus_of(name) for name in ("generator-0", "generator-1", "rank0", "rank1")}
+    where = {f"{kind}{i}": {i} for i in range(ranks) for kind in ("generator-", "rank")}
+    seen = {name: memory.gpus_of(name) for name in where}
     elapsed = records[-1]["time/elapsed_s"] - records[0]["time/elapsed_s"]
     figures = {"gpus_seen": {k: sorted(v) for k, v in seen.items()},
-               "gpu_peak_mib": {i: max(memory.used_mib(i), default=0) for i in (0, 1)},
+               "gpu_peak_mib": {i: max(memory.used_mib(i), default=0) for i in range(ranks)},
                "steps_per_min": 60 * (len(records) - 1) / elapsed}
     print(json.dumps(figures))
     assert any(seen.values()), (
         f"nvidia-smi listed none of the run's processes (it listed {sorted(memory.listed)[:8]}): in a PID namespace of "
         "its own (a container) the check by process id cannot be made here")
-    assert seen == {"generator-0": {0}, "generator-1": {1}, "rank0": {0}, "rank1": {1}}, seen
+    assert seen == where, seen
