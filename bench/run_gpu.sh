@@ -3,7 +3,8 @@
 #
 #   bash bench/run_gpu.sh [--site DIR] PART
 #
-#   tests        the GPU tests (2 GPUs; the tensor-parallel joiner needs 4)
+#   tests        the GPU tests but the setups' below (2 GPUs; the tensor-parallel joiner and the ZeRO-3 learner on
+#                GPUs 0-2 need 4)
 #   weight-sync  weight_sync over nccl with the 0.5B and 1.5B shapes, over shm and zmq with 0.5B (2 GPUs)
 #   generator    generator_overhead (ours vs bare vLLM, CUDA graphs), engine_host (one engine's CPU and GPU, with
 #                and without log-probs) and join_latency (2 GPUs)
@@ -47,6 +48,14 @@
 #   agent        bench.agent_overhead: agents of three chat calls through the endpoint against the same calls made on the
 #                engine directly, SmolLM2 (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
+#   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
+#                7B shape (random weights, built into /tmp/bench-models first if missing: about 1 min), a ZeRO-3 learner
+#                on GPUs 0-2 with the optimizer offloaded to the CPU and a generator on GPU 3, each GPU held to 24 GB;
+#                stopped after 4 steps (4 GPUs, about 100 GB of host memory free; about 6-8 min)
+#   setups-4gpu-lora  issue 58: the same test's LoRA run of configs/7b-lora-4x24gb.yaml (learner on GPU 0, generators
+#                on GPUs 1-3, each held to 24 GB), then four learner ranks each with an engine on its own GPU
+#                (tests/gpu/test_gpu_colocated_ranks.py, 4-ranks) (4 GPUs; about 6-8 min, 1 min less when
+#                setups-4gpu ran just before on the same machine: the 7B shape is built)
 #   all          every part above in turn (4 GPUs, no time limit)
 #
 # --site DIR (or BENCH_SITE=DIR): vLLM and DeepSpeed were installed into DIR (`pip install --target DIR`):
@@ -61,6 +70,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server agent"
+PARTS="$PARTS setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -111,8 +121,9 @@ run_part() {
   PART=$1
   nvidia-smi --query-gpu=index,name,memory.used --format=csv >"$OUT/nvidia-smi-$PART.txt" 2>&1
   case "$PART" in
-  tests)
-    step gpu_tests 540 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider; pack
+  tests)  # the setups' 7B and four-rank runs take a call each (setups-4gpu*)
+    step gpu_tests 540 python3 -m pytest -q -rs tests/gpu -m gpu -p no:cacheprovider \
+      --ignore tests/gpu/test_gpu_7b_24gb.py -k "not 4-ranks"; pack
     ;;
   weight-sync)
     step weight_sync_0.5b 170 python3 -m bench.weight_sync --sizes 0.5b --transports nccl; pack
@@ -247,6 +258,15 @@ run_part() {
     smollm2
     step vs_trl_server 560 python3 -m bench.vs_trl --task arith --sides trl --trl-mode server --trl-gpus 0,1 \
       --steps "${STEPS:-50}" --timeout 520 --name vs_trl_arith_smollm2_server; pack
+    ;;
+  setups-4gpu)  # pytest's temporary folders under /tmp/bench-runs: pack takes the runs' logs and records
+    step gpu_7b_full 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/7b-full \
+      tests/gpu/test_gpu_7b_24gb.py -k full_weights; pack
+    ;;
+  setups-4gpu-lora)
+    step gpu_7b_lora_colocated4 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider \
+      --basetemp /tmp/bench-runs/7b-lora-colocated4 tests/gpu/test_gpu_7b_24gb.py tests/gpu/test_gpu_colocated_ranks.py \
+      -k "lora or 4-ranks"; pack
     ;;
   vs-trl)
     step vs_trl 580 python3 -m bench.vs_trl --gpus "${GPUS_VS_TRL:-1}" --steps 12 --ks 0,1 --timeout 240; pack
