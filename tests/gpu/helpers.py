@@ -99,22 +99,11 @@ def smi(query: str, kind: str = "gpu") -> list[list[str]]:
     return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
 
 
-def descendants(pid: int) -> set[int]:
+def process_tree(pid: int) -> set[int]:
     """`pid` and every process below it (vLLM's engine core, torchrun's ranks), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = {pid}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
+    from tests.integration.helpers import descendants  # here: the generators import this module for its reward
+
+    return {pid} | {child for child, _ in descendants(pid)}
 
 
 class MemorySamples:
@@ -128,7 +117,7 @@ class MemorySamples:
 
     def sample(self, services: dict[str, int]) -> None:
         """`services`: name -> the pid of its top process."""
-        pids = {name: descendants(pid) for name, pid in services.items()}
+        pids = {name: process_tree(pid) for name, pid in services.items()}
         used = {int(i): int(mib) for i, mib in smi("index,memory.used")}
         held: dict[str, dict[int, int]] = {name: {} for name in services}
         for pid, uuid, mib in smi("pid,gpu_uuid,used_memory", "compute-apps"):
