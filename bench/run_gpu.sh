@@ -26,8 +26,9 @@
 #                steps (default 100), $PARALLEL runs at once (default 5) on GPU 0 (1 GPU; merge the slices with
 #                --merge); the arith parts take $MINIBATCHES (default 1) optimizer steps per batch
 #   arith-grid   issue 53's grid on configs/gpu-smollm2-math.yaml as shipped: k = $KS (default 0,1,2,4,8) of each loss
-#                of $LOSSES (default "m2po tis"), one loss per GPU, five runs sharing each card, seed $SEED (default 0),
-#                $STEPS (150) steps (1 GPU per loss; merge the seeds' results with --merge)
+#                of $LOSSES (default "m2po tis"; LOSS:N for N minibatches, e.g. "decoupled:4 masked"), one loss per GPU,
+#                five runs sharing each card, seed $SEED (default 0), $STEPS (150) steps, $ONLY (runs of the grid, e.g.
+#                k4/m2po/s1) (1 GPU per loss; merge the seeds' results with --merge)
 #   arith-alone  one arith run alone on the GPU (wall time to target): k = $K of $LOSS, seed $SEED, $STEPS (150)
 #   vs-trl-arith vs_trl --task arith: $SIDES (default trl; ours, engine) for $STEPS steps (default 80), our k = $KS
 #                (default the config's); TRL's wheels as for vs-trl (1 GPU; compare the sides with --merge)
@@ -202,15 +203,17 @@ run_part() {
   arith-grid)  # the shipped config: only k, the loss, the seed, the steps and the engine's share of the card differ
     smollm2
     gpu=0
-    for loss in ${LOSSES:-m2po tis}; do  # side by side, each loss on a GPU of its own (not `step`: its cleanup
-      # would stop the other's runs)
+    for spec in ${LOSSES:-m2po tis}; do  # side by side, each loss on a GPU of its own (not `step`: its cleanup
+      # would stop the other's runs); LOSS:N takes N minibatches (optimizer steps per batch), else $MINIBATCHES
+      loss=${spec%%:*}; mb=${MINIBATCHES:-1}; [ "$spec" != "$loss" ] && mb=${spec#*:}
+      tag=$([ "$mb" = 1 ] || echo "_mb$mb")
       CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 560 python3 -m bench.learning_curves --task arith \
         --model builtin:smollm2 --config configs/gpu-smollm2-math.yaml --gpus --gpus-per-run 1 --gpu-memory 0.06 \
-        --enforce-eager 0 --stagger 20 --minibatches "${MINIBATCHES:-1}" --ks "${KS:-0,1,2,4,8}" --losses "$loss" \
+        --enforce-eager 0 --stagger 20 --minibatches "$mb" --ks "${KS:-0,1,2,4,8}" --losses "$loss" \
         --seeds 1 --first-seed "${SEED:-0}" --steps "${STEPS:-150}" --parallel 5 --timeout 470 \
-        --runs-dir "/tmp/bench-runs/grid-$loss-s${SEED:-0}" \
-        --name "learning_curves_arith_smollm2_shipped${MB}_${loss}_s${SEED:-0}_$(machine)" \
-        >"/tmp/bench-logs/arith_grid_$loss.log" 2>&1 &
+        ${ONLY:+--only "$ONLY"} --runs-dir "/tmp/bench-runs/grid-$loss$tag-s${SEED:-0}" \
+        --name "learning_curves_arith_smollm2_shipped${tag}_${loss}_s${SEED:-0}_$(machine)" \
+        >"/tmp/bench-logs/arith_grid_$loss$tag.log" 2>&1 &
       gpu=$((gpu + 1)); sleep 10
     done
     wait; tail -n 5 /tmp/bench-logs/arith_grid_*.log; cleanup; pack
