@@ -14,7 +14,7 @@ import pytest
 from pipeline.metrics import read_jsonl
 from pipeline.netutil import free_port
 from tests.conftest import running, wait_for
-from tests.integration.helpers import Gate, start_generator, start_learner, wait_steps
+from tests.integration.helpers import Gate, events, held_at, start_generator, start_learner, wait_steps
 
 pytestmark = pytest.mark.integration
 
@@ -81,8 +81,11 @@ def test_staleness_bound_and_versions_as_separate_services(procs, tmp_path, mode
 
 
 class StalenessRun:
-    """A learner and `n_gen` generators, each behind a gate that opens once all of them are up: they join together
-    (else the first could lease the whole dataset before the second is up)."""
+    """A learner and `n_gen` generators, each behind a gate that opens once all of them are up. A generator builds its
+    engine after the gate, from the run's spec, so with several the first registered can be seconds ahead of the others
+    and, with a window of (k + 1) batches, lease the whole dataset before they are in (it did, once in a full run):
+    with several generators, each holds at most a batch at once and the learner holds after version 1 until every
+    one has registered."""
 
     steps, batch = 8, 8
 
@@ -93,7 +96,12 @@ class StalenessRun:
                   "trainer.epochs=1", f"trainer.batch_size={self.batch}", f"data.size={self.steps * self.batch + 5}",
                   # long completions: generation is the bottleneck, so updates arrive while requests run
                   "sampling.max_tokens=48", "sampling.ignore_eos=true", "generator.max_model_len=128"]
-        self.learner = start_learner(procs, self.run_dir, port, common)
+        self.release, env = None, None
+        if n_gen > 1:  # after the hold, 3 batches are left to lease, and no generator can hold them all
+            common.append(f"generator.max_inflight_groups={self.batch}")
+            self.release = tmp_path / f"k{k}-release"
+            env = held_at(1, self.release)
+        self.learner = start_learner(procs, self.run_dir, port, common, env=env)
         self.gates = [Gate(port) for _ in range(n_gen)]
         self.gens = [start_generator(procs, self.run_dir, g.port, common, name=f"gen{i}")
                      for i, g in enumerate(self.gates)]
@@ -103,6 +111,10 @@ class StalenessRun:
                  [self.learner, *self.gens])
         for g in self.gates:
             g.open()
+        if self.release:
+            wait_for(lambda: len(events(self.run_dir, "register")) >= len(self.gates), 600,
+                     f"k={self.k}: every generator registered", [self.learner, *self.gens])
+            self.release.touch()
 
     def close(self) -> None:
         for g in self.gates:
@@ -124,8 +136,10 @@ class StalenessRun:
         assert [r["version"] for r in records] == list(range(1, steps + 1))
         acks = _acks(run_dir)
         assert len(acks) == len(gens)
-        for versions in acks.values():
-            assert versions[0] == 0 and versions[-1] == steps and versions == sorted(versions)
+        joined = {e["generator"]: e["version"] for e in events(run_dir, "register")}
+        for gen, versions in acks.items():  # the version current at its registration first (0 for the first), then on
+            assert versions[0] == joined[gen] and versions[-1] == steps and versions == sorted(versions), versions
+        assert min(joined.values()) == 0 and max(joined.values()) <= 1  # every generator in before version 2
         mixed = sum(r["inflight/mixed_samples"] for r in records)
         if k == 0:
             assert lags == [0] * steps  # synchronous: every sample comes from the newest weights
