@@ -137,8 +137,9 @@ class StalenessRun:
         acks = _acks(run_dir)
         assert len(acks) == len(gens)
         joined = {e["generator"]: e["version"] for e in events(run_dir, "register")}
-        for gen, versions in acks.items():  # the version current at its registration first (0 for the first), then on
-            assert versions[0] == joined[gen] and versions[-1] == steps and versions == sorted(versions), versions
+        for gen, versions in acks.items():  # in order, from the version current at its registration (or a newer
+            # one, when the learner made one while it loaded: the newest wins) to the last
+            assert versions[0] >= joined[gen] and versions[-1] == steps and versions == sorted(versions), versions
         assert min(joined.values()) == 0 and max(joined.values()) <= 1  # every generator in before version 2
         mixed = sum(r["inflight/mixed_samples"] for r in records)
         if k == 0:
