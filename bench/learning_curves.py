@@ -121,18 +121,18 @@ TASKS = {
 }
 
 
-def shipped_config(k: int, loss: str, seed: int, args) -> dict:
-    """A shipped config (--config) as a user runs it, but for what the grid varies (k, loss, seed, steps) and what
-    sharing a GPU needs (the engine's memory, the runs' GPU and port); its data, rewards, lengths, lr and evaluation
-    are the file's."""
-    cfg = yaml.safe_load(Path(args.config).read_text())
+def run_config(k: int, loss: str, seed: int, args) -> dict:
+    """One run's config: the shipped file of --config as a user runs it, else demo.yaml with the task's settings
+    (`task_config`); then what the grid varies (k, the loss, the seed, the steps) and what sharing a GPU needs (the
+    engine's memory, the runs' GPU and port)."""
+    cfg = yaml.safe_load(Path(args.config).read_text()) if args.config else task_config(args)
     cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, minibatches=args.minibatches,
                           checkpoint_every=0)
-    batch = cfg["trainer"].get("batch_size", args.batch_size)
-    cfg.setdefault("generator", {}).update(seed=seed, max_inflight_groups=max(32, (k + 1) * batch))
+    cfg.setdefault("hub", {})["port"] = 0  # the launcher reads the address from hub.json
+    # the generator may hold the whole admission window, (k + 1) batches: else its cap, not k, bounds the lag
+    cfg.setdefault("generator", {}).update(seed=seed, max_inflight_groups=max(32, (k + 1) * args.batch_size))
     if args.enforce_eager is not None:
         cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
-    cfg.setdefault("hub", {})["port"] = 0
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
@@ -140,9 +140,8 @@ def shipped_config(k: int, loss: str, seed: int, args) -> dict:
     return cfg
 
 
-def run_config(k: int, loss: str, seed: int, args) -> dict:
-    if args.config:
-        return shipped_config(k, loss, seed, args)
+def task_config(args) -> dict:
+    """demo.yaml with --task's data and reward, and the model, lengths, lr, batch and evaluation of the options."""
     task = TASKS[args.task]
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cpu_fp32 = args.model == "builtin:tiny" or (args.model == "builtin:smollm2" and not args.gpus)
@@ -150,23 +149,11 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["data"] = {"path": task["data"], "size": args.prompts, "seed": 0}
     cfg["rewards"] = [{"fn": task["reward"]}]
     cfg["sampling"] = {"max_tokens": args.max_tokens, "temperature": 1.0}
-    cfg["trainer"].update(total_steps=args.steps, max_staleness=k, loss=loss, seed=seed, lr=args.lr,
-                          minibatches=args.minibatches,
-                          checkpoint_every=0, batch_size=args.batch_size, group_size=args.group_size)
+    cfg["trainer"].update(lr=args.lr, batch_size=args.batch_size, group_size=args.group_size)
     cfg["eval"] = {"every": args.eval_every, "max_prompts": args.eval_prompts, "samples": args.eval_samples,
                    "temperature": args.eval_temperature}
-    cfg["hub"]["port"] = 0  # the launcher reads the address from hub.json
-    cfg["generator"]["seed"] = seed
-    # the generator may hold the whole admission window, (k + 1) batches: else its cap, not k, bounds the lag
-    cfg["generator"]["max_inflight_groups"] = max(32, (k + 1) * args.batch_size)
     if args.task == "arith":  # a chat-templated prompt (about 60-100 tokens) and the completion
         cfg["generator"]["max_model_len"] = 128 * math.ceil((160 + args.max_tokens) / 128)
-    if args.enforce_eager is not None:
-        cfg["generator"]["enforce_eager"] = bool(args.enforce_eager)
-    cfg["run"] = {"generators": args.generators, "tensorboard": False}
-    if args.gpus:
-        cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
-        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory)
     return cfg
 
 
