@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -104,6 +105,34 @@ def process_tree(pid: int) -> set[int]:
     from tests.integration.helpers import descendants  # here: the generators import this module for its reward
 
     return {pid} | {child for child, _ in descendants(pid)}
+
+
+def rank_pid(learner_pid: int, rank: int) -> int:
+    """The process id of torchrun's rank `rank` under the learner's process."""
+    from tests.integration.helpers import descendants  # here: the generators import this module for its reward
+
+    for pid, _ in descendants(learner_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
+            return pid
+    raise AssertionError(f"no rank {rank} under {learner_pid}: {descendants(learner_pid)}")
+
+
+def services(log: Path, ranks: int) -> dict[str, int]:
+    """The learner's, its `ranks` ranks' (rank0, ...) and the generators' process ids, once `pipeline run` printed them
+    and torchrun started the ranks. A lone rank is the learner's own process: no rank0."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = {name: int(pid) for name, pid in re.findall(r"^(learner|generator-\d+) pid (\d+)", text, re.M)}
+    learner = found.get("learner")
+    for rank in range(ranks if ranks > 1 else 0):
+        try:
+            found[f"rank{rank}"] = rank_pid(learner, rank) if learner else 0
+        except AssertionError:  # not started yet
+            pass
+    return {name: pid for name, pid in found.items() if pid}
 
 
 class MemorySamples:

@@ -36,8 +36,7 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
-from tests.gpu.helpers import MemorySamples, gpu_count, smi, write_dataset
-from tests.gpu.test_gpu_colocated_ranks import _services
+from tests.gpu.helpers import MemorySamples, gpu_count, services, smi, write_dataset
 from tests.gpu.test_gpu_qlora_split import qwen_7b  # noqa: F401  (the 7B shape, built once per machine)
 
 pytestmark = [
@@ -79,7 +78,7 @@ def _run(config: str, sets: list[str], tmp_path: Path, ranks: int, timeout: floa
         deadline = time.monotonic() + timeout
         while run.proc.poll() is None:
             assert time.monotonic() < deadline, "run did not finish: " + log.read_text(errors="replace")[-3000:]
-            pids |= _services(log, ranks)
+            pids |= services(log, ranks)
             memory.sample(pids)
             gens = [n for n in pids if n.startswith("generator")]
             if stop_at and gens and all(stop_at in [v for v, _ in _applied(run_dir, pids[n])] for n in gens):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -26,9 +25,8 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
-from tests.gpu.helpers import MemorySamples, gpu_count
+from tests.gpu.helpers import MemorySamples, gpu_count, services
 from tests.gpu.test_gpu_pipeline import model_dir  # noqa: F401
-from tests.gpu.test_gpu_ranks import _rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,20 +36,6 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-
-
-def _services(log: Path, ranks: int) -> dict[str, int]:
-    """The learner's, its `ranks` ranks' (rank0, ...) and the generators' process ids, once `pipeline run` printed them
-    and torchrun started the ranks. A lone rank is the learner's own process: no rank0."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    found = {name: int(pid) for name, pid in re.findall(r"^(learner|generator-\d+) pid (\d+)", text, re.M)}
-    learner = found.get("learner")
-    for rank in range(ranks if ranks > 1 else 0):
-        try:
-            found[f"rank{rank}"] = _rank(learner, rank) if learner else 0
-        except AssertionError:  # not started yet
-            pass
-    return {name: pid for name, pid in found.items() if pid}
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=["2-ranks", "4-ranks"])
@@ -77,7 +61,7 @@ def test_learner_ranks_each_with_an_engine_on_its_own_gpu(model_dir: Path, tmp_p
         deadline = time.monotonic() + 480  # seconds: torchrun's ranks, the engines, 6 steps
         while run.proc.poll() is None:
             assert time.monotonic() < deadline, "run did not finish: " + log.read_text(errors="replace")[-3000:]
-            pids |= _services(log, ranks)
+            pids |= services(log, ranks)
             memory.sample(pids)
             time.sleep(1.0)
     finally:

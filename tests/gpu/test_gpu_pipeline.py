@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
-from tests.gpu.helpers import build_model, gpu_count, write_dataset
+from tests.gpu.helpers import build_model, gpu_count, smi, write_dataset
 from tests.integration.helpers import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,19 +57,14 @@ def _group_pids(pgid: int) -> set[int]:
 
 def _compute_apps() -> dict[int, set[str]]:
     """pid -> uuids of the GPUs it holds memory on."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30).stdout
     apps: dict[int, set[str]] = {}
-    for line in out.strip().splitlines():
-        pid, uuid = (x.strip() for x in line.split(","))
+    for pid, uuid in smi("pid,gpu_uuid", "compute-apps"):
         apps.setdefault(int(pid), set()).add(uuid)
     return apps
 
 
 def _uuid(index: int) -> str:
-    out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=uuid", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return out.strip()
+    return dict(smi("index,uuid"))[str(index)]
 
 
 def _start(argv: list[str], log: Path) -> Proc:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import pytest
 
 from pipeline.metrics import read_jsonl
 from tests.conftest import Proc
-from tests.gpu.helpers import MemorySamples, gpu_count, smi, write_dataset
+from tests.gpu.helpers import MemorySamples, gpu_count, services, smi, write_dataset
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,12 +56,6 @@ def qwen_7b() -> Path:
     return dest
 
 
-def _pids(log: Path) -> dict[str, int]:
-    """The services' process ids, as `pipeline run` prints them."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return {name: int(pid) for name, pid in re.findall(r"^(learner|generator-0) pid (\d+)", text, re.M)}
-
-
 def test_qlora_learner_on_gpu_0_and_its_generator_on_gpu_1_each_under_40_gb(qwen_7b: Path, tmp_path: Path) -> None:
     data = write_dataset(tmp_path / "data.jsonl", rows=512, prompt_tokens=16)
     total = {int(i): int(mib) * 2**20 for i, mib in smi("index,memory.total")}
@@ -81,7 +74,7 @@ def test_qlora_learner_on_gpu_0_and_its_generator_on_gpu_1_each_under_40_gb(qwen
         deadline = time.monotonic() + 900  # seconds: the 7B loads and is quantized, the engine starts, 8 steps
         while run.proc.poll() is None:
             assert time.monotonic() < deadline, "run did not finish: " + log.read_text(errors="replace")[-3000:]
-            memory.sample(_pids(log))
+            memory.sample(services(log, 1))
             time.sleep(1.0)
     finally:
         run.stop()

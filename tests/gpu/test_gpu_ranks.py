@@ -19,25 +19,13 @@ import pytest
 from pipeline.metrics import read_jsonl
 from pipeline.netutil import free_port
 from tests.conftest import running, wait_for
-from tests.gpu.helpers import gpu_count
-from tests.integration.helpers import descendants
+from tests.gpu.helpers import gpu_count, rank_pid
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
 ]
 STEPS = 30
-
-
-def _rank(learner_pid: int, rank: int) -> int:
-    for pid, _ in descendants(learner_pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
-            return pid
-    raise AssertionError(f"no rank {rank} under {learner_pid}: {descendants(learner_pid)}")
 
 
 @pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (learner ranks on 0 and 1)")
@@ -51,7 +39,7 @@ def test_two_nccl_ranks_lose_one_end_and_resume_with_every_prompt_once(procs, tm
     gen = procs(["generator", "-c", "configs/demo.yaml", "--learner", f"tcp://127.0.0.1:{port}", "--gpus", "1",
                  "--set", "generator.gpu_memory_utilization=0.3"], tmp_path / "generator.log")
     wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 6, 600, "6 steps", [learner, gen])
-    rank0, rank1 = _rank(learner.pid, 0), _rank(learner.pid, 1)
+    rank0, rank1 = rank_pid(learner.pid, 0), rank_pid(learner.pid, 1)
     run_id = (run_dir / "hub.json").read_text().split('"run_id": "')[1].split('"')[0]
     os.kill(rank1, signal.SIGKILL)
     start = time.monotonic()
