@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 from pipeline import protocol as P
 
@@ -114,6 +115,19 @@ async def main(args) -> dict:
                            "ratio": (e_tok / e_s) / (d_tok / d_s)})
             print(f"round {r}: endpoint {e_tok / e_s:.0f} tok/s, direct {d_tok / d_s:.0f} tok/s, "
                   f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
+        if args.profile:  # one more endpoint round under cProfile, after the measured ones: where this process's time goes
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            await endpoint()
+            prof.disable()
+            text = io.StringIO()
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+            Path(args.profile).write_text(text.getvalue())
     finally:
         await rollout.aclose()
         engine.shutdown()
@@ -134,6 +148,7 @@ def cli() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs")
+    p.add_argument("--profile", default="", help="a file: one more endpoint round under cProfile, its top functions")
     args = p.parse_args()
     from pipeline.config import apply_environment, load_config
 
