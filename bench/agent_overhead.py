@@ -7,9 +7,10 @@ of three chat calls of exactly --call-tokens tokens (ignore_eos) with a tool's r
 ids and length are read back from the trajectories (`replays`); the direct way makes those calls with
 `Engine.generate`, each sample's in order and the samples at once: the same tokens from the same contexts, without
 HTTP, the chat template, tokenizing and the session's bookkeeping. Rounds alternate which goes first.
-Target: endpoint / direct >= 0.95.
+Target: endpoint / direct >= 0.95. --agent-workers N runs the agents in N processes of their own
+(generator.agent_workers), which ask the engine for each completion.
 
-    python -m bench.agent_overhead --model builtin:smollm2 --gpus 0
+    python -m bench.agent_overhead --model builtin:smollm2 --gpus 0 [--agent-workers 4]
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ async def main(args) -> dict:
         "model": {"path": model, "dtype": "bfloat16" if args.gpus else "float32"},
         "sampling": {"max_tokens": budget, "ignore_eos": True},
         "generator": {"rollout": "agent", "agent": "bench.agent_overhead:three_calls", "max_model_len": budget + 128,
+                      "agent_workers": args.agent_workers,
                       "max_num_seqs": args.max_num_seqs, "enforce_eager": bool(args.enforce_eager),
                       "gpu_memory_utilization": args.gpu_memory_utilization}})
     tok = AutoTokenizer.from_pretrained(model)
@@ -115,7 +117,8 @@ async def main(args) -> dict:
                            "ratio": (e_tok / e_s) / (d_tok / d_s)})
             print(f"round {r}: endpoint {e_tok / e_s:.0f} tok/s, direct {d_tok / d_s:.0f} tok/s, "
                   f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
-        if args.profile:  # one more endpoint round under cProfile, after the measured ones: where this process's time goes
+        if args.profile:  # one more endpoint round under cProfile, after the measured ones: where this process's
+            # time goes
             import cProfile
             import io
             import pstats
@@ -133,7 +136,8 @@ async def main(args) -> dict:
         engine.shutdown()
     e = sum(x["endpoint_tokens"] for x in rounds) / sum(x["endpoint_s"] for x in rounds)
     d = sum(x["direct_tokens"] for x in rounds) / sum(x["direct_s"] for x in rounds)
-    return {"endpoint_tok_s": e, "direct_tok_s": d, "ratio": e / d, "target": 0.95, "prompts": args.prompts,
+    return {"endpoint_tok_s": e, "direct_tok_s": d, "ratio": e / d, "target": 0.95, "agent_workers": args.agent_workers,
+            "prompts": args.prompts,
             "n": args.n, "call_tokens": args.call_tokens, "calls_per_sample": 3, "rounds": rounds}
 
 
@@ -148,6 +152,8 @@ def cli() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs")
+    p.add_argument("--agent-workers", type=int, default=0,
+                   help="generator.agent_workers: the agents in this many processes of their own (0: on the loop)")
     p.add_argument("--profile", default="", help="a file: one more endpoint round under cProfile, its top functions")
     args = p.parse_args()
     from pipeline.config import apply_environment, load_config
@@ -156,7 +162,8 @@ def cli() -> None:
     metrics = asyncio.run(main(args))
     from bench.common import result_name, write_result
 
-    name = result_name("agent_overhead", args.model.split(":")[-1])
+    workers = f"w{args.agent_workers}" if args.agent_workers else ""
+    name = result_name("agent_overhead", args.model.split(":")[-1], workers)
     write_result(name, "python -m bench.agent_overhead " + " ".join(sys.argv[1:]), args.model, metrics)
 
 

@@ -30,6 +30,7 @@ import os
 import signal
 from typing import Any
 
+from generator.agent_workers import AgentWorkers
 from generator.endpoint import Endpoint, Part, Session, ToolCalls, in_process_http
 from generator.rollout import AgentFailed, Context, Trajectory, seed_of
 from pipeline.tasks import load_callable
@@ -47,11 +48,14 @@ class AgentRollout:
         self.endpoint = Endpoint(chat_template=chat_template(g.chat_template), tool_calls=ToolCalls(g.tool_parser),
                                  max_model_len=g.max_model_len)
         self._http: Any = None  # under every sample's openai client: the endpoint's app in-process (in_process_http)
+        # generator.agent_workers: the samples' agents and endpoint sessions in processes of their own
+        self.workers = AgentWorkers(cfg, g.agent_workers) if g.agent_workers else None
 
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
+        run = self.workers.sample if self.workers is not None else self._sample
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._sample(engine, ctx, i)) for i in range(ctx.n)]
+                tasks = [group.create_task(run(engine, ctx, i)) for i in range(ctx.n)]
         except* AgentFailed as raised:
             raise raised.exceptions[0] from None
         runs = [t.result() for t in tasks]
@@ -61,6 +65,8 @@ class AgentRollout:
         return out
 
     async def aclose(self) -> None:
+        if self.workers is not None:
+            await self.workers.aclose()
         if self._http is not None:
             await self._http.aclose()
         await self.endpoint.stop()

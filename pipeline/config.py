@@ -246,6 +246,11 @@ class GeneratorConfig:
     and the prompt as JSON on stdin ({"prompt" or "messages", "columns"}); what it prints is the answer."""
     agent_timeout_s: float = 300.0
     """An agent (callable or command) still running after this many seconds is stopped: its sample fails."""
+    agent_workers: int = 0
+    """With rollout `agent`: run the agents, their openai clients and their endpoint sessions in this many processes of
+    their own (generator/agent_workers.py), which ask this generator's engine for each completion by token ids. 0:
+    on the generator's own event loop, which then does every agent's Python besides vLLM's output handling and the
+    heartbeats (on a GPU it was the bound of a tool-calling run of a small model: docs/figures.md)."""
     agent_failure: Literal["zero", "requeue"] = "zero"
     """A sample whose agent hung, raised or exited non-zero: `zero` trains the group with that sample's reward 0 (the
     tokens it generated before it failed are kept), `requeue` leases the prompt again. Either way it is counted

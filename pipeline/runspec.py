@@ -44,7 +44,8 @@ RESUMABLE = ("run", "hub", "auth", "weights", "eval", "model.lora.merged_final",
              "trainer.rank_timeout_s", "trainer.ranks", "trainer.micro_batch_tokens", "trainer.gradient_checkpointing",
              "trainer.compile", "trainer.gpu_memory_gb", "generator.gpu_memory_utilization", "generator.max_num_seqs",
              "generator.enforce_eager", "generator.tensor_parallel_size", "generator.cpu_kvcache_gb",
-             "generator.cpu_omp_bind", "generator.seed", "generator.hub_lost_s", "generator.max_inflight_groups")
+             "generator.cpu_omp_bind", "generator.seed", "generator.hub_lost_s", "generator.max_inflight_groups",
+             "generator.agent_workers")
 MISSING = object()
 
 

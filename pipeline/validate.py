@@ -206,6 +206,12 @@ def check_config(cfg) -> None:
     if (g.agent or g.agent_command) and g.rollout != "agent":
         raise ConfigError(f"generator.agent / agent_command: set, but generator.rollout is {g.rollout!r}; use "
                           "generator.rollout: agent")
+    if g.agent_workers < 0:
+        raise ConfigError(f"generator.agent_workers: {g.agent_workers} is below 0; 0 runs the agents on the "
+                          "generator's loop, N in N processes")
+    if g.agent_workers and g.rollout != "agent":
+        raise ConfigError(f"generator.agent_workers: {g.agent_workers}, but generator.rollout is {g.rollout!r}: only "
+                          "rollout agent runs its agents in worker processes; leave it out")
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     check_environment(g)

@@ -21,8 +21,11 @@ pytestmark = pytest.mark.integration
 STEPS = 2
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["on-the-loop", "agent-workers"])
 def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_failed_one_scores_zero(procs, tmp_path,
-                                                                                                  smollm2):
+                                                                                                  smollm2, workers):
+    """On the generator's loop, and in generator.agent_workers' processes (generator/agent_workers.py), which ask the
+    generator's engine for each completion: the same assertions hold."""
     from transformers import AutoTokenizer
 
     data = write_rows(tmp_path / "arith.jsonl", _rows(16, seed=1))
@@ -32,7 +35,8 @@ def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_faile
            "sampling": {"max_tokens": 96},
            "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 2, "max_staleness": 0, "lr": 2e-5},
            "generator": {"max_num_seqs": 8, "rollout": "agent",
-                         "agent": "tests.integration.agent_programs:calculator", "agent_timeout_s": 600}}
+                         "agent": "tests.integration.agent_programs:calculator", "agent_timeout_s": 600,
+                         "agent_workers": workers}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     run = procs(["run", "-c", str(tmp_path / "cfg.yaml"), "--run-dir", str(run_dir)], tmp_path / "run.log",
@@ -57,5 +61,6 @@ def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_faile
     assert sum(r["agent/failed"] for r in records) == 1
     (failed,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "agent_failed"]
     assert failed["reason"] == "agent_error"
-    assert "failed after 1 calls (ConnectionError: the calculator is down)" in \
-        (run_dir / "logs" / "generator-0.log").read_text()
+    log = (run_dir / "logs" / "generator-0.log").read_text()
+    assert "failed after 1 calls (ConnectionError: the calculator is down)" in log
+    assert log.count("agent worker agents-") == (2 if workers else 0)  # each started once, none died
