@@ -41,7 +41,8 @@ def step_stamps(run_dir: Path) -> dict[int, float]:
 
 def eval_curve(run_dir: Path, launched_at: float | None = None) -> list[dict]:
     """One point per evaluation round: version, eval/pass@1, eval/reward_mean, elapsed_s and wall_s (None where
-    unknown)."""
+    unknown), and the versions that sampled it (behaviour_version, newest_version: a round that took turns with
+    training leases at a large k may be sampled after its version's weights were gone, hub/evaluation.py)."""
     run_dir = Path(run_dir)
     elapsed = {r["version"]: r["time/elapsed_s"] for r in read_jsonl(run_dir / "metrics.jsonl")}
     stamps = step_stamps(run_dir)
@@ -53,6 +54,8 @@ def eval_curve(run_dir: Path, launched_at: float | None = None) -> list[dict]:
         at = start if v == 0 else stamps.get(v)
         points.append({"version": v, "pass@1": round(e["eval/pass@1"], 4),
                        "reward_mean": round(e["eval/reward_mean"], 4),
+                       "behaviour_version": e.get("eval/behaviour_version", v),
+                       "newest_version": e.get("eval/newest_version", v),
                        "elapsed_s": 0.0 if v == 0 else _round(elapsed.get(v)),
                        "wall_s": _round(at - launched_at) if at is not None and launched_at else None})
     return points
