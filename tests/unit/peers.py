@@ -21,7 +21,7 @@ def encode(text: str) -> list[int]:
 
 
 def new_hub(run_dir, rows=None, version: int = 0, state=None, eval_rows=None, **sections) -> Hub:
-    # k = 1: the admission these tests count leases against (the trainer's default is larger)
+    # k = 1: the admission these tests count leases against, whatever the trainer's default
     data = {"trainer": {"batch_size": 2, "group_size": 2, "total_steps": 10, "max_staleness": 1},
             "generator": {"lease_size": 8},
             "hub": {"max_message_mb": 1}}
