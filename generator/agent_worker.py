@@ -20,7 +20,7 @@ import sys
 import msgpack
 
 from generator.agent import AgentRollout
-from generator.agent_workers import _pack
+from generator.agent_workers import pack
 from generator.rollout import AgentFailed, Context
 from pipeline import protocol as P
 
@@ -44,7 +44,7 @@ class RemoteEngine:
         cid = next(self._ids)
         self.waiting[cid] = future = asyncio.get_running_loop().create_future()
         try:
-            await self.sock.send(_pack("generate", sid, cid, list(prompt_ids), dataclasses.asdict(sampling), seed))
+            await self.sock.send(pack("generate", sid, cid, list(prompt_ids), dataclasses.asdict(sampling), seed))
             out, error = await future
         finally:
             self.waiting.pop(cid, None)
@@ -95,12 +95,12 @@ async def serve(setup: dict) -> None:
         try:
             session, answer, failed = await rollout._sample(engine.bound(sid), ctx, index)
         except AgentFailed as e:
-            await sock.send(_pack("requeue", sid, str(e)))
+            await sock.send(pack("requeue", sid, str(e)))
             return
         finally:
             running.pop(sid, None)
         parts = [dataclasses.asdict(p) for p in session.parts]
-        await sock.send(_pack("done", sid, parts, session.extra, session.calls, answer, failed))
+        await sock.send(pack("done", sid, parts, session.extra, session.calls, answer, failed))
 
     async def orphaned(parent: int) -> None:
         while os.getppid() == parent:
@@ -109,7 +109,7 @@ async def serve(setup: dict) -> None:
         os._exit(1)
 
     watchdog = asyncio.create_task(orphaned(os.getppid()))
-    await sock.send(_pack("ready"))
+    await sock.send(pack("ready"))
     try:
         while True:
             kind, *args = msgpack.unpackb(await sock.recv(), raw=False)

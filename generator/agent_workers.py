@@ -61,7 +61,8 @@ class Ran:
     calls: int = 0
 
 
-def _pack(*msg) -> bytes:
+def pack(*msg) -> bytes:
+    """One message of the protocol above: msgpack of (kind, *fields)."""
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -192,7 +193,7 @@ class AgentWorkers:
     def _send(self, name: bytes, *msg) -> None:
         import zmq
 
-        self._sock.send_multipart([name, _pack(*msg)], flags=zmq.NOBLOCK)
+        self._sock.send_multipart([name, pack(*msg)], flags=zmq.NOBLOCK)
 
     async def _read(self) -> None:
         while True:
