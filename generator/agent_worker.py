@@ -31,7 +31,7 @@ class RemoteEngine:
     """The generator's engine as a worker's sessions see it: `generate` by token ids, over the worker's socket."""
 
     def __init__(self, sock):
-        self.sock, self.version = sock, 0
+        self.sock = sock
         self.waiting: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
 
@@ -50,7 +50,6 @@ class RemoteEngine:
             self.waiting.pop(cid, None)
         if error:
             raise RuntimeError(error)
-        self.version = max(self.version, out["last_version"])
         return [Completion(**out)]
 
     def answer(self, cid: int, out, error: str) -> None:
@@ -62,10 +61,6 @@ class RemoteEngine:
 class _SampleEngine:
     def __init__(self, remote: RemoteEngine, sid: int):
         self.remote, self.sid = remote, sid
-
-    @property
-    def version(self) -> int:
-        return self.remote.version
 
     async def generate(self, prompt_ids, n, sampling, seed=None, stop=()):
         assert n == 1 and not stop, "an endpoint session asks for one completion, stopped by the model's end of turn"

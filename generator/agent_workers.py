@@ -29,6 +29,7 @@ orphaned, within a second of their parent's end. The worker's process: generator
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -72,7 +73,6 @@ class AgentWorkers:
     def __init__(self, cfg, count: int):
         self.cfg, self.count, self.failure = cfg, count, cfg.generator.agent_failure
         self.procs: dict[bytes, asyncio.subprocess.Process] = {}
-        self.held: dict[bytes, set[int]] = {}  # a worker's samples
         self.samples: dict[int, tuple[bytes, asyncio.Future, Any]] = {}  # sid -> (worker, its result, the engine)
         self.calls: dict[int, set[asyncio.Task]] = {}  # sid -> its engine calls running
         self.refused = 0  # frames that were not a message of this protocol
@@ -91,7 +91,6 @@ class AgentWorkers:
         name = await self._worker(ctx.tokenizer)
         sid, future = next(self._ids), asyncio.get_running_loop().create_future()
         self.samples[sid] = (name, future, engine)
-        self.held[name].add(sid)
         item = dataclasses.asdict(ctx.item)
         try:
             self._send(name, "sample", sid, item, dataclasses.asdict(ctx.sampling), ctx.seed, index)
@@ -102,10 +101,10 @@ class AgentWorkers:
                 raise AgentFailed(f"agent_error: {e}") from None
             return Ran(), "", "agent_error"
         finally:
-            if self.samples.pop(sid, None) is not None and not future.done():  # cancelled: the worker stops it
+            del self.samples[sid]
+            if not future.done():  # cancelled: the worker stops it
                 with contextlib.suppress(Exception):
                     self._send(name, "cancel", sid)
-            self.held.get(name, set()).discard(sid)
             for task in self.calls.pop(sid, set()):
                 task.cancel()
 
@@ -140,7 +139,8 @@ class AgentWorkers:
                 self._bind(tok)
             while len(self.procs) < self.count:
                 await self._start()
-        return min(self.procs, key=lambda n: len(self.held[n]))
+        held = collections.Counter(name for name, _, _ in self.samples.values())
+        return min(self.procs, key=lambda n: held[n])
 
     def _bind(self, tok) -> None:
         import zmq
@@ -166,12 +166,13 @@ class AgentWorkers:
         proc.stdin.write(json.dumps(setup).encode())
         await proc.stdin.drain()
         proc.stdin.close()
-        self.procs[name], self.held[name] = proc, set()
+        self.procs[name] = proc
         watcher = asyncio.create_task(self._watch(name, proc))
         self._watchers.add(watcher)
-        done, _ = await asyncio.wait([self._ready[name], watcher], timeout=READY_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if self._ready[name] not in done:
+        ready = self._ready[name]
+        done, _ = await asyncio.wait([ready, watcher], timeout=READY_S, return_when=asyncio.FIRST_COMPLETED)
+        del self._ready[name]
+        if ready not in done:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             raise RuntimeError(f"agent worker {name.decode()} did not start within {READY_S:.0f} s (exit code "
@@ -184,11 +185,10 @@ class AgentWorkers:
         if self._stopping:
             return
         why = f"agent worker {name.decode()} (pid {proc.pid}) exited with code {code}"
-        log.warning("%s; its %d samples fail", why, len(self.held.get(name, ())))
-        for sid in list(self.held.pop(name, ())):
-            entry = self.samples.get(sid)
-            if entry is not None and not entry[1].done():
-                entry[1].set_exception(WorkerDied(why))
+        held = [future for held_by, future, _ in self.samples.values() if held_by == name and not future.done()]
+        log.warning("%s; its %d samples fail", why, len(held))
+        for future in held:
+            future.set_exception(WorkerDied(why))
 
     def _send(self, name: bytes, *msg) -> None:
         import zmq
