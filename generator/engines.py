@@ -119,6 +119,11 @@ def check_memory(cfg: Config, model_path: str) -> None:
     import torch
 
     if torch.cuda.is_available():
+        from vllm.platforms import current_platform
+
         from pipeline.memory import check_generator
 
-        log.info("memory: %s", check_generator(cfg, model_path, torch.cuda.mem_get_info()[1]))
+        # the card's memory by NVML, not torch.cuda.mem_get_info: a CUDA context made here makes vLLM spawn its engine
+        # core ("CUDA is initialized"), which then imports vLLM again (23-26 s on an H200 host), where it would fork it
+        total = current_platform.get_device_total_memory(0)
+        log.info("memory: %s", check_generator(cfg, model_path, total))
