@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -574,9 +575,10 @@ def _on_host_of(endpoint: str, address: str) -> str:
 
 
 async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | frozenset = frozenset(),
-               profile: Path | None = None) -> int:
+               profile: Path | None = None, held: bool = False) -> int:
     """`cfg`: this generator's own config; `explicit`: the dotted keys its file and --set gave (what it claims);
-    `profile`: write its timeline there (pipeline/trace.py)."""
+    `profile`: write its timeline there (pipeline/trace.py); `held`: once vLLM is imported, wait for a line on stdin
+    before anything else (`--go-on-stdin`: `pipeline run` tells generators sharing a GPU when to build their engine)."""
     from generator.engines import VllmEngines
 
     if profile is not None:
@@ -586,6 +588,15 @@ async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | f
         log.info("removed %s, left by a process that no longer runs", stale)
     engines = VllmEngines()
     engines.warm()  # vLLM's imports first: a learner started with this generator brings its hub up meanwhile
+    if held:
+        start = time.monotonic()
+        with trace.span("held", "engine"):
+            told = await asyncio.to_thread(sys.stdin.readline)
+        if not told:
+            log.error("generator: its launcher ended before telling it to go on (--go-on-stdin); leaving")
+            return 1
+        log.info("generator: vLLM imported, held %.1f s until the hub was up and the generators before it on its GPU "
+                 "had registered", time.monotonic() - start)
     try:
         return await Generator(cfg, engines, address, gpus, explicit).run()
     finally:

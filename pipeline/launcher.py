@@ -57,12 +57,15 @@ class Child:
     benchmarks start their services with it. Its guard ends the group should the child or this process die without
     stopping it; the child's environment says so (`GUARDED`)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path | None, env: dict | None = None, cwd=None):
+    def __init__(self, name: str, argv: list[str], log_path: Path | None, env: dict | None = None, cwd=None,
+                 held: bool = False):
+        """`held`: the child waits for `go` (a line on its stdin; `pipeline generator --go-on-stdin`)."""
         self.name, self.log_path = name, log_path
         self.log = log_path.open("ab") if log_path is not None else None
         err = subprocess.STDOUT if self.log is not None else None
         env = {**(os.environ if env is None else env), GUARDED: "1"}
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=err, start_new_session=True, env=env, cwd=cwd)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=err, start_new_session=True, env=env, cwd=cwd,
+                                     stdin=subprocess.PIPE if held else None)
         # a session of its own: Ctrl-C in a terminal or a signal to either group does not reach it
         self.guard = subprocess.Popen([sys.executable, "-m", "pipeline.launcher", str(os.getpid()), str(self.pid)],
                                       stdout=self.log, stderr=err, start_new_session=True, cwd=PACKAGE_ROOT)
@@ -70,6 +73,13 @@ class Child:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def go(self) -> None:
+        """Let a `held` child go on. One that has exited meanwhile is seen where its registration is awaited."""
+        assert self.proc.stdin is not None, "go: the child was not started held"
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write(b"go\n")
+            self.proc.stdin.close()
 
     def stop(self, grace: float = 20.0, now: bool = False) -> int:
         """SIGTERM (twice when `now`: a generator leaves without draining), then SIGKILL to the child's process
@@ -230,32 +240,37 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         children.append(learner)
         print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
         gpus = cfg.run.generator_gpus
-        started: dict[str | None, list[Child]] = {}  # GPU set -> its generators so far
+        built: dict[str | None, list[Child]] = {}  # GPU set -> its generators building their engines or built
 
-        def start(i: int, mine: str | None, when: str) -> None:
+        def start(i: int, mine: str | None, held: bool) -> Child:
             argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
             argv += ["--profile", str(trace_dir(run_dir))] if profile else []
-            child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log")
-            started.setdefault(mine, []).append(child)
+            argv += ["--go-on-stdin"] if held else []
+            child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log", held=held)
             children.append(child)
+            when = ("imports vLLM now, builds its engine once the hub is up and the generators before it on its GPU "
+                    "have registered") if held else "beside the learner"
             print(f"generator-{i} pid {child.pid}{f' on GPUs {mine}' if mine else ''}, {when}", flush=True)
+            return child
 
-        # the first generator on each GPU set that no learner rank uses starts now: it builds its engine from
-        # launch.yaml while the learner starts (generator/spec.py), and registers once the hub answers
-        later = []
+        # every generator starts now: vLLM's imports take 15-30 s, in which the learner brings its hub up. The first
+        # on each GPU set that no learner rank uses builds its engine from launch.yaml meanwhile (generator/spec.py);
+        # the others wait to be told (held)
+        held = []
         for i in range(cfg.run.generators):
             mine = str(gpus[i % len(gpus)]) if gpus else None  # a str already (RunConfig.__post_init__)
-            if mine is not None and mine not in started and not _shares_gpu(mine, cfg.run.learner_gpus):
-                start(i, mine, "beside the learner")
+            if mine is not None and mine not in built and not _shares_gpu(mine, cfg.run.learner_gpus):
+                built[mine] = [start(i, mine, held=False)]
             else:
-                later.append((i, mine))
+                held.append((mine, start(i, mine, held=True)))
         _wait_for_hub(run_dir, learner, token, received)
-        for i, mine in later:
+        for mine, child in held:
             # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (the learner's, or
-            # a machine without --gpus) start one after another, once the learner's hub is up, or two would count
-            # the same free memory
-            _wait_registered(run_dir, started.get(mine, []), learner, received=received)
-            start(i, mine, "once the hub is up")
+            # a machine without --gpus) build their engines one after another, once the learner's hub is up, or two
+            # would count the same free memory
+            _wait_registered(run_dir, built.get(mine, []), learner, received=received)
+            child.go()
+            built.setdefault(mine, []).append(child)
         rc = _follow(cfg, run_dir, learner, [c for c in children if c is not learner], received)
     except KeyboardInterrupt:
         print("\nstopping (Ctrl-C; again to kill the children now)...", flush=True)

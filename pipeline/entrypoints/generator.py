@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
     s.add_argument("--learner", required=True, help="hub address, e.g. tcp://127.0.0.1:5555")
     s.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="write this generator's timeline to DIR (the learner's RUN_DIR/trace on its host)")
+    s.add_argument("--go-on-stdin", action="store_true",
+                   help="import vLLM, then wait for a line on stdin before asking the hub and building the engine "
+                        "(`pipeline run` starts generators that share a GPU so, and tells each in turn)")
 
 
 def main(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -32,4 +35,4 @@ def main(args: argparse.Namespace, argv: list[str] | None) -> int:
     from pipeline.runspec import explicit_keys
 
     explicit = explicit_keys(read_yaml(args.config) if args.config else {}, args.overrides)  # what it claims
-    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit, args.profile))
+    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit, args.profile, args.go_on_stdin))

@@ -88,8 +88,8 @@ from pipeline.config import load_config
 
 
 class Fake(launcher.Child):
-    def __init__(self, name, argv, log_path, env=None, cwd=None):
-        super().__init__(name, [sys.executable, "-c", {_FAKE_CHILD!r}, *argv[3:]], log_path, env, cwd)
+    def __init__(self, name, argv, log_path, env=None, cwd=None, held=False):
+        super().__init__(name, [sys.executable, "-c", {_FAKE_CHILD!r}, *argv[3:]], log_path, env, cwd, held)
 
 
 launcher.Child = Fake
@@ -124,3 +124,69 @@ def test_ctrl_c_during_the_shutdown_still_stops_every_child(tmp_path):
         for p in pids:
             if running(p):
                 os.kill(p, signal.SIGKILL)
+
+
+# `pipeline run` with two generators sharing the learner's GPU (no GPUs named), both stand-ins: the learner writes its
+# hub.json after 2 s, each generator logs when it started and when it was told to go on, then registers a second later
+_STAND_INS = """
+import json, os, sys, time
+argv = sys.argv[1:]
+run_dir = argv[argv.index("-c") + 1].rsplit("/", 1)[0]
+print("started", time.time(), flush=True)
+if "learner" in argv:
+    time.sleep(2)
+    hub = {"address": "tcp://127.0.0.1:1", "token": argv[argv.index("--launch-token") + 1]}
+    open(argv[argv.index("--run-dir") + 1] + "/hub.json", "w").write(json.dumps(hub))
+    print("hub", time.time(), flush=True)
+    while open(run_dir + "/events.jsonl").read().count("register") < 2 if os.path.exists(run_dir + "/events.jsonl") \\
+            else True:
+        time.sleep(0.1)
+    sys.exit(3)
+if "--go-on-stdin" in argv:
+    told = sys.stdin.readline()
+    print("go", time.time(), repr(told), flush=True)
+time.sleep(1)
+with open(run_dir + "/events.jsonl", "a") as f:
+    f.write(json.dumps({"event": "register", "generator": f"gen-host-{os.getpid()}-x", "time": time.time()}) + "\\n")
+time.sleep(600)
+"""
+_RUN_WITH_STAND_INS = f"""
+import sys
+from pathlib import Path
+
+import pipeline.launcher as launcher
+from pipeline.config import load_config
+
+
+class StandIn(launcher.Child):
+    def __init__(self, name, argv, log_path, env=None, cwd=None, held=False):
+        super().__init__(name, [sys.executable, "-c", {_STAND_INS!r}, *argv[3:]], log_path, env, cwd, held)
+
+
+launcher.Child = StandIn
+sys.exit(launcher.launch(load_config(None, ["run.tensorboard=false", "run.generators=2"]), Path(sys.argv[1])))
+"""
+
+
+def test_generators_sharing_a_gpu_start_at_launch_and_build_one_after_another(tmp_path):
+    """Every generator's process starts with the learner's (vLLM's imports overlap the learner's start); those that
+    share a GPU are told to go on one at a time: the first once the hub is up, the next once the first registered."""
+    out = tmp_path / "run.out"
+    with out.open("wb") as f:
+        run = subprocess.run([sys.executable, "-c", _RUN_WITH_STAND_INS, str(tmp_path)], stdout=f,
+                             stderr=subprocess.STDOUT, cwd=REPO, timeout=120)
+    text = out.read_text()
+    assert run.returncode == 1 and "the learner exited with 3" in text, text
+
+    def times(name: str) -> dict[str, float]:
+        lines = (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines if line.split()[0] in ("started", "hub",
+                                                                                                "go")}
+
+    learner, g0, g1 = times("learner"), times("generator-0"), times("generator-1")
+    registered = {e["generator"]: e["time"] for e in map(json.loads, (tmp_path / "events.jsonl").read_text()
+                                                         .splitlines())}
+    assert g0["started"] < learner["hub"] and g1["started"] < learner["hub"], (learner, g0, g1)
+    assert learner["hub"] <= g0["go"] < g1["go"], (learner, g0, g1)
+    (first,) = [t for g, t in registered.items() if t < g1["go"]]  # generator-0's, before generator-1 went on
+    assert first >= g0["go"] and "builds its engine once the hub is up" in text
