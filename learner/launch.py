@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import uuid
 
 log = logging.getLogger(__name__)
@@ -49,20 +50,26 @@ def _visible_gpus() -> int:
 def run_ranks(argv: list[str], world: int) -> int:
     """Run `python -m pipeline *argv` as `world` ranks on this host under torchrun's agent; returns the exit
     code: 0, the first failed rank's, or 130 after a signal."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5)
-    try:
-        elastic_launch(config, sys.executable)("-m", "pipeline", *argv)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        log.error("learner rank %d failed with exit code %d; the other ranks were stopped", rank, failure.exitcode)
-        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-    except SignalException:  # the ranks were stopped with the signal, as on Ctrl-C
-        return 130
+    # the agent's own files (the ranks' error files) in a folder that goes with it: by default it makes a
+    # torchelastic_* folder in the temp folder at each start and leaves it there
+    with tempfile.TemporaryDirectory(prefix="pipeline-ranks-") as files:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
+                              logs_specs=DefaultLogsSpecs(log_dir=files))
+        try:
+            elastic_launch(config, sys.executable)("-m", "pipeline", *argv)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            log.error("learner rank %d failed with exit code %d; the other ranks were stopped", rank,
+                      failure.exitcode)
+            return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        except SignalException:  # the ranks were stopped with the signal, as on Ctrl-C
+            return 130
     return 0
 
 

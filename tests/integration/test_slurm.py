@@ -173,6 +173,9 @@ def test_the_sbatch_script_trains_with_learner_nodes_and_a_generator_node(cluste
     # the learner: one rank on each learner node; rank 0's hub bound its node's address, given by SLURM, with keys
     learner_logs = "".join(p.read_text() for p in (run_dir / "logs").glob("learner-*.log"))
     assert "learner rank 0 of 2" in learner_logs and "learner rank 1 of 2" in learner_logs
+    # each torchrun agent's own files went to the run directory (by default a torchelastic_* folder in the temp
+    # folder of each node, left there)
+    assert len(list((run_dir / "logs" / "torchrun").iterdir())) == 2
     hub = json.loads((run_dir / "hub.json").read_text())
     host, port = hub["address"].removeprefix("tcp://").rsplit(":", 1)
     assert host in (NODES["n1"], NODES["n2"]) and int(port) > 0

@@ -190,3 +190,14 @@ def test_generators_sharing_a_gpu_start_at_launch_and_build_one_after_another(tm
     assert learner["hub"] <= g0["go"] < g1["go"], (learner, g0, g1)
     (first,) = [t for g, t in registered.items() if t < g1["go"]]  # generator-0's, before generator-1 went on
     assert first >= g0["go"] and "builds its engine once the hub is up" in text
+
+
+def test_a_held_generator_whose_launcher_is_gone_leaves_at_once(tmp_path):
+    """`pipeline generator --go-on-stdin` whose stdin ends before the word to go on (its launcher died): it leaves
+    with code 1 and says why, rather than asking a hub that may never come."""
+    env = {**os.environ, "PIPELINE_GUARDED": "1"}  # as `pipeline run` starts it: no supervisor of its own
+    out = subprocess.run([sys.executable, "-m", "pipeline", "generator", "--learner", "tcp://127.0.0.1:9",
+                          "--go-on-stdin"], stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "its launcher ended before telling it to go on" in out.stderr

@@ -100,6 +100,18 @@ def test_learner_ranks_end_when_their_parent_is_killed():
             os.kill(rank, signal.SIGKILL)
 
 
+def test_learner_ranks_leave_no_folder_of_torchruns_agent_in_the_temp_folder(tmp_path):
+    """Two ranks under torchrun's agent (learner/launch.py `run_ranks`), each failing at once on a bad argument: the
+    first failed rank's exit code comes back, and nothing is left in the temp folder (torchrun's agent made a
+    torchelastic_* folder there at each start and left it)."""
+    code = "import sys; from learner.launch import run_ranks; sys.exit(run_ranks(['learner', '--no-such-flag'], 2))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "no-such-flag" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], out.stderr[-3000:]
+
+
 STUCK_RANK = """
 import datetime, os, signal, sys, time
 import torch, torch.distributed as dist
