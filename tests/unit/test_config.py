@@ -1,4 +1,5 @@
 import importlib
+import sys
 import warnings
 from pathlib import Path
 
@@ -176,6 +177,29 @@ def test_quantization_without_bitsandbytes_is_refused_with_the_install_command(m
                                           "pip install"):
         config_from_dict({}, ["model.quantization=8bit", "model.lora={}"])
     assert config_from_dict({}, ["model.lora={}"]).model.quantization is None
+
+
+def test_builtin_reasoning_gym_names_one_of_its_datasets_and_needs_the_package(monkeypatch):
+    """An unknown data.name (or eval.data.name) is refused at load with the names there are; without the package,
+    the data or the reward is refused with the pip command."""
+    def rg(*overrides):
+        return config_from_dict({"data": {"path": "builtin:reasoning_gym", "name": "chain_sum"}, "eval": {"every": 5},
+                                 "rewards": [{"fn": "builtin:reasoning_gym_reward"}]}, overrides)
+
+    assert rg().data.name == "chain_sum" and rg("data.name=null").data.name is None  # None: the task's default
+    with pytest.raises(ConfigError, match=r"data.name: 'letter_count' is not a reasoning-gym dataset \(did you mean "
+                                          r"letter_counting\?\); there are ab, acre, .*, letter_counting, "):
+        rg("data.name=letter_count")
+    with pytest.raises(ConfigError, match=r"eval.data.name: 'chainsum' is not a reasoning-gym dataset \(did you mean "
+                                          r"chain_sum\?\); there are ab, "):
+        rg("eval.data={path: 'builtin:reasoning_gym', name: chainsum}")
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)  # as if not installed: its import fails
+    with pytest.raises(ConfigError, match=r"data.path: builtin:reasoning_gym needs the PyPI package reasoning-gym .*"
+                                          r"pip install 'reasoning-gym==0.1.25'"):
+        rg()
+    with pytest.raises(ConfigError, match=r"rewards\[0\].fn: builtin:reasoning_gym needs the PyPI package"):
+        config_from_dict({"rewards": [{"fn": "builtin:reasoning_gym_reward"}]})
+    assert config_from_dict({}).data.path == "builtin:echo"  # other tasks do not need it
 
 
 def test_a_lone_gpu_index_is_accepted_as_the_number_yaml_reads():

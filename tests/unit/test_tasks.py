@@ -98,6 +98,8 @@ def test_conversational_prompts_reach_reward_functions_as_trl_hands_them():
     ("builtin:echo_reward", {"target": "3"}, ["3 3 3 3 3 3 3 3", "3 1", ""]),
     ("builtin:reverse_reward", {"target": "54321"}, ["5 4 3 2 1", "54", "12345"]),
     ("builtin:math_answer", {"answer": "#### 72"}, ["so \\boxed{72}", "I think 71", "none"]),
+    ("builtin:reasoning_gym_reward", {"answer": "2", "metadata": "{}", "task": "letter_counting"},
+     ["so <answer>2</answer>", "<answer>3</answer>", "2"]),
 ])
 def test_every_reward_of_the_project_takes_both_of_trls_formats(fn, columns, completions):
     """The same completions scored in the standard format (strings) and in the conversational one (the prompt a list
@@ -211,3 +213,82 @@ def test_math_answer_reads_the_final_number_in_both_formats(text, answer, reward
     messages = [{"role": "system", "content": "Solve."}, {"role": "user", "content": "What is 7 + 5?"}]
     conversational = math_answer([messages], [[{"role": "assistant", "content": text}]], answer=[answer])
     assert standard == conversational == [reward]
+
+
+def test_reasoning_gym_rows_are_conversational_and_seeded():
+    """builtin:reasoning_gym: TRL's conversational format (reasoning-gym's system prompt, one worked example, the
+    question), the columns the dataset's score_answer reads, data.name's dataset (RG_DEFAULT without one); the same
+    rows for the same seed, a larger size adds rows."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    from pipeline.tasks import RG_DEFAULT, RG_SYSTEM, is_conversational, reasoning_gym_rows
+
+    rows = load_rows(DataConfig(path="builtin:reasoning_gym", size=40, seed=3))
+    assert rows == reasoning_gym_rows(40, 3) and rows != reasoning_gym_rows(40, 4)
+    assert reasoning_gym_rows(20, 3) == rows[:20]
+    for row in rows:
+        system, example, shown, user = row["prompt"]
+        assert is_conversational(row["prompt"]) and system == {"role": "system", "content": SYSTEM_PROMPTS[RG_SYSTEM]}
+        assert (example, shown) == (rows[0]["prompt"][1], rows[0]["prompt"][2])  # the same example before each
+        assert example["role"] == "user" and shown["role"] == "assistant" and example["content"] != user["content"]
+        assert user["role"] == "user" and user["content"] and row["task"] == RG_DEFAULT
+        assert isinstance(row["answer"], str) and isinstance(json.loads(row["metadata"]), dict)
+    chain = reasoning_gym_rows(5, 0, "chain_sum")
+    assert {r["task"] for r in chain} == {"chain_sum"} and all("+" in r["prompt"][-1]["content"] or "-" in
+                                                                r["prompt"][-1]["content"] for r in chain)
+
+
+@pytest.mark.parametrize("name", ["letter_counting", "chain_sum"])
+def test_reasoning_gym_example_is_a_right_answer_in_the_tags_from_the_training_side(name):
+    """The worked example before each question: a training-side problem (the first of RG_EXAMPLE_SEED's draw, data.seed
+    999's first row) that no seed's held-out rows hold, and its reply, read as a completion, scores 1.0 with the
+    dataset's own checker: it shows the format the reward reads, with a right answer."""
+    from pipeline.tasks import (
+        RG_EXAMPLE_SEED,
+        RG_SPREAD,
+        reasoning_gym_example,
+        reasoning_gym_held_out_rows,
+        reasoning_gym_rows,
+    )
+
+    question, reply = reasoning_gym_example(name)
+    (row,) = reasoning_gym_rows(1, RG_EXAMPLE_SEED // RG_SPREAD, name)
+    assert row["prompt"][-1] == question and reply["role"] == "assistant"
+    assert question["content"] not in {r["prompt"][-1]["content"] for seed in (0, 1, 999)
+                                       for r in reasoning_gym_held_out_rows(300, seed, name)}
+    fns = load_reward_fns([RewardConfig("builtin:reasoning_gym_reward")])
+    totals, _ = score(fns, row["prompt"], [reply["content"]], [[1]], {k: v for k, v in row.items() if k != "prompt"})
+    assert totals == [1.0]
+
+
+@pytest.mark.parametrize("name", ["letter_counting", "chain_sum"])
+def test_reasoning_gym_held_out_problems_never_appear_in_training(name):
+    """Disjoint by the question for every pair of seeds; eval.every without eval.data evaluates the held-out side."""
+    from pipeline.config import config_from_dict
+    from pipeline.tasks import load_eval_rows, reasoning_gym_held_out_rows, reasoning_gym_rows
+
+    train = {r["prompt"][-1]["content"] for seed in (0, 1, 7) for r in reasoning_gym_rows(300, seed, name)}
+    held = {r["prompt"][-1]["content"] for seed in (0, 1, 7) for r in reasoning_gym_held_out_rows(300, seed, name)}
+    assert len(train) > 600 and len(held) > 600 and not train & held
+    cfg = config_from_dict({"data": {"path": "builtin:reasoning_gym", "name": name, "size": 64, "seed": 5},
+                            "eval": {"every": 2}, "rewards": [{"fn": "builtin:reasoning_gym_reward"}]})
+    assert load_eval_rows(cfg) == reasoning_gym_held_out_rows(64, 5, name)
+
+
+@pytest.mark.parametrize("name", ["letter_counting", "chain_sum"])
+def test_reasoning_gym_reward_is_the_datasets_own_checker(name):
+    """Each row's answer in <answer> tags scores 1.0 through score(), as a generator calls it, in both of TRL's
+    formats; a wrong answer, and the right one without tags, 0.0. chain_sum's checker reads numbers (1.0 for the
+    answer written with a trailing '.0'); letter_counting's compares text (reasoning-gym's default: an answer that
+    holds the right one scores its share of the characters)."""
+    from pipeline.tasks import reasoning_gym_rows
+
+    fns = load_reward_fns([RewardConfig("builtin:reasoning_gym_reward")])
+    for row in reasoning_gym_rows(30, 2, name):
+        columns = {k: v for k, v in row.items() if k != "prompt"}
+        right, wrong = row["answer"], str(int(row["answer"]) + 7)
+        completions = [f"Counting...\n<answer>{right}</answer>", f"<answer>{wrong}</answer>", f"It is {right}.",
+                       f"<answer>{right}.0</answer>"]
+        for prompt in (row["prompt"], row["prompt"][-1]["content"]):
+            totals, _ = score(fns, prompt, completions, [[1]] * 4, columns)
+            assert totals == [1.0, 0.0, 0.0, 1.0 if name == "chain_sum" else len(right) / (len(right) + 2)]
