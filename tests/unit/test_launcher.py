@@ -79,7 +79,12 @@ if "learner" in argv:
 print("started", os.getpid(), flush=True)
 time.sleep(600)
 """
-_RUN_WITH_FAKE_CHILDREN = f"""
+
+
+def _run_with(child: str, *overrides: str) -> str:
+    """A program that runs `pipeline run` (pipeline.launcher.launch, RUN_DIR its argument) with the default config and
+    `overrides`, every child it starts replaced by the script `child`, given the child's own arguments."""
+    return f"""
 import sys
 from pathlib import Path
 
@@ -87,13 +92,13 @@ import pipeline.launcher as launcher
 from pipeline.config import load_config
 
 
-class Fake(launcher.Child):
+class StandIn(launcher.Child):
     def __init__(self, name, argv, log_path, env=None, cwd=None, held=False):
-        super().__init__(name, [sys.executable, "-c", {_FAKE_CHILD!r}, *argv[3:]], log_path, env, cwd, held)
+        super().__init__(name, [sys.executable, "-c", {child!r}, *argv[3:]], log_path, env, cwd, held)
 
 
-launcher.Child = Fake
-sys.exit(launcher.launch(load_config(None, ["run.tensorboard=false"]), Path(sys.argv[1])))
+launcher.Child = StandIn
+sys.exit(launcher.launch(load_config(None, {["run.tensorboard=false", *overrides]!r}), Path(sys.argv[1])))
 """
 
 
@@ -102,7 +107,7 @@ def test_ctrl_c_during_the_shutdown_still_stops_every_child(tmp_path):
     shutdown: when `pipeline run` exits, no child of it runs (the learner, stopped last before, was left running)."""
     out = tmp_path / "run.out"
     with out.open("wb") as f:
-        run = subprocess.Popen([sys.executable, "-c", _RUN_WITH_FAKE_CHILDREN, str(tmp_path)], stdout=f,
+        run = subprocess.Popen([sys.executable, "-c", _run_with(_FAKE_CHILD), str(tmp_path)], stdout=f,
                                stderr=subprocess.STDOUT, cwd=REPO)
     pids = []
     try:
@@ -150,31 +155,14 @@ with open(run_dir + "/events.jsonl", "a") as f:
     f.write(json.dumps({"event": "register", "generator": f"gen-host-{os.getpid()}-x", "time": time.time()}) + "\\n")
 time.sleep(600)
 """
-_RUN_WITH_STAND_INS = f"""
-import sys
-from pathlib import Path
-
-import pipeline.launcher as launcher
-from pipeline.config import load_config
-
-
-class StandIn(launcher.Child):
-    def __init__(self, name, argv, log_path, env=None, cwd=None, held=False):
-        super().__init__(name, [sys.executable, "-c", {_STAND_INS!r}, *argv[3:]], log_path, env, cwd, held)
-
-
-launcher.Child = StandIn
-sys.exit(launcher.launch(load_config(None, ["run.tensorboard=false", "run.generators=2"]), Path(sys.argv[1])))
-"""
-
 
 def test_generators_sharing_a_gpu_start_at_launch_and_build_one_after_another(tmp_path):
     """Every generator's process starts with the learner's (vLLM's imports overlap the learner's start); those that
     share a GPU are told to go on one at a time: the first once the hub is up, the next once the first registered."""
     out = tmp_path / "run.out"
     with out.open("wb") as f:
-        run = subprocess.run([sys.executable, "-c", _RUN_WITH_STAND_INS, str(tmp_path)], stdout=f,
-                             stderr=subprocess.STDOUT, cwd=REPO, timeout=120)
+        run = subprocess.run([sys.executable, "-c", _run_with(_STAND_INS, "run.generators=2"), str(tmp_path)],
+                             stdout=f, stderr=subprocess.STDOUT, cwd=REPO, timeout=120)
     text = out.read_text()
     assert run.returncode == 1 and "the learner exited with 3" in text, text
 
