@@ -132,14 +132,14 @@ def test_ctrl_c_during_the_shutdown_still_stops_every_child(tmp_path):
 
 
 # `pipeline run` with two generators sharing the learner's GPU (no GPUs named), both stand-ins: the learner writes its
-# hub.json after 2 s, each generator logs when it started and when it was told to go on, then registers a second later
+# hub.json after 3 s, each generator logs when it started and when it was told to go on, then registers a second later
 _STAND_INS = """
 import json, os, sys, time
 argv = sys.argv[1:]
 run_dir = argv[argv.index("-c") + 1].rsplit("/", 1)[0]
 print("started", time.time(), flush=True)
 if "learner" in argv:
-    time.sleep(2)
+    time.sleep(3)
     hub = {"address": "tcp://127.0.0.1:1", "token": argv[argv.index("--launch-token") + 1]}
     open(argv[argv.index("--run-dir") + 1] + "/hub.json", "w").write(json.dumps(hub))
     print("hub", time.time(), flush=True)
