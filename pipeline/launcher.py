@@ -256,15 +256,15 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         # every generator starts now: vLLM's imports take 15-30 s, in which the learner brings its hub up. The first
         # on each GPU set that no learner rank uses builds its engine from launch.yaml meanwhile (generator/spec.py);
         # the others wait to be told (held)
-        held = []
+        waiting = []
         for i in range(cfg.run.generators):
             mine = str(gpus[i % len(gpus)]) if gpus else None  # a str already (RunConfig.__post_init__)
             if mine is not None and mine not in built and not _shares_gpu(mine, cfg.run.learner_gpus):
                 built[mine] = [start(i, mine, held=False)]
             else:
-                held.append((mine, start(i, mine, held=True)))
+                waiting.append((mine, start(i, mine, held=True)))
         _wait_for_hub(run_dir, learner, token, received)
-        for mine, child in held:
+        for mine, child in waiting:
             # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (the learner's, or
             # a machine without --gpus) build their engines one after another, once the learner's hub is up, or two
             # would count the same free memory
