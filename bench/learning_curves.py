@@ -433,6 +433,13 @@ def run_grid(todo: list[tuple[int, str, int]], args, report_runs) -> dict:
             code = child.stop(grace=30)
             running.remove(item)
             started = (run_dir / "run" / "metrics.jsonl").exists()
+            if code == 2 and not started:  # `pipeline` refused its config at start: every run of the grid would be
+                print(f"{name}: refused at start (exit 2), so is every run of this grid; stopped\n"  # refused too
+                      + child.tail(20), flush=True)
+                stop_all([other[2] for other in running], grace=30)
+                running.clear()
+                todo.clear()
+                break
             if code != 0 and not started and retries.get(name, 0) < 2 and time.monotonic() < deadline:
                 retries[name] = retries.get(name, 0) + 1  # an engine that failed to start (engines starting
                 print(f"{name}: exit {code} before its first step; started again", flush=True)  # together)
