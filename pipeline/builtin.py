@@ -17,6 +17,8 @@ FUNCTIONS = {  # name: the module:function it loads
     "builtin:calculator_agent": "generator.calculator_agent:agent",  # generator.agent: an openai-client agent
 }
 OLD = {path: name for name, path in FUNCTIONS.items()}
+# data.path's builtin tasks (pipeline/tasks.py BUILTIN makes their rows), named here for the config's check
+DATASETS = ("builtin:echo", "builtin:reverse", "builtin:arith", "builtin:reasoning_gym")
 
 
 def canonical(spec: str, field: str) -> str:

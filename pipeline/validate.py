@@ -215,6 +215,7 @@ def check_config(cfg) -> None:
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     check_environment(g)
+    check_builtin_data(cfg)
     check_reasoning_gym(cfg)
     if cfg.weights.transport not in ("auto", *TRANSPORTS):
         raise ConfigError(f"weights.transport: {cfg.weights.transport!r} is not one of "
@@ -252,6 +253,18 @@ def check_environment(g) -> None:
                           "vLLM's --chat-template)")
     if g.max_tool_calls < 0:
         raise ConfigError(f"generator.max_tool_calls: must be >= 0, got {g.max_tool_calls}")
+
+
+def check_builtin_data(cfg) -> None:
+    """A `builtin:` data.path (or eval.data.path) is one of pipeline/tasks.py's, found here, not by the learner once
+    its model is loaded."""
+    for field, d in (("data", cfg.data), ("eval.data", cfg.eval.data)):
+        if d is not None and d.path.startswith("builtin:") and d.path not in builtin.DATASETS:
+            close = difflib.get_close_matches(d.path, builtin.DATASETS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{field}.path: {d.path!r} is not a builtin dataset{hint}; there are "
+                              f"{', '.join(builtin.DATASETS)}, or give a .jsonl/.json/.parquet file or a Hugging Face "
+                              "dataset")
 
 
 RG_PIP = "pip install 'reasoning-gym==0.1.25'"  # the version pyproject.toml's reasoning-gym extra pins

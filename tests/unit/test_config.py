@@ -65,6 +65,9 @@ def test_file_then_overrides(tmp_path):
     ({}, ["model.lora={dropout: 1.0}"], "model.lora.dropout: must be in [0, 1)"),
     ({}, ["model.lora={target_modules: 5}"], "model.lora.target_modules: expected str, got 5"),
     ({}, ["generator.lora_mode=adapter"], "generator.lora_mode: adapter serves a LoRA adapter, and model.lora is not"),
+    ({"data": {"path": "builtin:arithmetic"}}, [], "data.path: 'builtin:arithmetic' is not a builtin dataset (did "
+                                                    "you mean builtin:arith?)"),
+    ({}, ["eval.data={path: 'builtin:gsm8k'}"], "eval.data.path: 'builtin:gsm8k' is not a builtin dataset"),
     ({}, ["generator.rollout=agent"], "generator.rollout agent: set one of generator.agent"),
     ({"generator": {"rollout": "agent", "agent": "a:b", "agent_command": ["x"]}}, [], "not both"),
     ({}, ["generator.agent=a:b"], "generator.agent / agent_command: set, but generator.rollout is"),

@@ -292,3 +292,11 @@ def test_reasoning_gym_reward_is_the_datasets_own_checker(name):
         for prompt in (row["prompt"], row["prompt"][-1]["content"]):
             totals, _ = score(fns, prompt, completions, [[1]] * 4, columns)
             assert totals == [1.0, 0.0, 0.0, 1.0 if name == "chain_sum" else len(right) / (len(right) + 2)]
+
+
+def test_the_configs_builtin_dataset_names_are_the_tasks_there_are():
+    """pipeline/builtin.py names data.path's builtin tasks for the config's check (which must not import the tasks);
+    pipeline/tasks.py makes their rows: one list."""
+    from pipeline import builtin, tasks
+
+    assert list(builtin.DATASETS) == list(tasks.BUILTIN)
