@@ -28,7 +28,7 @@ STEPS, BATCH = 8, 8
 def _agent(run_dir, node: int, rdzv: int, hub_port: int, log, resume: bool = False) -> Proc:
     return Proc([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
-                 "--rdzv-id", "test-run", "--max-restarts", "0",
+                 "--rdzv-id", "test-run", "--max-restarts", "0", "--log-dir", str(log.parent / log.stem),
                  "-m", "pipeline", "learner", "-c", "configs/demo.yaml", "--resume" if resume else "--run-dir",
                  str(run_dir), "--set", f"hub.port={hub_port}", "--set", f"trainer.total_steps={STEPS}",
                  "--set", f"trainer.batch_size={BATCH}", "--set", "trainer.checkpoint_every=2"], log)
