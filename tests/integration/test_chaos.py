@@ -65,9 +65,12 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     timeline = []
     run_dir.mkdir()
     gen_a = start_generator(procs, run_dir, free_port, common, "a", env={"CHAOS_REWARD_RAISES": "3"})
-    gen_b = start_generator(procs, run_dir, free_port, common, "b")
+    # b's engine core spawned, as a generator's later engines are: it leaves shared-memory segments when killed
+    # (a forked one makes none), which must go too
+    gen_b = start_generator(procs, run_dir, free_port, common, "b", env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     gen_c = start_generator(procs, run_dir, free_port, common, "c")
-    learner = start_learner(procs, run_dir, free_port, common)
+    # killed with SIGKILL below, its torchrun agent cannot remove its temp folder: it goes under tmp_path
+    learner = start_learner(procs, run_dir, free_port, common, env={"TMPDIR": str(tmp_path)})
     watch = [learner, gen_a, gen_b, gen_c]
     wait_for(lambda: len(events(run_dir, "register")) >= 3, 600, "three generators to register", watch)
     id_a, id_b, id_c = (_id_of(run_dir, g) for g in (gen_a, gen_b, gen_c))

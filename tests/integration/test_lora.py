@@ -107,14 +107,17 @@ def test_adapter_mode_keeps_each_requests_adapter_to_its_end(procs, tmp_path, mo
     running request keeps its adapter, so no sample mixes versions: each has exactly one behaviour version (merged
     weights, like full ones, give a running request's later tokens the new version). Completions of 200 tokens take
     the tiny model longer to generate than a step takes to train, so versions arrive while requests run (at 48 tokens
-    a batch was done before the next version on a fast CPU, and the test failed for want of one)."""
+    a batch was done before the next version on a fast CPU, and the test failed for want of one). The engine runs one
+    group (8 sequences) at a time, so generation, not training, sets the pace: with 32 at once, a forked engine core
+    finished both batches the window allows before the first version came."""
     run_dir, steps = tmp_path / "run", 5
     run = procs(["run", "--run-dir", str(run_dir), "--set", "model.lora={r: 8, alpha: 16}",
                  "--set", "generator.lora_mode=adapter", "--set", "trainer.lr=1e-2",
                  "--set", f"trainer.total_steps={steps}", "--set", "trainer.max_staleness=1",
                  "--set", "trainer.batch_size=4",  # 32 samples a step: each request still outlasts a step's training
                  "--set", "sampling.max_tokens=200", "--set", "sampling.ignore_eos=true",
-                 "--set", "generator.max_model_len=256", "--set", "trainer.checkpoint_every=0"], tmp_path / "run.log")
+                 "--set", "generator.max_model_len=256", "--set", "trainer.checkpoint_every=0",
+                 "--set", "generator.max_num_seqs=8"], tmp_path / "run.log")
     assert run.wait(900) == 0, run.tail()
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["version"] for r in records] == list(range(1, steps + 1))
