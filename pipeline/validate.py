@@ -128,10 +128,15 @@ def check_value(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def did_you_mean(name: str, names) -> str:
+    """" (did you mean X?)" with the one of `names` closest to `name`; "" when none is close."""
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def unknown_field(dotted: str, name: str, names: list[str]) -> ConfigError:
     """The error for a field `name` that is not among `names`, with the closest one ("did you mean")."""
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
+    hint = did_you_mean(name, names) or f" (known: {', '.join(names)})"
     return ConfigError(f"{dotted}: unknown field{hint}")
 
 
@@ -255,13 +260,17 @@ def check_environment(g) -> None:
         raise ConfigError(f"generator.max_tool_calls: must be >= 0, got {g.max_tool_calls}")
 
 
+def _datasets(cfg) -> list[tuple[str, Any]]:
+    """(field, DataConfig) of the training data and, when set, the evaluation's."""
+    return [("data", cfg.data)] + ([("eval.data", cfg.eval.data)] if cfg.eval.data is not None else [])
+
+
 def check_builtin_data(cfg) -> None:
     """A `builtin:` data.path (or eval.data.path) is one of pipeline/tasks.py's, found here, not by the learner once
     its model is loaded."""
-    for field, d in (("data", cfg.data), ("eval.data", cfg.eval.data)):
-        if d is not None and d.path.startswith("builtin:") and d.path not in builtin.DATASETS:
-            close = difflib.get_close_matches(d.path, builtin.DATASETS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+    for field, d in _datasets(cfg):
+        if d.path.startswith("builtin:") and d.path not in builtin.DATASETS:
+            hint = did_you_mean(d.path, builtin.DATASETS)
             raise ConfigError(f"{field}.path: {d.path!r} is not a builtin dataset{hint}; there are "
                               f"{', '.join(builtin.DATASETS)}, or give a .jsonl/.json/.parquet file or a Hugging Face "
                               "dataset")
@@ -273,8 +282,7 @@ RG_PIP = "pip install 'reasoning-gym==0.1.25'"  # the version pyproject.toml's r
 def check_reasoning_gym(cfg) -> None:
     """builtin:reasoning_gym's data (training's or eval's) and its reward: reasoning-gym installed, and `data.name`
     one of its datasets (None: its default, pipeline/tasks.py RG_DEFAULT)."""
-    data = [(f, d) for f, d in (("data", cfg.data), ("eval.data", cfg.eval.data))
-            if d is not None and d.path == "builtin:reasoning_gym"]
+    data = [(f, d) for f, d in _datasets(cfg) if d.path == "builtin:reasoning_gym"]
     rewards = [f"rewards[{i}].fn" for i, r in enumerate(cfg.rewards) if r.fn == "builtin:reasoning_gym_reward"]
     if not data and not rewards:
         return
@@ -286,8 +294,7 @@ def check_reasoning_gym(cfg) -> None:
                           "pip install -e '.[reasoning-gym]'") from None
     for field, d in data:
         if d.name is not None and d.name not in DATASETS:
-            close = difflib.get_close_matches(d.name, list(DATASETS), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = did_you_mean(d.name, DATASETS)
             raise ConfigError(f"{field}.name: {d.name!r} is not a reasoning-gym dataset{hint}; there are "
                               f"{', '.join(sorted(DATASETS))}")
 
