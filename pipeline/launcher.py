@@ -245,7 +245,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         def start(i: int, mine: str | None, held: bool) -> Child:
             argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
             argv += ["--profile", str(trace_dir(run_dir))] if profile else []
-            argv += ["--go-on-stdin"] if held else []
+            argv += ["--go-on-stdin"] if held else ["--build-first"]  # launch.yaml: the run's config
             child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log", held=held)
             children.append(child)
             when = ("imports vLLM now, builds its engine once the hub is up and the generators before it on its GPU "
@@ -253,21 +253,23 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
             print(f"generator-{i} pid {child.pid}{f' on GPUs {mine}' if mine else ''}, {when}", flush=True)
             return child
 
-        # every generator starts now: vLLM's imports take 15-30 s, in which the learner brings its hub up. The first
-        # on each GPU set that no learner rank uses builds its engine from launch.yaml meanwhile (generator/spec.py);
-        # the others wait to be told (held)
+        # every generator starts now: vLLM's imports take 15-30 s, in which the learner brings its hub up. Those whose
+        # engine has its KV cache's size from generator.kv_cache_gb, and the first on each GPU set that no learner
+        # rank uses, build their engines from launch.yaml meanwhile (generator/spec.py); the others wait to be told
+        # (held)
         waiting = []
         for i in range(cfg.run.generators):
             mine = str(gpus[i % len(gpus)]) if gpus else None  # a str already (RunConfig.__post_init__)
-            if mine is not None and mine not in built and not _shares_gpu(mine, cfg.run.learner_gpus):
-                built[mine] = [start(i, mine, held=False)]
+            if cfg.generator.kv_cache_gb or (mine is not None and mine not in built
+                                             and not _shares_gpu(mine, cfg.run.learner_gpus)):
+                built.setdefault(mine, []).append(start(i, mine, held=False))
             else:
                 waiting.append((mine, start(i, mine, held=True)))
         _wait_for_hub(run_dir, learner, token, received)
         for mine, child in waiting:
-            # vLLM sizes its KV cache from the GPU memory free at start: generators sharing a GPU (the learner's, or
-            # a machine without --gpus) build their engines one after another, once the learner's hub is up, or two
-            # would count the same free memory
+            # vLLM sizes its KV cache from the GPU memory free at start (generator.kv_cache_gb 0): generators sharing
+            # a GPU (the learner's, or a machine without --gpus) build their engines one after another, once the
+            # learner's hub is up, or two would count the same free memory, and the learner's as their own
             _wait_registered(run_dir, built.get(mine, []), learner, received=received)
             child.go()
             built.setdefault(mine, []).append(child)

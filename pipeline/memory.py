@@ -261,7 +261,8 @@ def _missing(e: Exception) -> str:
 
 def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
     """The plan line for this generator's GPU of `gpu_bytes`; ConfigError, with the numbers and what to change, where
-    the weights and one sequence of generator.max_model_len do not fit within gpu_memory_utilization."""
+    the weights and one sequence of generator.max_model_len do not fit within gpu_memory_utilization, or the weights
+    and generator.kv_cache_gb (where set) do not."""
     g, dtype = cfg.generator, cfg.model.dtype
     model_dir, config, name = _model(model_path)
     try:
@@ -269,13 +270,23 @@ def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
     except NotModeled as e:
         return _unweighed(name, e)
     budget = g.gpu_memory_utilization * gpu_bytes
-    left = budget - fp.weight_bytes - OVERHEAD_BYTES
     sequence = fp.sequence_bytes(g.max_model_len)
     what = f"{fp.params / 1e9:.2f} B parameters" if fp.params is not None else f"{_quantization(config)} checkpoint"
     line = (f"{name} ({what}) in {dtype} needs {fp.weight_bytes / GB:.1f} GB of weights on each of the generator's "
             f"{_gpus(g.tensor_parallel_size)}; with gpu_memory_utilization {g.gpu_memory_utilization:g} of "
-            f"{gpu_bytes / GB:.1f} GB that leaves {left / GB:.1f} GB of KV cache (after {OVERHEAD_BYTES / GB:.1f} GB "
-            "for vLLM's activations and CUDA context)")
+            f"{gpu_bytes / GB:.1f} GB ")
+    if g.kv_cache_gb:  # vLLM's kv_cache_memory_bytes: the cache is this size, whatever the budget leaves
+        left = g.kv_cache_gb * GB
+        line += (f"and generator.kv_cache_gb {g.kv_cache_gb:g}, {(budget - fp.weight_bytes - left) / GB:.1f} GB are "
+                 f"left for vLLM's activations and CUDA context (about {OVERHEAD_BYTES / GB:.1f} GB)")
+        if fp.weight_bytes + left > budget:
+            raise ConfigError(f"{line}: the weights and the KV cache exceed gpu_memory_utilization's "
+                              f"{budget / GB:.1f} GB. Lower generator.kv_cache_gb or raise "
+                              "generator.gpu_memory_utilization")
+    else:
+        left = budget - fp.weight_bytes - OVERHEAD_BYTES
+        line += (f"that leaves {left / GB:.1f} GB of KV cache (after {OVERHEAD_BYTES / GB:.1f} GB for vLLM's "
+                 "activations and CUDA context)")
     if fp.kv_unmodeled:
         line += f"; its KV cache is not modeled ({fp.kv_unmodeled}): only the weights are checked"
         if left < 0:
@@ -283,7 +294,8 @@ def check_generator(cfg, model_path: str | Path, gpu_bytes: int) -> str:
         return line
     line += f" for {max(0, int(left // max(sequence, 1)))} sequences of {g.max_model_len} tokens"
     if left < sequence:
-        raise ConfigError(f"{line}: not one sequence ({sequence / GB:.2f} GB) fits. {_ADVICE}")
+        advice = "Raise generator.kv_cache_gb or lower generator.max_model_len" if g.kv_cache_gb else _ADVICE
+        raise ConfigError(f"{line}: not one sequence ({sequence / GB:.2f} GB) fits. {advice}")
     return line
 
 

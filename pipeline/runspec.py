@@ -42,10 +42,10 @@ BY_FINGERPRINT = ("model.path", "model.tokenizer")  # claimed by the files' fing
 RESUMABLE = ("run", "hub", "auth", "weights", "eval", "model.lora.merged_final", "trainer.total_steps",
              "trainer.epochs", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.max_skipped_steps",
              "trainer.rank_timeout_s", "trainer.ranks", "trainer.micro_batch_tokens", "trainer.gradient_checkpointing",
-             "trainer.compile", "trainer.gpu_memory_gb", "generator.gpu_memory_utilization", "generator.max_num_seqs",
-             "generator.enforce_eager", "generator.tensor_parallel_size", "generator.cpu_kvcache_gb",
-             "generator.cpu_omp_bind", "generator.seed", "generator.hub_lost_s", "generator.max_inflight_groups",
-             "generator.agent_workers")
+             "trainer.compile", "trainer.gpu_memory_gb", "generator.gpu_memory_utilization", "generator.kv_cache_gb",
+             "generator.max_num_seqs", "generator.enforce_eager", "generator.tensor_parallel_size",
+             "generator.cpu_kvcache_gb", "generator.cpu_omp_bind", "generator.seed", "generator.hub_lost_s",
+             "generator.max_inflight_groups", "generator.agent_workers")
 MISSING = object()
 
 

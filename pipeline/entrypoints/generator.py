@@ -22,6 +22,10 @@ def add_parser(sub) -> None:
     s.add_argument("--go-on-stdin", action="store_true",
                    help="import vLLM, then wait for a line on stdin before asking the hub and building the engine "
                         "(`pipeline run` starts generators that share a GPU so, and tells each in turn)")
+    s.add_argument("--build-first", action="store_true",
+                   help="build the engine this config names before asking the hub for the run's config, which keeps "
+                        "it or builds another (`pipeline run` starts the generators it does not hold so: their config "
+                        "is the run's, and the learner's hub is still starting)")
 
 
 def main(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -35,4 +39,5 @@ def main(args: argparse.Namespace, argv: list[str] | None) -> int:
     from pipeline.runspec import explicit_keys
 
     explicit = explicit_keys(read_yaml(args.config) if args.config else {}, args.overrides)  # what it claims
-    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit, args.profile, args.go_on_stdin))
+    return asyncio.run(generator_main(cfg, args.learner, args.gpus or "", explicit, args.profile, args.go_on_stdin,
+                                      args.build_first))

