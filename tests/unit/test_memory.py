@@ -301,3 +301,16 @@ def test_the_learner_caps_its_allocator_and_sizes_what_it_may_still_take_within_
     assert cap_gpu_memory(40) == 141 * 10**9 and fraction[0] == pytest.approx(40 / 141)
     assert free_gpu_bytes() == pytest.approx(10 * 10**9, abs=1)  # 40 GB less the 30 allocated
     assert cap_gpu_memory(200) == 141 * 10**9 and fraction[0] == 1.0  # a cap past the card is the card
+
+
+def test_lora_adapters_served_in_float32_on_a_gpu_are_refused_before_the_engine(monkeypatch):
+    """vLLM's LoRA kernels on GPUs take float16 or bfloat16: generator.lora_mode adapter with model.dtype float32 is
+    refused before vLLM loads, naming both knobs (the engine's first forward failed a bare assertion in Triton)."""
+    import torch
+
+    from generator.engines import check_memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = config_from_dict({"model": {"dtype": "float32", "lora": {"r": 8}}, "generator": {"lora_mode": "adapter"}})
+    with pytest.raises(ConfigError, match="model.dtype is float32. Set model.dtype to bfloat16, or generator.lora_"):
+        check_memory(cfg, "unused")
