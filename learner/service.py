@@ -14,6 +14,7 @@ SIGTERM ends it like Ctrl-C: the hub stops and the shared-memory files are remov
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -61,6 +62,9 @@ def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", prof
     `profile`: the timeline of each rank (and of its hub) goes to RUN_DIR/trace/, merged into RUN_DIR/trace.json."""
     signal.signal(signal.SIGTERM, _terminate)  # finally blocks run: the hub stops, shm files are removed
     signal.signal(signal.SIGINT, _terminate)
+    # a rank that aborts in C++ prints every thread's Python stack: a finished rank 1 once more aborted at its end
+    # ("terminate called without an active exception", test_chaos's resumed 2-rank learner, 2026-11-29)
+    faulthandler.enable()
     model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
     # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
     rank, world = init_distributed(cfg.trainer.rank_timeout_s)
