@@ -194,4 +194,3 @@ def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
 
     apply_environment(load_config(None, []))
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)
-
