@@ -33,6 +33,7 @@ from learner import checkpoint
 from learner.model import Extras, build_engine, init_distributed, leave_distributed
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
+from learner.signal import Signal
 from learner.step import train_step
 from learner.timeline import StepTimes
 from learner.versions import version_kind
@@ -205,6 +206,7 @@ class Learner:
         self.started = self.last_time = time.perf_counter()
         self.last_tokens = hub.counters["tokens"] if hub else 0
         self.verdicts = Verdicts()
+        self.signal = Signal()  # whether the steps still teach anything (learner/signal.py)
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
 
@@ -278,6 +280,8 @@ class Learner:
             hub.set_verdict(due.line())
         if joined := self.verdicts.joined():
             log.info("%s", joined)
+        if gone := self.signal.add(record):
+            log.warning("%s", gone)
 
     def conclude(self, hub: Hub) -> None:
         """Rank 0, at the end: what held the whole run back (every step in metrics.jsonl, a resumed run's too)."""

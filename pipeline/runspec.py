@@ -28,10 +28,12 @@ from typing import Any
 
 from pipeline.config import Config, config_from_dict, parse_override, runtime_keys
 
-# what a generator serves and scores: the learner's, adopted by every generator (a prefix covers its subtree)
+# what a generator serves and scores: the learner's, adopted by every generator (a prefix covers its subtree);
+# trainer.batch_size sizes its first wave (generator/service.py)
 SERVED = ("model", "data.prompt_column", "data.chat_template", "data.system_prompt", "rewards", "sampling",
-          "trainer.group_size", "trainer.total_steps", "trainer.max_staleness", "generator.update_mode",
-          "generator.lora_mode", "generator.rollout", "generator.max_model_len", "generator.lease_size",
+          "trainer.batch_size", "trainer.group_size", "trainer.total_steps", "trainer.max_staleness",
+          "generator.update_mode", "generator.lora_mode", "generator.rollout", "generator.max_model_len",
+          "generator.lease_size",
           "generator.agent", "generator.agent_command", "generator.agent_timeout_s", "generator.agent_failure",
           "generator.environment", "generator.tool_parser", "generator.chat_template", "generator.max_tool_calls")
 REFUSED = ("model", "rewards", "generator.rollout", "generator.lora_mode", "generator.max_model_len",

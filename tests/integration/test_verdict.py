@@ -43,9 +43,17 @@ def test_a_reward_function_that_sleeps_binds_the_rewards(procs, tmp_path, model_
 
 
 def test_k0_with_a_fast_learner_binds_the_window(procs, tmp_path, model_cache):
-    verdict, said = _bound(procs, tmp_path, ["trainer.max_staleness=0"])
+    """A reward of 0 for every sample, too: nothing to train (faster still), and the learner says that nothing is
+    learned (learner/signal.py)."""
+    verdict, said = _bound(procs, tmp_path, ["trainer.max_staleness=0",
+                                             "rewards=[{fn: 'tests.integration.slow_rewards:nothing'}]"])
     assert verdict["verdict/stage"] == "the window", verdict
     assert "`trainer.max_staleness=1` lets a batch generate while a step trains" in said
+    learner_log = (tmp_path / "run" / "logs" / "learner.log").read_text()
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    groups = sum(len(r["trained"]) for r in records)
+    assert f"no learning signal in steps 0-9: {groups} of {groups} groups had one reward" in learner_log
+    assert "(reward 0.000," in learner_log
 
 
 def test_a_slow_learner_binds_the_learners_compute(procs, tmp_path, model_cache):

@@ -193,8 +193,8 @@ class HoldingEngine(FakeEngine):
 
 async def test_groups_in_flight_are_sized_from_what_the_engine_runs_at_once(tmp_path):
     """max_inflight_groups 0: the engine's concurrent sequences over the group size, plus one lease waiting; the
-    staleness window (here 4 batches of 4 groups) would allow more."""
-    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 3, "total_steps": 100},
+    staleness window (here 4 batches of 8 groups) would allow more, and so would the first wave (10 groups)."""
+    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "max_staleness": 3, "total_steps": 100},
                             "generator": {"lease_size": 3}, "hub": {"heartbeat_s": 0.2}})
     engine = HoldingEngine(seqs=7)
     async with running(cfg, tmp_path, engine) as (hub, gen):
@@ -202,8 +202,44 @@ async def test_groups_in_flight_are_sized_from_what_the_engine_runs_at_once(tmp_
         await asyncio.sleep(0.5)  # room for more leases, if it asked for them
         assert len(gen.groups) == 7 == gen.inflight_cap()  # ceil(7 / 2) + 3
         engine.release.set()
-        await _until(lambda: len(hub.ledger.buffer) >= 16)  # released: the whole window fills
-        assert len(hub.ledger.buffer) == 16
+        await _until(lambda: len(hub.ledger.buffer) >= 32)  # released: the whole window fills
+        assert len(hub.ledger.buffer) == 32
+
+
+class GatedEngine(FakeEngine):
+    """Holds every request until `let` lets it through."""
+
+    def __init__(self, seqs: int):
+        super().__init__()
+        self.seqs, self.gate = seqs, asyncio.Semaphore(0)
+
+    def let(self, n: int) -> None:
+        for _ in range(n):
+            self.gate.release()
+
+    async def generate(self, prompt_ids, n, sampling, seed=None):
+        await self.gate.acquire()
+        return await super().generate(prompt_ids, n, sampling, seed)
+
+
+async def test_the_first_wave_is_a_batch_and_a_quarter_then_the_engine_fills(tmp_path):
+    """The learner's first step waits for one batch: until a batch's worth of its groups have ended, a generator keeps
+    5/4 of a batch in flight (an engine with fewer sequences finishes them sooner), then as many as its engine runs."""
+    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "max_staleness": 7, "total_steps": 100},
+                            "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})
+    engine = GatedEngine(seqs=64)  # 32 groups at once, plus a lease: 34
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: len(gen.groups) >= 10)
+        await asyncio.sleep(0.5)  # room for more leases, if it asked for them
+        assert len(gen.groups) == 10 and gen.inflight_cap() == 34  # ceil(8 * 5 / 4) of 34
+        engine.let(7)  # seven ended: still the first wave
+        await _until(lambda: len(hub.ledger.buffer) >= 7)
+        await asyncio.sleep(0.5)
+        assert len(gen.groups) == 10
+        engine.let(1)  # a batch's worth ended: the engine fills
+        await _until(lambda: len(gen.groups) >= 34)
+        assert len(gen.groups) == 34
+        engine.let(1000)
 
 
 class FlakyEngine(FakeEngine):

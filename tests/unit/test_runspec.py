@@ -22,12 +22,14 @@ def _own(data: dict, overrides=()) -> tuple:
 def test_a_generator_adopts_what_the_run_serves_and_keeps_where_and_how_it_runs():
     run = config_from_dict({"model": {"lora": {"r": 8, "alpha": 16}, "quantization": "4bit"},
                             "rewards": [{"fn": "builtin:reverse_reward"}], "sampling": {"max_tokens": 12},
-                            "trainer": {"group_size": 4, "lr": 1e-4}, "generator": {"lora_mode": "adapter"}})
+                            "trainer": {"group_size": 4, "batch_size": 48, "lr": 1e-4},
+                            "generator": {"lora_mode": "adapter"}})
     own, explicit = _own({"generator": {"max_num_seqs": 7, "gpu_memory_utilization": 0.3}}, ["model.path=/mnt/x"])
     assert runspec.claims(own, explicit) == {}  # host fields, and the path (claimed by fingerprint)
     served = runspec.adopt(own, runspec.spec_of(run), explicit)
     assert served.model.quantization == "4bit" and served.model.lora.alpha == 16 and served.model.path == "/mnt/x"
     assert served.rewards[0].fn == "builtin:reverse_reward" and served.trainer.group_size == 4
+    assert served.trainer.batch_size == 48  # what its first wave is sized from (generator/service.py)
     assert served.sampling.max_tokens == 12 and served.generator.lora_mode == "adapter"
     assert (served.generator.max_num_seqs, served.generator.gpu_memory_utilization) == (7, 0.3)
     assert served.trainer.lr != run.trainer.lr  # the learner's own business, not served
