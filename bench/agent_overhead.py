@@ -105,8 +105,10 @@ async def main(args) -> list[dict]:
         rollout = AgentRollout(dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator,
                                                                                       agent_workers=workers)))
         try:
+            t = time.perf_counter()
             *_, seqs = await endpoint(rollout)  # warm: the server (the workers) starts, the engine's first batches
             await direct(seqs)  # and the direct side's (on an H200 its first two rounds ran at 0.6 of its later ones)
+            print(f"agent_workers {workers}: warmed up in {time.perf_counter() - t:.0f} s", flush=True)
             rounds = []
             for r in range(args.rounds):
                 if r % 2:

@@ -141,6 +141,13 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
         # runs sharing a card, each with its share and a KV cache of a fixed size: sized by vLLM from the memory free,
         # a run whose engine started beside another's start found none left (2026-11-29, six runs on an H200)
         cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
+    for item in args.set:  # last: what a pass changes of the shipped file (e.g. data.name=basic_arithmetic)
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
     return cfg
 
 
@@ -306,6 +313,8 @@ def main() -> int:
                    "settings: the grid sets only k, the loss, the seed, --steps, --minibatches and the GPU sharing; "
                    "--task names its curve (arith: held-out accuracy), and --lr, --max-tokens, --batch-size, "
                    "--group-size and the --eval options are the file's")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config value of every run, over --config's (dotted, as `pipeline run --set`)")
     p.add_argument("--ks", default="0,1,2,4,8")
     p.add_argument("--losses", default="ppo,tis,decoupled,masked", help="trainer.loss values (learner/loss.py)")
     p.add_argument("--seeds", type=int, default=3)

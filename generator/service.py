@@ -416,7 +416,6 @@ class Generator:
 
     async def _leases(self) -> None:
         room = asyncio.Event()
-
         ended = 0  # groups sent, failed or cancelled
 
         def settled(task: asyncio.Task) -> None:  # a group ended: its lease may be done, and there is room
@@ -486,10 +485,10 @@ class Generator:
 
     def first_wave(self, cap: int) -> tuple[int, int]:
         """(a batch in groups, the first wave): until a batch's worth of its groups have ended, a generator keeps no
-        more than FIRST_WAVE batches in flight. The learner's first step waits for one batch, and an engine finishes
-        a batch sooner among fewer sequences: on one H200 with configs/gpu-smollm2-math.yaml the first batch came
-        1.8 s after registration with 40 groups in flight against 3.6-4.4 s with 132 (docs/figures.md, "The first
-        wave"). Once they have ended it fills its engine, long before the first step is trained."""
+        more than 5/4 of a batch in flight (FIRST_WAVE_QUARTERS). The learner's first step waits for one batch, and an
+        engine finishes a batch sooner among fewer sequences: on one H200 with configs/gpu-smollm2-math.yaml the first
+        batch came 1.8 s after registration with 40 groups in flight against 3.7-6.1 s with 132 (docs/figures.md,
+        "The first wave"). Once they have ended it fills its engine, long before the first step is trained."""
         batch = max(1, self.cfg.trainer.batch_size)
         return batch, min(cap, -(-batch * FIRST_WAVE_QUARTERS // 4))
 
