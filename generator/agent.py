@@ -41,12 +41,13 @@ log = logging.getLogger("generator.service")
 class AgentRollout:
     """The rollout strategy (generator/spec.py makes one per run config); its endpoint starts on first use."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, worker: bool = False):
+        """`worker`: in an agent worker's process (generator/agent_worker.py), whose generator checked the config."""
         g = cfg.generator
         self.agent = load_callable(g.agent, "generator.agent") if g.agent else None
         self.command, self.timeout, self.failure = list(g.agent_command), g.agent_timeout_s, g.agent_failure
-        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template), tool_calls=ToolCalls(g.tool_parser),
-                                 max_model_len=g.max_model_len)
+        self.endpoint = Endpoint(chat_template=chat_template(g.chat_template),
+                                 tool_calls=ToolCalls(g.tool_parser, lazy=worker), max_model_len=g.max_model_len)
         self._http: Any = None  # under every sample's openai client: the endpoint's app in-process (in_process_http)
         # generator.agent_workers: the samples' agents and endpoint sessions in processes of their own
         self.workers = AgentWorkers(cfg, g.agent_workers) if g.agent_workers else None

@@ -77,7 +77,7 @@ async def serve(setup: dict) -> None:
     cfg = config_from_dict(setup["config"])
     cfg.generator.agent_workers = 0  # this process runs its agents itself
     tok = AutoTokenizer.from_pretrained(setup["tokenizer"])
-    rollout = AgentRollout(cfg)
+    rollout = AgentRollout(cfg, worker=True)  # vLLM's tool parsers imported at a first tool call only
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, setup["name"].encode())
     sock.setsockopt(zmq.LINGER, 0)

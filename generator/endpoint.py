@@ -161,17 +161,27 @@ class Session:
 
 class ToolCalls:
     """The tool calls in a model's turn, read by vLLM's tool-call parser of that name (generator.tool_parser: vLLM's
-    --tool-call-parser names); a name vLLM does not have is refused when the strategy is made, at the start."""
+    --tool-call-parser names); a name vLLM does not have is refused when the strategy is made, at the start. `lazy`
+    (an agent worker's, whose generator checked the name): vLLM's parsers are imported at the first turn read, as
+    importing them imports vLLM (2.8 s on 2 cores, more on a fresh GPU host, in each of the workers started at once)."""
 
-    def __init__(self, name: str):
-        from vllm.tool_parsers import ToolParserManager
+    def __init__(self, name: str, lazy: bool = False):
+        self.name = name
+        self._parser: Any = None
+        if not lazy:
+            self.parser()  # the check at the start
 
-        try:
-            self.parser = ToolParserManager.get_tool_parser(name)
-        except KeyError:
-            raise ValueError(f"generator.tool_parser: vLLM has no tool parser {name!r}; it has "
-                             f"{', '.join(sorted(ToolParserManager.list_registered()))}") from None
-        self.log = logging.getLogger(self.parser.__module__)
+    def parser(self):
+        """vLLM's parser class of this name (imported at the first call)."""
+        if self._parser is None:
+            from vllm.tool_parsers import ToolParserManager
+
+            try:
+                self._parser = ToolParserManager.get_tool_parser(self.name)
+            except KeyError:
+                raise ValueError(f"generator.tool_parser: vLLM has no tool parser {self.name!r}; it has "
+                                 f"{', '.join(sorted(ToolParserManager.list_registered()))}") from None
+        return self._parser
 
     def read(self, tok, text: str, tools: list[dict]) -> tuple[str | None, list]:
         """(the text besides the calls, the calls: vLLM's ToolCall, OpenAI's shape); no calls: (text, [])."""
@@ -179,9 +189,10 @@ class ToolCalls:
 
         # a call the model wrote wrong is no call, not an error of the run; vLLM's parsers log each with its traceback
         # (set here: vLLM's logging setup, when its engine starts, resets it)
-        self.log.setLevel(logging.CRITICAL)
+        parser = self.parser()
+        logging.getLogger(parser.__module__).setLevel(logging.CRITICAL)
         request = ChatCompletionRequest.model_validate({"model": "policy", "messages": [], "tools": tools or None})
-        found = self.parser(tok).extract_tool_calls(text, request)
+        found = parser(tok).extract_tool_calls(text, request)
         return (found.content, list(found.tool_calls)) if found.tools_called else (text, [])
 
 

@@ -2,7 +2,8 @@
 processes, real ZeroMQ), and ask this process's engine (scripted, as in test_agent.py) for each completion. What must
 hold: the trajectories are the ones the agents make on the generator's loop (ids, log-probs, mask, versions,
 answers), a hung agent still ends at its timeout, a worker that dies fails its samples by name and no worker outlives
-the rollout, a cancelled group cancels its engine calls, and a frame of no message of ours is dropped and counted."""
+the rollout, a cancelled group cancels its engine calls, and a frame of no message of ours is dropped and counted.
+The workers start at once, and import vLLM's tool parsers only at a first tool call."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgpack
 import pytest
 
 from generator.agent import AgentFailed, AgentRollout
+from generator.agent_workers import AgentWorkers
 from pipeline.config import ConfigError
 from tests.unit.test_agent import ScriptedEngine, _cfg, _ctx, _prompt
 
@@ -50,14 +52,29 @@ def _item_ctx(tok, cfg, agent: str, n: int = 1):
     return ctx
 
 
-async def test_workers_make_the_trajectories_of_the_generators_loop_and_drop_frames_of_no_message(tok):
+async def test_workers_make_the_trajectories_of_the_generators_loop_and_drop_frames_of_no_message(tok, monkeypatch):
     (here,), engine_here, _ = await _run(tok, 0, REPLIES, [3, 3, 4], agent=f"{AGENTS}:tool_agent")
     cfg = _cfg(agent_workers=2, agent=f"{__name__}:by_column")
     rollout = AgentRollout(cfg)
+    starts = []  # the workers start at once: both spawned before either is ready (one after another took 67 s for 8)
+    spawn, handle = asyncio.create_subprocess_exec, AgentWorkers._handle
+
+    async def spawned(*args, **kw):
+        starts.append("spawned")
+        return await spawn(*args, **kw)
+
+    def handled(self, name, kind, args):
+        if kind == "ready":
+            starts.append(kind)
+        return handle(self, name, kind, args)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawned)
+    monkeypatch.setattr(AgentWorkers, "_handle", handled)
     try:
         ctx = _item_ctx(tok, cfg, "tool_agent")
         engine = ScriptedEngine(tok, REPLIES, versions=[3, 3, 4])
         (there,) = await rollout(engine, _prompt(tok, ctx), ctx)
+        assert starts == ["spawned", "spawned", "ready", "ready"]
         assert engine.prompts == engine_here.prompts and engine.sampled == engine_here.sampled
         for name in ("token_ids", "logprobs", "mask", "turns", "first_version", "last_version", "text", "prompt_ids",
                      "finish_reason", "trajectory"):
@@ -161,3 +178,20 @@ async def test_agent_workers_are_refused_outside_rollout_agent_and_below_zero():
 
     with pytest.raises(ConfigError, match="only rollout agent"):
         config_from_dict({"generator": {"agent_workers": 2}})
+
+
+def test_a_worker_imports_vllms_tool_parsers_at_a_first_tool_call_not_at_its_start():
+    """Each worker imported vLLM for its tool parser at its start (2.8 s on 2 cores, more on a GPU host, in every
+    worker at once); its generator checked the parser's name already. Measured where nothing imported vLLM before."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys\nfrom generator.agent import AgentRollout\nfrom pipeline.config import config_from_dict\n"
+            "cfg = config_from_dict({'generator': {'rollout': 'agent', 'agent': 'tests.unit.test_agent:tool_agent'}})\n"
+            "AgentRollout(cfg, worker=True)\nprint('worker', 'vllm' in sys.modules)\n"
+            "AgentRollout(cfg)\nprint('generator', 'vllm.tool_parsers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["worker", "False", "generator", "True"]
