@@ -109,8 +109,8 @@ async def main(args) -> list[dict]:
             *_, seqs = await endpoint(rollout)  # warm: the server (the workers) starts, the engine's first batches
             t2 = time.perf_counter()
             await direct(seqs)  # and the direct side's (on an H200 its first two rounds ran at 0.6 of its later ones)
-            print(f"agent_workers {workers}: warmed up in {t2 - t:.0f} s (endpoint) and {time.perf_counter() - t2:.0f} s "
-                  "(direct)", flush=True)
+            print(f"agent_workers {workers}: warmed up in {t2 - t:.0f} s (endpoint) and "
+                  f"{time.perf_counter() - t2:.0f} s (direct)", flush=True)
             rounds = []
             for r in range(args.rounds):
                 if r % 2:

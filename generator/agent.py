@@ -41,7 +41,7 @@ log = logging.getLogger("generator.service")
 class AgentRollout:
     """The rollout strategy (generator/spec.py makes one per run config); its endpoint starts on first use."""
 
-    def __init__(self, cfg, worker: bool = False):
+    def __init__(self, cfg, worker=False):
         """`worker`: in an agent worker's process (generator/agent_worker.py), whose generator checked the config."""
         g = cfg.generator
         self.agent = load_callable(g.agent, "generator.agent") if g.agent else None

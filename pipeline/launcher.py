@@ -34,7 +34,7 @@ from pathlib import Path
 from pipeline.config import Config, save_config
 from pipeline.host import processes
 from pipeline.metrics import read_metrics
-from pipeline.netutil import free_port, local_address, port_free
+from pipeline.netutil import local_address, port_free, reserved_port
 from pipeline.trace import merge, trace_dir
 from pipeline.verdict import timed, verdict
 
@@ -222,9 +222,10 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the run like Ctrl-C: children stopped, files removed
         signal.signal(sig, lambda signum, frame: received.append(signum))
     # the hub's port, known before the learner starts: generators on GPUs of their own start beside it. The run's
-    # config.yaml records it; a resumed run keeps it where it is still free
+    # config.yaml records it; a resumed run keeps it where it is still free. Outside the ephemeral range: no other
+    # process's socket takes it in the seconds before the learner binds it (pipeline/netutil.py)
     if cfg.hub.port == 0 or (resume and not port_free(cfg.hub.host, cfg.hub.port)):
-        cfg.hub.port = free_port(cfg.hub.host)
+        cfg.hub.port = reserved_port(cfg.hub.host)
     address = local_address(cfg.hub.host, cfg.hub.port)
     resolved = run_dir / "launch.yaml"
     save_config(cfg, resolved)

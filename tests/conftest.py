@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from pipeline.launcher import Child
-from pipeline.netutil import free_port as _free_port
+from pipeline.netutil import reserved_port
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def free_port() -> int:
-    return _free_port()
+    """A port for a process that binds it later: outside the ephemeral range, which other processes' sockets draw
+    from meanwhile (pipeline/netutil.py `reserved_port`)."""
+    return reserved_port()
 
 
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.metrics import read_jsonl
-from pipeline.netutil import free_port
+from pipeline.netutil import reserved_port
 from tests.conftest import running, wait_for
 from tests.gpu.helpers import gpu_count, rank_pid
 
@@ -30,7 +30,7 @@ STEPS = 30
 
 @pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (learner ranks on 0 and 1)")
 def test_two_nccl_ranks_lose_one_end_and_resume_with_every_prompt_once(procs, tmp_path):
-    run_dir, port = tmp_path / "run", free_port()
+    run_dir, port = tmp_path / "run", reserved_port()
     common = ["-c", "configs/demo.yaml", "--gpus", "0,1", "--set", f"hub.port={port}", "--set",
               f"trainer.total_steps={STEPS}", "--set", "trainer.checkpoint_every=5", "--set",
               "trainer.rank_timeout_s=120"]

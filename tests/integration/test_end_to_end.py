@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.metrics import read_jsonl
-from pipeline.netutil import free_port
+from pipeline.netutil import reserved_port
 from tests.conftest import running, wait_for
 from tests.integration.helpers import Gate, events, held_at, start_generator, start_learner, wait_steps
 
@@ -90,7 +90,7 @@ class StalenessRun:
     steps, batch = 8, 8
 
     def __init__(self, procs, tmp_path, k: int, mode: str, n_gen: int):
-        self.k, self.mode, self.run_dir, port = k, mode, tmp_path / f"k{k}", free_port()
+        self.k, self.mode, self.run_dir, port = k, mode, tmp_path / f"k{k}", reserved_port()
         # one epoch of 8 batches and 5 prompts: the dataset runs out before trainer.total_steps, which ends the run
         common = [f"trainer.max_staleness={k}", f"generator.update_mode={mode}", "trainer.total_steps=100",
                   "trainer.epochs=1", f"trainer.batch_size={self.batch}", f"data.size={self.steps * self.batch + 5}",

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from pipeline import trace
+from pipeline import netutil, trace
 from pipeline.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
@@ -76,6 +76,8 @@ def test_a_generator_on_gpus_of_its_own_starts_beside_the_learner(profiled):
     learner = (run_dir / "logs" / "learner.log").read_text()
     listening = re.search(r"hub listening on tcp://127\.0\.0\.1:(\d+)", learner)
     assert listening and (run_dir / "launch.yaml").read_text().count(f"port: {listening.group(1)}") == 1
+    low, high = netutil._ephemeral()  # chosen where no other process's socket draws a port meanwhile
+    assert not low <= int(listening.group(1)) <= high
     assert [r["version"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
     (registered,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "register"]
     assert f"-{started.group(1)}-" in registered["generator"]  # that process served the run

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.netutil import free_port
+from pipeline.netutil import reserved_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -38,7 +38,7 @@ def _start(out, ranks: int) -> subprocess.Popen:
                     **({"live_lr": live} if live is not None and ranks > 1 else {})}
              for name, (trainer, steps, live, *model) in SCENARIOS.items()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-           str(free_port()), "--log-dir", str(out / f"torchrun{ranks}"), "tests/integration/rank_steps.py",
+           str(reserved_port()), "--log-dir", str(out / f"torchrun{ranks}"), "tests/integration/rank_steps.py",
            str(out / f"ranks{ranks}"), json.dumps(specs)]
     with (out / f"ranks{ranks}.log").open("w") as log:
         return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

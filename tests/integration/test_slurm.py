@@ -22,7 +22,7 @@ import pytest
 import zmq.auth
 
 from pipeline.metrics import read_jsonl
-from pipeline.netutil import free_port
+from pipeline.netutil import reserved_port
 from tests.conftest import REPO, Proc
 
 pytestmark = pytest.mark.integration
@@ -93,10 +93,10 @@ def cluster(tmp_path_factory):
     key = d / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
-    nodes = "\n".join(f"NodeName={n} NodeHostname={socket.gethostname()} NodeAddr={addr} Port={free_port()} CPUs=2 "
+    nodes = "\n".join(f"NodeName={n} NodeHostname={socket.gethostname()} NodeAddr={addr} Port={reserved_port()} CPUs=2 "
                       "State=UNKNOWN" for n, addr in NODES.items())
     conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), ctld_port=free_port(), d=d, nodes=nodes))
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), ctld_port=reserved_port(), d=d, nodes=nodes))
     env = _slurm_env(conf)
     daemons = [Proc(["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={d}/munge/munge.socket",
                      f"--pid-file={d}/munge/munged.pid", f"--seed-file={d}/munge/seed",
@@ -143,7 +143,8 @@ def _run_job(cluster: dict, tmp_path: Path, model_cache: Path, args: str) -> tup
     Every process of the job must be gone by then."""
     out = tmp_path / "job.out"
     env = {**cluster, "PIPELINE_CACHE": str(model_cache), "CONFIG": "configs/demo.yaml",
-           "RUN_DIR": str(tmp_path / "run"), "LEARNER_NODES": "2", "RDZV_PORT": str(free_port()), "PIPELINE_ARGS": args}
+           "RUN_DIR": str(tmp_path / "run"), "LEARNER_NODES": "2", "RDZV_PORT": str(reserved_port()),
+           "PIPELINE_ARGS": args}
     sub = subprocess.run(["sbatch", "--parsable", "--nodes=3", f"--output={out}", f"--chdir={REPO}", str(SCRIPT)],
                          env=env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr

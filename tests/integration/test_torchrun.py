@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from pipeline.metrics import read_jsonl
-from pipeline.netutil import free_port
+from pipeline.netutil import reserved_port
 from tests.conftest import REPO, Proc, running, wait_for
 from tests.integration.helpers import descendants, start_generator
 
@@ -40,9 +40,9 @@ def _steps(run_dir) -> int:
 
 def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_trained_once(procs, tmp_path,
                                                                                           model_cache):
-    run_dir, hub_port = tmp_path / "run", free_port()
+    run_dir, hub_port = tmp_path / "run", reserved_port()
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
-    rdzv = free_port()
+    rdzv = reserved_port()
     agents = [_agent(run_dir, node, rdzv, hub_port, logs[node]) for node in (0, 1)]
     try:
         hub = wait_for(lambda: (run_dir / "hub.json").exists() and json.loads((run_dir / "hub.json").read_text()),
@@ -66,7 +66,7 @@ def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_train
     assert f"learner rank 1 (host {socket.gethostname()}, pid {rank1[0]}) is gone" in said, said[-3000:]
     assert "learner rank 0 of 2" in said and "learner rank 1 of 2" in logs[1].read_text()  # a rank on each node
 
-    rdzv = free_port()  # the same commands, with --resume; the generator reconnects to the same address
+    rdzv = reserved_port()  # the same commands, with --resume; the generator reconnects to the same address
     resumed = [_agent(run_dir, node, rdzv, hub_port, tmp_path / f"resumed{node}.log", resume=True) for node in (0, 1)]
     try:
         for agent in resumed:

@@ -136,10 +136,10 @@ def test_a_rank_stuck_in_a_collective_ends_on_sigterm_and_removes_its_shm_files(
     """A rank whose collective waits for a rank that is gone cannot run Python's SIGTERM handler until the collective
     times out (trainer.rank_timeout_s); learner.service.end_if_stuck ends it within its grace, its /dev/shm files
     removed, before torchrun's agent would SIGKILL it with the files left."""
-    from pipeline.netutil import free_port
+    from pipeline.netutil import reserved_port
     from weights.files import shm_dir
 
-    run_id, port = f"stuck-{os.getpid()}", str(free_port())
+    run_id, port = f"stuck-{os.getpid()}", str(reserved_port())
     ranks = [subprocess.Popen([sys.executable, "-c", STUCK_RANK, str(r), run_id, port], stdout=subprocess.PIPE,
                               text=True, cwd=REPO) for r in (0, 1)]
     try:

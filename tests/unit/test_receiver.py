@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from generator.worker_ext import WeightLoader
-from pipeline.netutil import free_port
+from pipeline.netutil import reserved_port
 from weights.nccl import Peer, make_group
 from weights.plan import Packer, manifest
 from weights.staging import StagingClient
@@ -46,7 +46,7 @@ class FakeWorker(WeightLoader):
 def groups():
     """A learner (its Peer and group: rank 0) and a generator worker (rank 1) in one gloo group, and the port
     of the group's store."""
-    port = free_port()
+    port = reserved_port()
     stores = [dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30),
                             wait_for_workers=False) for rank in (0, 1)]
     out = {}
