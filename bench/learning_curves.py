@@ -48,6 +48,7 @@ import yaml
 from bench import curves
 from bench.common import MODELS, ROOT, RUNS, build_model, machine_key, start_child, write_result
 from bench.curves import interval
+from pipeline.config import apply_overrides
 from pipeline.launcher import stop_all
 from pipeline.metrics import read_jsonl
 from pipeline.tasks import REVERSE_LEN, reverse_rows
@@ -141,14 +142,7 @@ def run_config(k: int, loss: str, seed: int, args) -> dict:
         # runs sharing a card, each with its share and a KV cache of a fixed size: sized by vLLM from the memory free,
         # a run whose engine started beside another's start found none left (2026-11-29, six runs on an H200)
         cfg["generator"].update(gpu_memory_utilization=args.gpu_memory, kv_cache_gb=args.kv_cache_gb)
-    for item in args.set:  # last: what a pass changes of the shipped file (e.g. data.name=basic_arithmetic)
-        key, _, value = item.partition("=")
-        *parents, leaf = key.split(".")
-        node = cfg
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    return cfg
+    return apply_overrides(cfg, args.set)  # last: what a pass changes of the file (e.g. data.name=basic_arithmetic)
 
 
 def task_config(args) -> dict:

@@ -483,11 +483,16 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    data = dict(data or {})
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """`data` (a config as plain data) with each dotted KEY=VALUE of `overrides` set in it, in order."""
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(data, key, value)
+    return data
+
+
+def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    data = apply_overrides(dict(data or {}), overrides)
     cfg = build(Config, data)
     check_config(cfg)
     return cfg

@@ -33,9 +33,9 @@ from pipeline.config import Config, config_from_dict, parse_override, runtime_ke
 SERVED = ("model", "data.prompt_column", "data.chat_template", "data.system_prompt", "rewards", "sampling",
           "trainer.batch_size", "trainer.group_size", "trainer.total_steps", "trainer.max_staleness",
           "generator.update_mode", "generator.lora_mode", "generator.rollout", "generator.max_model_len",
-          "generator.lease_size",
-          "generator.agent", "generator.agent_command", "generator.agent_timeout_s", "generator.agent_failure",
-          "generator.environment", "generator.tool_parser", "generator.chat_template", "generator.max_tool_calls")
+          "generator.lease_size", "generator.agent", "generator.agent_command", "generator.agent_timeout_s",
+          "generator.agent_failure", "generator.environment", "generator.tool_parser", "generator.chat_template",
+          "generator.max_tool_calls")
 REFUSED = ("model", "rewards", "generator.rollout", "generator.lora_mode", "generator.max_model_len",
            "generator.agent", "generator.agent_command", "generator.environment", "generator.tool_parser",
            "generator.chat_template")

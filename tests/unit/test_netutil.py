@@ -25,4 +25,3 @@ def test_a_reserved_port_is_free_and_outside_the_ephemeral_range():
     finally:
         for s in drawn:
             s.close()
-
