@@ -19,13 +19,18 @@ from pathlib import Path
 
 def processes() -> dict[int, tuple[str, int, int]]:
     """{pid: (state, parent's pid, process group)} of every process, from /proc/PID/stat (state "Z": a zombie, exited
-    and not reaped yet). The command name may hold spaces and parentheses: the fields follow its last ")"."""
+    and not reaped yet)."""
     out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError):
-            state, ppid, pgid = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            state, ppid, pgid = _fields(stat)[:3]
             out[int(stat.parent.name)] = (state, int(ppid), int(pgid))
     return out
+
+
+def _fields(stat: Path) -> list[str]:
+    """/proc/PID/stat's fields after the command name, which may hold spaces and parentheses: state first."""
+    return stat.read_text().rsplit(")", 1)[1].split()
 
 
 SHM_ROOT = Path("/dev/shm")
@@ -90,14 +95,14 @@ def remove_stale() -> list[Path]:
                 pid = int((d / "owner").read_text())
             except (OSError, ValueError):
                 continue
-            if not _alive(pid):
+            if not alive(pid):
                 _remove_segments(d)
                 remove_dir(d)
                 removed.append(d)
     for f in SHM_ROOT.iterdir() if SHM_ROOT.is_dir() else []:
         m = CUDA_IPC.fullmatch(f.name)
         with contextlib.suppress(OSError):
-            if m and f.stat().st_uid == os.getuid() and not _alive(int(m[1]) if m[1] else int(m[2], 16)):
+            if m and f.stat().st_uid == os.getuid() and not alive(int(m[1]) if m[1] else int(m[2], 16)):
                 f.unlink()
                 removed.append(f)
     return removed
@@ -182,14 +187,13 @@ def _remove_segments(d: Path) -> None:
                 path.unlink()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (exited, its parent, often init once its own parent is gone, not done reaping it)
+    holds no file open or mapped, and no more runs than a pid that is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return _fields(Path(f"/proc/{pid}/stat"))[0] != "Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def receiver_dir() -> Path:

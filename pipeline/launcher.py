@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.config import Config, save_config
-from pipeline.host import processes
+from pipeline.host import alive, processes
 from pipeline.metrics import read_metrics
 from pipeline.netutil import local_address, port_free, reserved_port
 from pipeline.trace import merge, trace_dir
@@ -149,11 +149,11 @@ def guard(starter: int, leader: int, grace: float = 30.0) -> None:
     (vLLM's engine processes, learner ranks) is stopped as on Ctrl-C: SIGTERM, a second to the child (a generator
     leaves without draining: the run is abandoned), SIGKILL after `grace` seconds; then the /dev/shm files of dead
     processes are removed. A SIGKILLed `pipeline run` or generator cannot do this itself, and vLLM's engine core
-    outlives a generator killed with SIGKILL. Polls every half second."""
+    outlives a generator killed with SIGKILL. Looks every 0.1 s (one /proc file: the launcher waits for it)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # only its own end stops it (a group's leader cannot outlive it anyway)
-    while os.getppid() == starter and leader in _members(leader):
-        time.sleep(0.5)
+    while os.getppid() == starter and alive(leader):
+        time.sleep(0.1)
     if _members(leader):
         gone = f"its starter (pid {starter})" if os.getppid() != starter else f"pid {leader}"
         _say(f"guard: {gone} is gone; stopping process group {leader}")
@@ -164,9 +164,9 @@ def guard(starter: int, leader: int, grace: float = 30.0) -> None:
         if not _wait(lambda: not _members(leader), grace):
             _say(f"guard: SIGKILL to {_members(leader)} after {grace} s")
             _signal_group(leader, signal.SIGKILL)
-    # until no process of the group is left, zombies included (remove_stale takes one for a live owner); bounded,
-    # for a host whose init does not reap them
-    _wait(lambda: _gone(leader), 10.0)
+    # until no process of the group runs (those SIGKILLed above take a moment); zombies are not waited for: an
+    # orphan's is init's to reap, which took a second here, and remove_stale takes a zombie for gone
+    _wait(lambda: not _members(leader), 10.0)
     from pipeline.host import remove_stale
 
     remove_stale()  # the folders and vLLM segments of processes that could not remove their own
@@ -176,14 +176,6 @@ def _say(message: str) -> None:
     """A guard's line on stderr, which may be a closed terminal or pipe (a standalone generator's): it still goes on."""
     with contextlib.suppress(OSError):
         print(message, file=sys.stderr, flush=True)
-
-
-def _gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def run_dir_of(cfg: Config, explicit: Path | None) -> Path:

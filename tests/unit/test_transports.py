@@ -265,6 +265,27 @@ def test_weight_files_are_private_and_stale_folders_of_dead_processes_are_remove
     assert not path.parent.exists()
 
 
+def test_a_folder_whose_owner_exited_unreaped_is_removed(tmp_path, monkeypatch):
+    """An owner that exited but is a zombie still (its parent, often init once its own parent is gone, has not reaped
+    it yet) is gone: a guard no longer waits for init to reap before it sweeps."""
+    import subprocess
+    import sys
+
+    from pipeline import host
+    from tests.conftest import running, wait_for
+
+    monkeypatch.setattr(host, "SHM_ROOT", tmp_path)
+    monkeypatch.setattr(host.tempfile, "gettempdir", lambda: str(tmp_path))
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited for: a zombie once it ends
+    try:
+        wait_for(lambda: Path(f"/proc/{exited.pid}").exists() and not running(exited.pid), 60, "the child to exit")
+        left = host.private_dir(tmp_path / "pipeline-recv-zombie")
+        (left / "owner").write_text(str(exited.pid))
+        assert host.remove_stale() == [left] and not left.exists()
+    finally:
+        exited.wait()
+
+
 def test_a_delta_round_trips_across_chunks_and_refuses_another_layout(monkeypatch):
     import struct
 
