@@ -598,6 +598,10 @@ def apply_environment(cfg: Config, gpus: str | None = None) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.cpu_kvcache_gb))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.generator.cpu_omp_bind)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch's OpenMP threads sleep when they wait, rather than spin: a learner, a CPU engine and a generator on one
+    # host's cores take turns, and a thread spinning at a barrier holds the core another one's work needs (on 2
+    # cores test_end_to_end's staleness run took 54-59 s, 27 s with this). A GPU run has few CPU threads waiting.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if cfg.generator.enforce_eager:  # else vLLM's sampler still compiles on the first request (~35 s on CPU)
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     # DeepSpeed's FusedAdam JIT build fails on arch "9.0a"; we pass torch's AdamW, and keep any build sane.

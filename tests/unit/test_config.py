@@ -1,4 +1,5 @@
 import importlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 
 from pipeline.config import (
     ConfigError,
+    apply_environment,
     apply_runtime_change,
     config_from_dict,
     load_config,
@@ -270,3 +272,14 @@ def test_sampling_seed_is_none_or_a_non_negative_integer():
     assert load_config(None, ["sampling.seed=7"]).sampling.seed == 7
     with pytest.raises(ConfigError, match=r"sampling.seed: must be >= 0"):
         load_config(None, ["sampling.seed=-1"])
+
+
+def test_services_let_their_openmp_threads_sleep_unless_the_user_said_otherwise(monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE before torch is imported: on a host whose learner, CPU engine and generator share the
+    cores, a thread spinning at a barrier holds a core another process needs (a run took twice as long)."""
+    monkeypatch.setattr(os, "environ", {})
+    apply_environment(load_config(None, []))
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setattr(os, "environ", {"OMP_WAIT_POLICY": "ACTIVE"})
+    apply_environment(load_config(None, []))
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
