@@ -12,6 +12,10 @@ import asyncio
 import time
 from typing import cast
 
+# seconds past the receive's own timeout for a worker to answer at all: one that never does was never told the
+# version (a receive that started answers within its timeout)
+REPLY_SLACK_S = 10.0
+
 
 def announce_key(i: int) -> str:
     """The store key of a process group's i-th version (0, 1, ...); its value is the version number."""
@@ -169,9 +173,10 @@ class StagingClient:
         for sock in self.socks:
             await sock.send(msgpack.packb(version))
         try:
-            replies = await asyncio.wait_for(asyncio.gather(*(s.recv() for s in self.socks)), timeout_s + 10)
-        except TimeoutError:  # a receive that started answers within timeout_s: this one never did
-            raise RuntimeError(f"nccl transport: weights v{version} not received within {timeout_s + 10:g} s "
+            within = timeout_s + REPLY_SLACK_S
+            replies = await asyncio.wait_for(asyncio.gather(*(s.recv() for s in self.socks)), within)
+        except TimeoutError:
+            raise RuntimeError(f"nccl transport: weights v{version} not received within {within:g} s "
                                "(never announced to the workers)") from None
         replies = [msgpack.unpackb(r) for r in replies]
         for got, _, error in replies:

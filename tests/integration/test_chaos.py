@@ -28,15 +28,18 @@ from pipeline.client import request_once
 from pipeline.metrics import read_jsonl
 from pipeline.security import client_keys, make_keys
 from tests.conftest import wait_for
-from tests.integration.helpers import descendants, events, start_generator, start_learner
+from tests.integration.helpers import descendants, events, held_at, start_generator, start_learner
 from tests.unit.peers import Peer
 
 pytestmark = pytest.mark.integration
 
-# long enough (100 steps) for the faults to happen mid-run (the learner was killed between steps 29 and 43 on 2
-# busy cores), and for one generator to finish it alone
+# enough steps (100) for one generator to finish the run alone after the faults. The first learner holds after the
+# last version but one until it is killed, so the run cannot end before the faults are done, and sleeps PACE_S a step
+# so that leases are still to be had when the rogue and b want them: once torch's threads stopped spinning
+# (OMP_WAIT_POLICY) a learner of this size trained all 100 steps before the faults were done
 PROMPTS, BATCH, GROUP, K = 800, 8, 8, 2  # K: the bound after `pipeline set` raises it from 1 to 2
 STEPS = PROMPTS // BATCH
+PACE_S = 0.3
 
 
 def _trained_by(run_dir, gen_id: str) -> list[list]:
@@ -74,7 +77,8 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     gen_b = start_generator(procs, run_dir, free_port, common, "b", env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     gen_c = start_generator(procs, run_dir, free_port, common, "c")
     # killed with SIGKILL below, its torchrun agent cannot remove its temp folder: it goes under tmp_path
-    learner = start_learner(procs, run_dir, free_port, common, env={"TMPDIR": str(tmp_path)})
+    paced = {"PIPELINE_TEST_SLOW_STEP_S": str(PACE_S), **held_at(STEPS - 1)}
+    learner = start_learner(procs, run_dir, free_port, common, env={"TMPDIR": str(tmp_path), **paced})
     watch = [learner, gen_a, gen_b, gen_c]
     wait_for(lambda: len(events(run_dir, "register")) >= 3, 600, "three generators to register", watch)
     id_a, id_b, id_c = (_id_of(run_dir, g) for g in (gen_a, gen_b, gen_c))
@@ -138,7 +142,7 @@ def test_chaos(procs, tmp_path, model_cache, free_port):
     # the learner dies (both ranks, SIGKILL) one step past a checkpoint, with c holding the newer weights. It is
     # stopped (SIGSTOP) before each look, so the step it is killed at is the one seen, not one it finished meanwhile
     def stopped_past_a_checkpoint() -> bool:
-        assert learner.proc.poll() is None, "the run ended before the faults were done: raise PROMPTS"
+        assert learner.proc.poll() is None, learner.tail()  # held after version STEPS - 1: it cannot have ended
         _signal_learner(learner.pid, signal.SIGSTOP)
         n, latest = _steps(run_dir), run_dir / "checkpoints" / "latest"
         applied = [e["version"] for e in events(run_dir, "weights_applied") if e["generator"] == id_c]
