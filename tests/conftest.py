@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.host import alive
 from pipeline.launcher import Child
 from pipeline.netutil import reserved_port
 
@@ -117,12 +118,7 @@ def module_procs():
     yield from _procs()
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an exited process its new parent has not reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+running = alive  # alive and not a zombie (an exited process its new parent has not reaped yet): pipeline/host.py
 
 
 def wait_for(predicate, timeout: float, what: str, procs_to_check: list[Proc] = ()):

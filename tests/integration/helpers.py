@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from pipeline import protocol as P
+from pipeline.host import processes
 from pipeline.metrics import read_jsonl, read_metrics
 from tests.conftest import wait_for
 
@@ -31,13 +32,8 @@ def start_generator(procs, run_dir: Path, port: int, overrides: list[str], name:
 def descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of every process below `pid`, read from /proc."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+    for child, (_, ppid, _) in processes().items():
+        children.setdefault(ppid, []).append(child)
     out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop()
