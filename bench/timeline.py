@@ -29,6 +29,10 @@ from pipeline.verdict import timed, totals, verdict
 def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
     events = trace.read(Path(run_dir) / "trace.json")
     spans = trace.spans(events)
+    # every learner rank records its steps: rank 0's are the run's (a step counted once per rank doubled steps/min)
+    others = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"
+              and e["args"]["name"].startswith("learner-rank") and e["args"]["name"] != "learner-rank0"}
+    spans = [e for e in spans if e["track"] != "learner" or e["pid"] not in others]
     steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
     steady = [e for e in steps if e["args"]["step"] >= skip] or steps
     t0, t1 = steady[0]["ts"], steady[-1]["ts"] + steady[-1]["dur"]

@@ -1,0 +1,50 @@
+"""bench/timeline.py's summary of a profiled run: a run of two learner ranks counts each step once (both ranks record
+their steps on a "learner" track; counting both doubled the two-GPU run's steps/min, 19.3 for 10.1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import timeline
+
+
+def _process(pid: int, name: str, tracks: list[str]) -> list[dict]:
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}]
+    return meta + [{"name": "thread_name", "ph": "M", "pid": pid, "tid": i + 1, "args": {"name": t}}
+                   for i, t in enumerate(tracks)]
+
+
+def _steps(pid: int, tid: int, n: int, period_us: int, offset_us: int = 0) -> list[dict]:
+    out = []
+    for step in range(n):
+        ts = offset_us + step * period_us
+        out += [{"name": "step", "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": period_us, "args": {"step": step}},
+                {"name": "wait", "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": period_us // 4, "args": {}},
+                {"name": "train", "ph": "X", "pid": pid, "tid": tid, "ts": ts + period_us // 4,
+                 "dur": 3 * period_us // 4, "args": {}}]
+    return out
+
+
+def test_a_step_of_two_learner_ranks_counts_once(tmp_path: Path) -> None:
+    period = 6_000_000  # a step every 6 s: 10 steps/min
+    events = (_process(10, "learner-rank0", ["startup", "hub", "learner"]) + _steps(10, 3, 12, period)
+              + _process(11, "learner-rank1", ["startup", "learner"]) + _steps(11, 2, 12, period, offset_us=1000))
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "metrics.jsonl").write_text("")
+
+    learner = timeline.summary(tmp_path, skip=2)["learner"]
+
+    assert learner["steps"] == 12 and learner["steady_steps"] == 10
+    assert abs(learner["steps_per_min"] - 10.0) < 0.01
+    assert learner["median_wait_s"] == 1.5 and abs(learner["wait_share"] - 0.25) < 1e-9
+
+
+def test_a_single_rank_run_is_summarised_as_before(tmp_path: Path) -> None:
+    events = _process(10, "learner-rank0", ["startup", "hub", "learner"]) + _steps(10, 3, 12, 3_000_000)
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "metrics.jsonl").write_text("")
+
+    learner = timeline.summary(tmp_path, skip=2)["learner"]
+
+    assert learner["steps"] == 12 and abs(learner["steps_per_min"] - 20.0) < 0.01
