@@ -6,9 +6,9 @@ samples per optimizer step, lr 1e-6, the parity reward.
                `pipeline run -c configs/gpu-single.yaml` as a user runs it (bench.colocated: the config as shipped,
                only model, data, reward, workload and max_staleness set) at each k of --ks; --max-num-seqs and
                --micro-batch-tokens change it further, and the result says so (`differs_from_config`)
-    --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with `trl vllm-serve` (vLLM's server, nccl weight
-               transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs, the learner compiled as
-               configs/gpu-single.yaml has it) at each k of --ks
+    --gpus 2   learner / trainer on GPU 0, vLLM on GPU 1: TRL with its vLLM server (trl_server: the `vllm serve` of
+               `trl vllm-serve`, nccl weight transfer) against bench.pipeline_speedup (nccl transport, CUDA graphs,
+               the learner compiled as configs/gpu-single.yaml has it) at each k of --ks
 
 TRL's settings are its fastest for this workload (bench/trl_grpo.py says which). The result
 (vs_trl_0.5b_{1,2}gpu_KS_MACHINE.json, KS one kK for each k of --ks, e.g. k1k2) holds both systems' figures and
@@ -35,6 +35,8 @@ import json
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from bench.common import (
@@ -48,9 +50,13 @@ from bench.common import (
     write_dataset,
     write_result,
 )
+from pipeline.launcher import Child
 from pipeline.netutil import free_port
 
 WORKLOAD = {"batch_size": 32, "group_size": 8, "prompt_tokens": 64, "max_tokens": 256, "lr": 1e-6}
+# NVLink multicast off in every child of an NCCL group (the lent GPU hosts' rule), also where a child's environment
+# is built here: TRL's server and its trainer join one for the weights
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def main() -> int:
@@ -111,8 +117,44 @@ def _engines(args) -> str:
     return f"{args.engines_per_gpu}engines" if args.gpus == 2 and args.engines_per_gpu > 1 else ""
 
 
+def trl_server(model: str, port: int, gpu: str, log: Path, max_model_len: int | None = None,
+               gpu_memory: float = 0.9, timeout: float = 300) -> tuple[Child, float]:
+    """TRL's vLLM server on GPU `gpu` once it answers /health: (the child, seconds to healthy).
+
+    It is the `vllm serve` command that TRL 1.16's `trl vllm-serve` execs (trl/scripts/vllm_serve.py,
+    build_command), run directly as TRL's deprecation warning asks. Both TRL trainers need its settings:
+    - `--weight-transfer-config` nccl: the trainer sends its weights over NCCL (vLLM's NCCLWeightTransferEngine);
+    - `VLLM_SERVER_DEV_MODE=1`: the endpoints they call for it (/pause, /resume, /init_weight_transfer_engine,
+      /start_weight_update, /update_weights, /finish_weight_update, /get_world_size, /server_info);
+    - `--logprobs-mode processed_logprobs`: sampled tokens' logprobs after temperature, as the trainers score them.
+    Raises RuntimeError, the child stopped, if it exits or is not healthy within `timeout` seconds (cold engine
+    builds take minutes)."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
+            str(port), "--gpu-memory-utilization", str(gpu_memory), "--weight-transfer-config",
+            json.dumps({"backend": "nccl"}), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+            *(["--max-model-len", str(max_model_len)] if max_model_len else [])]
+    start = time.monotonic()
+    server = start_child("trl-vllm-serve", argv, log, env={"CUDA_VISIBLE_DEVICES": gpu, "VLLM_SERVER_DEV_MODE": "1"}
+                         | NO_MULTICAST)
+    while server.proc.poll() is None and time.monotonic() - start < timeout:
+        if _healthy(f"http://127.0.0.1:{port}/health"):
+            return server, time.monotonic() - start
+        time.sleep(1)
+    server.stop(grace=10)
+    raise RuntimeError(f"TRL's vLLM server never healthy (exit {server.proc.returncode} after "
+                       f"{time.monotonic() - start:.0f} s): {server.tail(20)}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except OSError:  # refused while it starts, or a timeout
+        return False
+
+
 def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
-    """TRL's trainer on GPU 0 (and with 2 GPUs, `trl vllm-serve` on GPU 1), its GPU memory peak alongside."""
+    """TRL's trainer on GPU 0 (and with 2 GPUs, its vLLM server on GPU 1), its GPU memory peak alongside."""
     out = run_dir / "trl.json"
     out.unlink(missing_ok=True)
     port = free_port()
@@ -122,14 +164,14 @@ def run_trl(args, model: str, data: Path, run_dir: Path) -> dict:
             "--mode", "colocate" if args.gpus == 1 else "server", "--server-port", str(port)]
     server = None
     if args.gpus == 2:
-        max_len = WORKLOAD["prompt_tokens"] + WORKLOAD["max_tokens"] + 64
-        server = start_child("trl-vllm-serve", [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model,
-                                                "--port", str(port), "--gpu_memory_utilization", "0.9",
-                                                "--max_model_len", str(max_len)],
-                             run_dir / "trl-vllm-serve.log", env={"CUDA_VISIBLE_DEVICES": "1"})
+        max_len = int(WORKLOAD["prompt_tokens"] + WORKLOAD["max_tokens"]) + 64
+        try:
+            server, _ = trl_server(model, port, "1", run_dir / "trl-vllm-serve.log", max_model_len=max_len)
+        except RuntimeError as e:
+            return {"error": str(e)}
     stop, peak = threading.Event(), [0]
     threading.Thread(target=memory_peak, args=(stop, peak), daemon=True).start()
-    trainer = start_child("trl-grpo", argv, run_dir / "trl-grpo.log", env={"CUDA_VISIBLE_DEVICES": "0"})
+    trainer = start_child("trl-grpo", argv, run_dir / "trl-grpo.log", env={"CUDA_VISIBLE_DEVICES": "0"} | NO_MULTICAST)
     try:
         code = trainer.proc.wait(args.timeout)
     except subprocess.TimeoutExpired:

@@ -9,8 +9,10 @@
             reward, batch (batch_size x group_size per optimizer step), max_tokens, temperature and learning rate; the
             rest at TRL's defaults (the result holds them, and what was set); the same held-out prompts evaluated the
             same way (eval.samples at eval.temperature, sampling.max_tokens, pass@1 by the reward) every eval.every
-            steps with TRL's colocated vLLM engine (`--trl-mode server --trl-gpus 2,3`: the trainer on GPU 2, a
-            `trl vllm-serve` on GPU 3 with the config's max_model_len and TRL's defaults, evaluating through it).
+            steps with TRL's colocated vLLM engine (`--trl-mode server --trl-gpus 2,3`: the trainer on GPU 2, TRL's
+            vLLM server on GPU 3 with the config's max_model_len and TRL's defaults, evaluating through it;
+            `--trl-mode async`: TRL's AsyncGRPOTrainer against that server, at most --trl-max-staleness steps
+            off-policy).
     engine  the engine alone: vLLM's offline LLM with the config's generator settings generating a step's batch
             (batch_size prompts x group_size samples) from training prompts, --engine-rounds times: seconds a batch,
             completion tokens/s. What a step needs beyond it is the loop's own (bench/curves.py, step_breakdown).
@@ -26,6 +28,7 @@ comparison, vs_trl_arith_MODEL_MACHINE.json, and its plot in docs/.
     python -m bench.vs_trl --task arith --sides trl --steps 150 --timeout 560
     python -m bench.vs_trl --task arith --sides ours,engine --ks 0 --steps 150 --timeout 480
     python -m bench.vs_trl --task arith --sides trl --trl-mode server --trl-gpus 2,3 --steps 50
+    python -m bench.vs_trl --task arith --sides trl --trl-mode async --trl-gpus 0,1 --steps 50
     python -m bench.vs_trl --task arith --merge RESULT.json ...
 """
 
@@ -56,11 +59,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a further override of the config, for both sides (listed as a difference from it)")
     p.add_argument("--timeout", type=float, default=540, help="seconds per run")
-    p.add_argument("--trl-mode", choices=["colocate", "server", "none"], default="colocate",
-                   help="server: `trl vllm-serve` on the second of --trl-gpus; none: no vLLM (CPU smoke)")
+    p.add_argument("--trl-mode", choices=["colocate", "server", "async", "none"], default="colocate",
+                   help="server: TRL's vLLM server on the second of --trl-gpus (bench.vs_trl.trl_server); async: "
+                   "AsyncGRPOTrainer against that server; none: no vLLM (CPU smoke)")
     p.add_argument("--trl-gpus", default=None, metavar="TRAINER[,SERVER]",
                    help="CUDA_VISIBLE_DEVICES of TRL's trainer and of its server (default: the caller's; server: 0,1)")
     p.add_argument("--trl-lr-schedule", default="constant", help="constant, as ours; linear: TRL's default")
+    p.add_argument("--trl-max-staleness", type=int, default=None,
+                   help="async: AsyncGRPOConfig.max_staleness (default TRL's, 4)")
     p.add_argument("--trl-gpu-memory", type=float, default=None, help="vllm_gpu_memory_utilization (TRL's default)")
     p.add_argument("--engine-rounds", type=int, default=5)
     p.add_argument("--final-window", type=int, default=1, help="rounds averaged for TRL's final held-out accuracy")
@@ -137,19 +143,26 @@ def run_trl(args, cfg) -> dict:
             "--lr", str(t.lr), "--lr-schedule", args.trl_lr_schedule, "--reward", cfg.rewards[0].fn,
             "--eval-every", str(e.every), "--eval-samples", str(e.samples), "--eval-temperature", str(e.temperature),
             "--pass-threshold", str(e.pass_threshold), "--mode", args.trl_mode, "--seed", str(t.seed),
-            *(["--gpu-memory", str(args.trl_gpu_memory)] if args.trl_gpu_memory is not None else [])]
-    gpus = (args.trl_gpus or ("0,1" if args.trl_mode == "server" else "")).split(",")
-    server = None
-    if args.trl_mode == "server":
+            *(["--gpu-memory", str(args.trl_gpu_memory)] if args.trl_gpu_memory is not None else []),
+            *(["--max-staleness", str(args.trl_max_staleness)] if args.trl_max_staleness is not None else []),
+            *trl_adapters(cfg.model)]
+    served = args.trl_mode in ("server", "async")
+    gpus = (args.trl_gpus or ("0,1" if served else "")).split(",")
+    env = {"CUDA_VISIBLE_DEVICES": gpus[0]} if gpus[0] else {}
+    server, server_s = None, None
+    if served:
+        from bench.vs_trl import NO_MULTICAST, trl_server
+
         port = free_port()
         argv += ["--server-port", str(port)]
-        server = start_child("trl-vllm-serve", [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model",
-                                                resolve_model_path(cfg.model.path), "--port", str(port),
-                                                "--max_model_len", str(cfg.generator.max_model_len)],
-                             d / "trl-vllm-serve.log", env={"CUDA_VISIBLE_DEVICES": gpus[1]})
+        env |= NO_MULTICAST
+        try:
+            server, server_s = trl_server(resolve_model_path(cfg.model.path), port, gpus[1], d / "trl-vllm-serve.log",
+                                          max_model_len=cfg.generator.max_model_len)
+        except RuntimeError as err:
+            return {"side": "trl", "error": str(err), "command": " ".join(argv[1:])}
     try:
-        code, wall, peak, child = supervised("trl-grpo", argv, d / "trl-grpo.log", args.timeout,
-                                             {"CUDA_VISIBLE_DEVICES": gpus[0]} if gpus[0] else None)
+        code, wall, peak, child = supervised("trl-grpo", argv, d / "trl-grpo.log", args.timeout, env or None)
     finally:
         if server is not None:
             server.stop(grace=10)
@@ -174,7 +187,17 @@ def run_trl(args, cfg) -> dict:
             "wall_s": wall[1] - wall[0], "gpu_memory_peak_gib": peak, "curve": points,
             "final": curves.final(points, args.final_window), "steps": result.get("steps", points[-1]["version"]),
             "steps_per_min": result.get("steps_per_min"), "generation_s": result.get("generation_s"),
-            "training_s": result.get("training_s"), "trl": trl, "run": result}
+            "training_s": result.get("training_s"), "server_ready_s": server_s, "trl": trl, "run": result}
+
+
+def trl_adapters(model) -> list[str]:
+    """bench/trl_grpo.py's options for the config's model.lora and model.quantization: TRL trains what ours does."""
+    if model.lora is None:
+        return []
+    lora = model.lora
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else "+".join(lora.target_modules)
+    return ["--lora", f"{lora.r},{lora.alpha},{targets}",
+            *(["--quantization", model.quantization] if model.quantization else [])]
 
 
 def run_ours(args, cfg, k: int) -> dict:
@@ -341,7 +364,9 @@ def differences(trl: dict, ours: dict) -> list[str]:
         f"train-inference correction: ours the loss's; TRL vllm_importance_sampling_correction "
         f"{used.get('vllm_importance_sampling_correction')} ({used.get('vllm_importance_sampling_mode')}, clip max "
         f"{used.get('vllm_importance_sampling_clip_max')})",
-        f"staleness: ours max_staleness {ours['k']}; TRL on-policy (one generation per optimizer step)",
+        f"staleness: ours max_staleness {ours['k']}; TRL " + (
+            f"AsyncGRPOTrainer, max_staleness {used['max_staleness']}" if used.get("max_staleness") is not None
+            else "on-policy (one generation per optimizer step)"),
         f"KL: ours kl_coef {t['kl_coef']}; TRL beta {used.get('beta')}",
         f"advantages: ours scale_rewards {t['scale_rewards']}; TRL scale_rewards {used.get('scale_rewards')}",
         f"precision: ours {c['model']['dtype']} weights (fp32 optimizer states); TRL fp32 weights, bf16 "
