@@ -50,6 +50,7 @@
 #                engine directly, SmolLM2, one engine: the agents on the generator's loop, then in 4, 8 and 12
 #                processes of their own (generator.agent_workers; $AGENT_WORKERS, default 0,4,8,12) (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
+#   vs-trl-async  TRL 1.16 AsyncGRPOTrainer against vLLM's server (nccl weights) on builtin:arith, $STEPS (30) (2 GPUs)
 #   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
 #                7B shape (random weights, built into /tmp/bench-models first if missing: about 1 min), a ZeRO-3 learner
 #                on GPUs 0-2 with the optimizer offloaded to the CPU and a generator on GPU 3, each GPU held to 24 GB;
@@ -71,7 +72,8 @@ cd "$(dirname "$0")/.."
 SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
-PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server agent"
+PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
+PARTS="$PARTS vs-trl-async agent"
 PARTS="$PARTS setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -263,6 +265,11 @@ run_part() {
     smollm2
     step vs_trl_server 560 python3 -m bench.vs_trl --task arith --sides trl --trl-mode server --trl-gpus 0,1 \
       --steps "${STEPS:-50}" --timeout 520 --name vs_trl_arith_smollm2_server; pack
+    ;;
+  vs-trl-async)  # TRL 1.16's AsyncGRPOTrainer: its trainer on GPU 0, vLLM's server on GPU 1 (2 GPUs; TRL's wheels)
+    smollm2
+    step vs_trl_async 570 python3 -m bench.vs_trl --task arith --sides trl --trl-mode async --trl-gpus 0,1 \
+      --steps "${STEPS:-30}" --timeout 420 --name vs_trl_arith_smollm2_async; pack
     ;;
   setups-4gpu)  # pytest's temporary folders under /tmp/bench-runs: pack takes the runs' logs and records
     step gpu_7b_full 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/7b-full \
