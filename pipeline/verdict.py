@@ -5,7 +5,8 @@ spent (time/hub/<message>_s) and what the generators' stages gained (gen/<stage>
 window of steps the verdict adds them up and asks, in this order:
 
     the learner waits less than a quarter of its time    learner compute (weights delivery when publishing takes
-                                                         longer than training)
+                                                         longer than training; a wait of 10 % or more with the
+                                                         window full 20 % of the time names k's knob too)
     the hub's thread is busy half the time or more       the hub
     reward functions run 0.5 s a generator second        rewards
     generators wait for room in the window, or leases    the window, or weights delivery: the larger of the two,
@@ -38,6 +39,7 @@ HUB_BUSY = 0.5  # the hub's one thread busy this share of the time: its answers 
 REWARDS = 0.5  # reward-function seconds per generator second
 WAITS = 0.2  # generators waiting for room (the window) or for weights, this share of their time
 RISE = 1.1  # steps/min after a generator joined against before: less than this did not rise
+WAIT_NOTED = 0.1  # a learner-bound run that still waits this share with the window full is told of the window too
 
 LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD = ("learner compute", "generation throughput", "the window",
                                                      "weights delivery", "the hub", "rewards")
@@ -138,9 +140,13 @@ def _decide(f: dict[str, float], k: int) -> tuple[str, float, str]:
             return WEIGHTS, f["publish"], (
                 f"publishing each version took {_pct(f['publish'])} of the step, training {_pct(f['train'])}: "
                 "`weights.delta` or another `weights.transport` moves it")
+        room = f.get("window_full", 0.0)
+        window = (f"; the window was full {_pct(room)} of the generators' time, so `trainer.max_staleness={k + 1}` "
+                  "may take the wait" if f["wait"] >= WAIT_NOTED and room >= WAITS else "")
         return LEARNER, f["train"], (
             f"training took {_pct(f['train'])} of the step, waiting for rollouts {_pct(f['wait'])}: the learner sets "
-            "the pace; `trainer.micro_batch_tokens`, `trainer.compile`, more learner GPUs or `model.lora` move it")
+            "the pace; `trainer.micro_batch_tokens`, `trainer.compile`, more learner GPUs or `model.lora` move it"
+            + window)
     if f["hub_busy"] >= HUB_BUSY:
         return HUB, f["hub_busy"], (
             f"the hub's thread was busy {_pct(f['hub_busy'])} of the time and {waited}: fewer, larger messages "

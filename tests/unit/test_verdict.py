@@ -90,6 +90,8 @@ H200_K2 = {"wall": 0.252, "wait": 0.005, "train": 0.188, "publish": 0.01, "hub":
 H200_K2_EVAL = {"wall": 1.3, "wait": 1.05, "train": 0.19, "publish": 0.01, "hub": 0.02,
                 "generating": 1.2, "wait_room": 0.1}  # an evaluation round every 10 steps
 SPLIT_1_5B = {"wall": 6.38, "wait": 0.89, "train": 5.45, "publish": 0.04, "generating": 6.2, "wait_room": 0.1}
+# the split 1.5B run at k = 2 on two H200s (2026-11-29): the learner waited 23 %, the window full 94 %
+SPLIT_1_5B_K2 = {"wall": 7.1, "wait": 1.65, "train": 5.41, "publish": 0.04, "generating": 6.6, "wait_room": 6.7}
 
 
 def test_the_h200_runs_read_as_measured():
@@ -270,3 +272,12 @@ def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_pat
     assert [r["step"] for r in on if "verdict/stage" in r] == [9, 19] and len(said) == 2 and not unsaid
     assert [{k: v for k, v in r.items() if not k.startswith("verdict/")} for r in on] == off
     assert len(off) == 25 and not any(k.startswith("verdict/") for r in off for k in r)
+
+
+def test_a_learner_bound_run_that_waits_on_a_full_window_is_told_of_k_too():
+    split = judge([SPLIT_1_5B_K2] * 9, k=2)
+    assert split.stage == V.LEARNER, split.line()
+    assert "`trainer.micro_batch_tokens`" in split.sentence and "`trainer.max_staleness=3` may take the wait" in \
+        split.sentence, split.sentence
+    for quiet in (LEARNER_BOUND, SPLIT_1_5B):  # it hardly waits, or its window has room
+        assert "max_staleness" not in judge([quiet] * 9, k=2).sentence
