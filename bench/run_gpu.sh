@@ -51,6 +51,16 @@
 #                processes of their own (generator.agent_workers; $AGENT_WORKERS, default 0,4,8,12) (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
 #   vs-trl-async  TRL 1.16 AsyncGRPOTrainer against vLLM's server (nccl weights) on builtin:arith, $STEPS (30) (2 GPUs)
+#   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
+#                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 with and without gradient checkpointing
+#                (about 9 min)
+#   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml),
+#                at k = $K (3) and $K + 1 (about 7 min)
+#   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
+#                service held to 40 GB), then TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
+#                on the same shape, config and caps (2 GPUs; bitsandbytes and TRL's wheels; about 10 min)
+#   qlora-smollm2  issue 54, setup 1 on the real model: SmolLM2 with QLoRA (r 16, NF4), learner GPU 0 + generator GPU 1,
+#                then both on GPU 0, $STEPS (150) steps each, held-out pass@1 (2 GPUs; bitsandbytes; about 9 min)
 #   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
 #                7B shape (random weights, built into /tmp/bench-models first if missing: about 1 min), a ZeRO-3 learner
 #                on GPUs 0-2 with the optimizer offloaded to the CPU and a generator on GPU 3, each GPU held to 24 GB;
@@ -73,7 +83,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent"
+PARTS="$PARTS vs-trl-async agent gpubound-2gpu gpubound-ranks setups-2gpu qlora-smollm2"
 PARTS="$PARTS setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -270,6 +280,42 @@ run_part() {
     smollm2
     step vs_trl_async 570 python3 -m bench.vs_trl --task arith --sides trl --trl-mode async --trl-gpus 0,1 \
       --steps "${STEPS:-30}" --timeout 420 --name vs_trl_arith_smollm2_async; pack
+    ;;
+  gpubound-2gpu)  # 2026-11-29 at k = 2: one GPU 5.85, split 8.41 steps/min (the learner waited 23 %, the window full)
+    GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K:-3}"
+    step gpubound_one 200 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
+      --timeout 185 --name "gpubound_one_k${K:-3}" --wave "one:0:0:$GB;generator.gpu_memory_utilization=0.3"; pack
+    step gpubound_split 170 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
+      --timeout 155 --name "gpubound_split_k${K:-3}" --wave "split:0:1:$GB"; pack
+    # a learner with its GPU to itself has room for the activations gradient checkpointing recomputes
+    step gpubound_split_nockpt 170 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 \
+      --skip 2 --timeout 155 --name "gpubound_split_nockpt_k${K:-3}" \
+      --wave "splitnockpt:0:1:$GB;trainer.gradient_checkpointing=false"; pack
+    grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
+    ;;
+  gpubound-ranks)  # 2026-11-29 at k = 2: 9.65 steps/min, 1.65x one GPU; its verdict: the window
+    for k in "${K:-3}" "$(( ${K:-3} + 1 ))"; do
+      step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
+        --skip 2 --timeout 235 --name "gpubound_two_k$k" --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k"
+      pack
+    done
+    grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
+    ;;
+  setups-2gpu)  # the 7B shape is built by the test, into /tmp/bench-models/q-7b; TRL's side reuses it
+    step gpu_qlora_split 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/qlora-split \
+      tests/gpu/test_gpu_qlora_split.py; pack
+    # TRL's server gets the generator's 23.4 GB of an H200's 141 (test_gpu_qlora_split.py's VLLM_BYTES)
+    step trl_qlora_split 560 python3 -m bench.vs_trl --task arith --config configs/qlora-2gpu.yaml --sides trl \
+      --trl-mode server --trl-gpus 0,1 --trl-gpu-memory 0.166 --set model.path=/tmp/bench-models/q-7b \
+      --steps "${STEPS:-10}" --timeout 480 --name vs_trl_qlora_7b_split; pack
+    ;;
+  qlora-smollm2)
+    smollm2
+    Q=(--set "model.lora={r: 16, alpha: 32}" --set model.quantization=4bit)
+    step qlora_split 280 python3 -m bench.vs_trl --task arith --sides ours --steps "${STEPS:-150}" "${Q[@]}" \
+      --set "run.learner_gpus='0'" --set 'run.generator_gpus=["1"]' --timeout 260 --name qlora_smollm2_split; pack
+    step qlora_colocated 280 python3 -m bench.vs_trl --task arith --sides ours --steps "${STEPS:-150}" "${Q[@]}" \
+      --timeout 260 --name qlora_smollm2_colocated; pack
     ;;
   setups-4gpu)  # pytest's temporary folders under /tmp/bench-runs: pack takes the runs' logs and records
     step gpu_7b_full 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/7b-full \

@@ -154,34 +154,37 @@ def grpo_trainer(args, cuda: bool):
     from trl import GRPOConfig, GRPOTrainer
 
     config, settings = (arith_config if args.task == "arith" else parity_config)(args, cuda, GRPOConfig)
-    peft = adapters(args, config)
+    peft, quant = adapters(args, config)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward_fn(args), args=config, peft_config=peft,
+                          quantization_config=quant,
                           train_dataset=load_dataset("json", data_files=args.data, split="train"))
     settings["adapters"] = {"lora": args.lora, "quantization": args.quantization}
     return trainer, config, settings
 
 
 def adapters(args, config):
-    """--lora's PEFT LoraConfig (None: full weights); with --quantization, the base's BitsAndBytesConfig goes into
-    config.model_init_kwargs, as TRL's QLoRA examples put it."""
+    """(--lora's PEFT LoraConfig or None, --quantization's BitsAndBytesConfig or None), as TRL 1.16's GRPOTrainer takes
+    them (peft_config, quantization_config); a quantized base loads in bf16 (config.model_init_kwargs), as TRL's
+    QLoRA examples have it."""
     if args.lora is None:
         if args.quantization:
             raise SystemExit("--quantization needs --lora (a quantized base trains adapters only)")
-        return None
+        return None, None
     import torch
     from peft import LoraConfig
 
     r, alpha, targets = args.lora.split(",")
-    if args.quantization:
-        from transformers import BitsAndBytesConfig
-
-        quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                    bnb_4bit_compute_dtype=torch.bfloat16) if args.quantization == "4bit"
-                 else BitsAndBytesConfig(load_in_8bit=True))
-        config.model_init_kwargs = {**(config.model_init_kwargs or {}), "quantization_config": quant,
-                                    "dtype": torch.bfloat16}
-    return LoraConfig(r=int(r), lora_alpha=float(alpha), task_type="CAUSAL_LM",
+    peft = LoraConfig(r=int(r), lora_alpha=float(alpha), task_type="CAUSAL_LM",
                       target_modules=targets if targets == "all-linear" else targets.split("+"))
+    if not args.quantization:
+        return peft, None
+    from transformers import BitsAndBytesConfig
+
+    config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": "bfloat16"}
+    if args.quantization == "8bit":
+        return peft, BitsAndBytesConfig(load_in_8bit=True)
+    return peft, BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                    bnb_4bit_compute_dtype=torch.bfloat16)
 
 
 def async_trainer(args, cuda: bool):

@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trl-lr-schedule", default="constant", help="constant, as ours; linear: TRL's default")
     p.add_argument("--trl-max-staleness", type=int, default=None,
                    help="async: AsyncGRPOConfig.max_staleness (default TRL's, 4)")
-    p.add_argument("--trl-gpu-memory", type=float, default=None, help="vllm_gpu_memory_utilization (TRL's default)")
+    p.add_argument("--trl-gpu-memory", type=float, default=None, help="vllm_gpu_memory_utilization (TRL's default); "
+                   "server, async: the server's --gpu-memory-utilization (0.9, trl vllm-serve's)")
     p.add_argument("--engine-rounds", type=int, default=5)
     p.add_argument("--final-window", type=int, default=1, help="rounds averaged for TRL's final held-out accuracy")
     p.add_argument("--with", dest="with_", nargs="+", default=[], metavar="RESULT",
@@ -136,6 +137,7 @@ def run_trl(args, cfg) -> dict:
     for f in (evals, out):
         f.unlink(missing_ok=True)
     t, e = cfg.trainer, cfg.eval
+    served = args.trl_mode in ("server", "async")  # a vLLM server on the second of --trl-gpus
     argv = [sys.executable, "-m", "bench.trl_grpo", "--task", "arith", "--model", resolve_model_path(cfg.model.path),
             "--data", str(data), "--eval-data", str(heldout), "--eval-out", str(evals), "--out", str(out),
             "--steps", str(t.total_steps), "--batch-size", str(t.batch_size), "--group-size", str(t.group_size),
@@ -143,10 +145,9 @@ def run_trl(args, cfg) -> dict:
             "--lr", str(t.lr), "--lr-schedule", args.trl_lr_schedule, "--reward", cfg.rewards[0].fn,
             "--eval-every", str(e.every), "--eval-samples", str(e.samples), "--eval-temperature", str(e.temperature),
             "--pass-threshold", str(e.pass_threshold), "--mode", args.trl_mode, "--seed", str(t.seed),
-            *(["--gpu-memory", str(args.trl_gpu_memory)] if args.trl_gpu_memory is not None else []),
+            *(["--gpu-memory", str(args.trl_gpu_memory)] if args.trl_gpu_memory is not None and not served else []),
             *(["--max-staleness", str(args.trl_max_staleness)] if args.trl_max_staleness is not None else []),
             *trl_adapters(cfg.model)]
-    served = args.trl_mode in ("server", "async")
     gpus = (args.trl_gpus or ("0,1" if served else "")).split(",")
     env = {"CUDA_VISIBLE_DEVICES": gpus[0]} if gpus[0] else {}
     server, server_s = None, None
@@ -158,12 +159,17 @@ def run_trl(args, cfg) -> dict:
         env |= NO_MULTICAST
         try:
             server, server_s = trl_server(resolve_model_path(cfg.model.path), port, gpus[1], d / "trl-vllm-serve.log",
-                                          max_model_len=cfg.generator.max_model_len)
+                                          max_model_len=cfg.generator.max_model_len,
+                                          gpu_memory=args.trl_gpu_memory or 0.9)
         except RuntimeError as err:
             return {"side": "trl", "error": str(err), "command": " ".join(argv[1:])}
+    stop, server_peak = threading.Event(), [0]
+    if served:  # the server's GPU, every process on it (NVML), as supervised does the trainer's
+        threading.Thread(target=memory_peak, args=(stop, server_peak, int(gpus[1])), daemon=True).start()
     try:
         code, wall, peak, child = supervised("trl-grpo", argv, d / "trl-grpo.log", args.timeout, env or None)
     finally:
+        stop.set()
         if server is not None:
             server.stop(grace=10)
     result = json.loads(out.read_text()) if out.exists() else {}
@@ -187,7 +193,8 @@ def run_trl(args, cfg) -> dict:
             "wall_s": wall[1] - wall[0], "gpu_memory_peak_gib": peak, "curve": points,
             "final": curves.final(points, args.final_window), "steps": result.get("steps", points[-1]["version"]),
             "steps_per_min": result.get("steps_per_min"), "generation_s": result.get("generation_s"),
-            "training_s": result.get("training_s"), "server_ready_s": server_s, "trl": trl, "run": result}
+            "training_s": result.get("training_s"), "server_ready_s": server_s,
+            "server_gpu_memory_peak_gib": server_peak[0] / 2**30 if served else None, "trl": trl, "run": result}
 
 
 def trl_adapters(model) -> list[str]:
