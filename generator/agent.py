@@ -72,7 +72,16 @@ class AgentRollout:
             await self._http.aclose()
         await self.endpoint.stop()
 
+    async def prepare(self) -> None:
+        """What a first sample would otherwise pay inside its agent's timeout: the endpoint's start and, for an agent
+        callable, the openai client's import (0.9 s on a slow core: a hung agent with a 1 s timeout had its one
+        call cut while the engine's reply was on its way, so its trajectory lacked the tokens sampled)."""
+        await self.endpoint.start()
+        if self.agent is not None:
+            import openai  # noqa: F401
+
     async def _sample(self, engine, ctx: Context, index: int) -> tuple[Session, str, str]:
+        await self.prepare()  # the agent's timeout counts the agent's own time
         session = self.endpoint.open(engine, ctx.tokenizer, ctx.sampling, seed_of(ctx.seed, index))
         try:
             answer = await asyncio.wait_for(self._run(session, ctx), self.timeout)
@@ -91,7 +100,6 @@ class AgentRollout:
             self.endpoint.close(session)
 
     async def _run(self, session: Session, ctx: Context) -> str:
-        await self.endpoint.start()
         if self.agent is not None:
             from openai import AsyncOpenAI
 

@@ -104,6 +104,7 @@ async def serve(setup: dict) -> None:
         os._exit(1)
 
     watchdog = asyncio.create_task(orphaned(os.getppid()))
+    await rollout.prepare()  # at the worker's start, beside the others', not in its first agent's timeout
     await sock.send(pack("ready"))
     try:
         while True:

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -288,6 +289,31 @@ async def test_a_hanging_agent_ends_at_its_timeout_and_its_sample_scores_zero(to
         await requeue.aclose()
     finally:
         await rollout.aclose()
+
+
+class SlowOpenAI:
+    """An import hook: importing the openai package takes 1.5 s, as it took 0.9 s in a fresh agent worker's process
+    on a slow core (the import is a first sample's; a test's process has usually made it already)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "openai":
+            time.sleep(1.5)
+        return None  # found by the finders after this one
+
+
+async def test_a_first_sample_pays_the_clients_import_before_its_agents_timeout_starts(tok, monkeypatch):
+    for name in [m for m in sys.modules if m == "openai" or m.startswith("openai.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [SlowOpenAI(), *sys.meta_path])
+    cfg = _cfg(agent=f"{__name__}:hanging_agent", agent_timeout_s=1.0)
+    engine = ScriptedEngine(tok, ["Let me think."])
+    rollout, ctx = AgentRollout(cfg, worker=True), _ctx(tok, cfg)  # as in an agent worker: no tool parser yet
+    try:
+        (traj,) = await rollout(engine, _prompt(tok, ctx), ctx)
+    finally:
+        await rollout.aclose()
+    # its one call made and recorded within the second: the timeout cut the hang, not the import
+    assert traj.finish_reason == "agent_timeout" and engine.sampled and traj.token_ids == engine.sampled[0]
 
 
 async def test_under_requeue_one_failed_agent_ends_its_whole_group_at_once(tok):
