@@ -4,11 +4,13 @@ against the system prompt alone (issue 53, item 6: a task the model never answer
 signal). vLLM's offline engine on --prompts held-out problems x --n samples at temperature 1.
 
     python -m bench.reasoning_gym_signal [--datasets letter_counting,basic_arithmetic] [--model builtin:smollm2]
+        [--options '{"max_terms": 2}'] [--variants "with the example"]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -24,8 +26,8 @@ def main(args) -> dict:
     tok = llm.get_tokenizer()
     out = {}
     for name in args.datasets.split(","):
-        rows = reasoning_gym_held_out_rows(args.prompts, 0, name)
-        for variant in ("system only", "with the example"):
+        rows = reasoning_gym_held_out_rows(args.prompts, 0, name, json.loads(args.options))
+        for variant in args.variants.split(","):
             whole = variant == "with the example"
             prompts = [r["prompt"] if whole else [r["prompt"][0], r["prompt"][-1]] for r in rows]
             texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
@@ -34,8 +36,17 @@ def main(args) -> dict:
             repeat = [r for r in rows for _ in range(args.n)]
             rewards = reasoning_gym_reward(None, completions, answer=[r["answer"] for r in repeat],
                                            metadata=[r["metadata"] for r in repeat], task=[r["task"] for r in repeat])
-            tags = sum(extract_answer(c) is not None for c in completions) / len(completions)
-            out[f"{name}/{variant}"] = {"tags": tags, "reward": sum(rewards) / len(rewards)}
+            answers = [extract_answer(c) for c in completions]
+            tags = sum(a is not None for a in answers) / len(completions)
+            # what a GRPO group of these samples could learn from: prompts with a right sample (pass@n), groups
+            # whose rewards differ, and how many answers the model gives (one answer to everything is a collapse)
+            groups = [rewards[i * args.n:(i + 1) * args.n] for i in range(len(rows))]
+            out[f"{name}/{variant}"] = {
+                "tags": tags, "reward": sum(rewards) / len(rewards),
+                f"pass@{args.n}": sum(max(g) >= 1.0 for g in groups) / len(groups),
+                "groups_with_a_signal": sum(len(set(g)) > 1 for g in groups) / len(groups),
+                "distinct_answers": len({a for a in answers if a is not None}),
+                "completion_chars": sum(len(c) for c in completions) / len(completions)}
             print(name, variant, out[f"{name}/{variant}"], flush=True)
     return out
 
@@ -47,6 +58,9 @@ def cli() -> None:
     p.add_argument("--datasets", default="letter_counting,basic_arithmetic")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--n", type=int, default=4)
+    p.add_argument("--options", default="{}", help="data.options as JSON: the datasets' own settings")
+    p.add_argument("--variants", default="system only,with the example",
+                   help="the prompts: the system prompt alone, and/or the rows as built (one worked example first)")
     args = p.parse_args()
     metrics = main(args)
     from bench.common import result_name, write_result

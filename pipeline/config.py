@@ -78,6 +78,10 @@ class DataConfig:
     name: str | None = None
     """Hugging Face dataset configuration name (e.g. `main` for openai/gsm8k); with builtin:reasoning_gym, the
     reasoning-gym dataset (e.g. `letter_counting`, the default; `chain_sum`, `spell_backward`, ...)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """With builtin:reasoning_gym, the dataset's own settings (its config class's fields), e.g. `{min_terms: 2,
+    max_terms: 2, max_digits: 1}` for basic_arithmetic's sums of two one-digit numbers; names and values are checked
+    at start by reasoning-gym's config."""
     split: str = "train"
     """Dataset split to train on."""
     prompt_column: str = "prompt"
@@ -251,7 +255,8 @@ class GeneratorConfig:
     """With rollout `agent`: a command run once per sample, with OPENAI_BASE_URL and OPENAI_API_KEY set to its session
     and the prompt as JSON on stdin ({"prompt" or "messages", "columns"}); what it prints is the answer."""
     agent_timeout_s: float = 300.0
-    """An agent (callable or command) still running after this many seconds is stopped: its sample fails."""
+    """An agent (callable or command) still running after this many seconds is stopped: its sample fails. The
+    seconds are the agent's own: the endpoint's start and the openai client's import come before them."""
     agent_workers: int = 0
     """With rollout `agent`: run the agents, their openai clients and their endpoint sessions in this many processes of
     their own (generator/agent_workers.py), which ask this generator's engine for each completion by token ids. 0:

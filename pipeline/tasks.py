@@ -38,7 +38,7 @@ def load_rows(cfg: DataConfig) -> list[dict]:
     if path.startswith("builtin:"):
         if path not in BUILTIN:
             raise ValueError(f"data.path: unknown builtin dataset {path!r} (known: {', '.join(BUILTIN)})")
-        rows = BUILTIN[path](cfg.size, cfg.seed, cfg.name)
+        rows = BUILTIN[path](cfg.size, cfg.seed, cfg.name, cfg.options)
     elif path.endswith((".jsonl", ".json", ".parquet")):
         rows = _load_file(Path(path))
     else:
@@ -59,10 +59,10 @@ def load_eval_rows(cfg) -> list[dict]:
         return []
     if cfg.eval.data is not None:
         return load_rows(cfg.eval.data)
-    path, size, seed, name = cfg.data.path, cfg.data.size, cfg.data.seed, cfg.data.name  # a builtin task (checked)
-    if path in HELD_OUT:
-        return HELD_OUT[path](size, seed, name)
-    return BUILTIN[path](size, seed + 1, name)
+    d = cfg.data  # a builtin task (checked)
+    if d.path in HELD_OUT:
+        return HELD_OUT[d.path](d.size, d.seed, d.name, d.options)
+    return BUILTIN[d.path](d.size, d.seed + 1, d.name, d.options)
 
 
 def _load_file(path: Path) -> list[dict]:
@@ -220,7 +220,8 @@ RG_SPREAD = 1_000_000  # reasoning-gym draws item i from Random(seed + i): data.
 RG_EXAMPLE_SEED = 999 * RG_SPREAD  # the one worked example's draw, apart from every data.seed below 999
 
 
-def reasoning_gym_rows(size: int, seed: int, name: str | None = None, held_out: bool = False) -> list[dict]:
+def reasoning_gym_rows(size: int, seed: int, name: str | None = None, options: dict | None = None,
+                       held_out: bool = False) -> list[dict]:
     """`size` problems of reasoning-gym's dataset `name` (default RG_DEFAULT), conversational (`prompt`: the system
     prompt RG_SYSTEM, one worked example of the dataset as a user turn and the assistant's `<answer>...</answer>`,
     then the question), with what the dataset's own `score_answer` reads: `answer`, `metadata` (as JSON text: it
@@ -236,8 +237,9 @@ def reasoning_gym_rows(size: int, seed: int, name: str | None = None, held_out: 
 
     name = name or RG_DEFAULT
     tries = 50 * size + 1000  # a dataset with few distinct questions may hold too few on one side
-    dataset = reasoning_gym.create_dataset(name, seed=seed * RG_SPREAD, size=tries)
-    head = [{"role": "system", "content": SYSTEM_PROMPTS[RG_SYSTEM]}, *reasoning_gym_example(name)]
+    settings = json.dumps(options or {}, sort_keys=True)  # data.options: the dataset's config (checked at start)
+    dataset = reasoning_gym.create_dataset(name, seed=seed * RG_SPREAD, size=tries, **(options or {}))
+    head = [{"role": "system", "content": SYSTEM_PROMPTS[RG_SYSTEM]}, *reasoning_gym_example(name, settings)]
     rows: list[dict] = []
     for i in range(tries):
         entry = dataset[i]
@@ -252,20 +254,22 @@ def reasoning_gym_rows(size: int, seed: int, name: str | None = None, held_out: 
 
 
 @functools.cache
-def reasoning_gym_example(name: str) -> tuple[dict, dict]:
+def reasoning_gym_example(name: str, settings: str = "{}") -> tuple[dict, dict]:
     """The worked example before each question of `name`: a training-side problem drawn with RG_EXAMPLE_SEED as a
-    user turn, and its answer as the assistant's reply in the tags the reward reads."""
+    user turn, and its answer as the assistant's reply in the tags the reward reads. `settings`: data.options as
+    sorted JSON (the cache's key)."""
     import reasoning_gym
 
-    dataset = reasoning_gym.create_dataset(name, seed=RG_EXAMPLE_SEED, size=100)
+    dataset = reasoning_gym.create_dataset(name, seed=RG_EXAMPLE_SEED, size=100, **json.loads(settings))
     entry = next(e for e in dataset if not is_held_out(e["question"]))
     return ({"role": "user", "content": entry["question"]},
             {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"})
 
 
-def reasoning_gym_held_out_rows(size: int, seed: int, name: str | None = None) -> list[dict]:
+def reasoning_gym_held_out_rows(size: int, seed: int, name: str | None = None,
+                                options: dict | None = None) -> list[dict]:
     """The held-out problems of builtin:reasoning_gym (eval.every without eval.data)."""
-    return reasoning_gym_rows(size, seed, name, held_out=True)
+    return reasoning_gym_rows(size, seed, name, options, held_out=True)
 
 
 def reasoning_gym_reward(prompts, completions, completion_ids=None, answer=None, metadata=None, task=None,
@@ -288,15 +292,15 @@ def _score_answer(name: str) -> Callable:
     return reasoning_gym.get_score_answer_fn(name)
 
 
-# Each builtin task is called (data.size, data.seed, data.name); only reasoning_gym reads the name
-BUILTIN: dict[str, Callable[[int, int, str | None], list[dict]]] = {
-    "builtin:echo": lambda size, seed, _: echo_rows(size, seed),
-    "builtin:reverse": lambda size, seed, _: reverse_rows(size, seed),
-    "builtin:arith": lambda size, seed, _: arith_rows(size, seed),
+# Each builtin task is called (data.size, data.seed, data.name, data.options); only reasoning_gym reads the last two
+BUILTIN: dict[str, Callable[[int, int, str | None, dict], list[dict]]] = {
+    "builtin:echo": lambda size, seed, *_: echo_rows(size, seed),
+    "builtin:reverse": lambda size, seed, *_: reverse_rows(size, seed),
+    "builtin:arith": lambda size, seed, *_: arith_rows(size, seed),
     "builtin:reasoning_gym": reasoning_gym_rows,
 }
-HELD_OUT: dict[str, Callable[[int, int, str | None], list[dict]]] = {  # with a held-out split; others: data.seed + 1
-    "builtin:arith": lambda size, seed, _: arith_held_out_rows(size, seed),
+HELD_OUT: dict[str, Callable[[int, int, str | None, dict], list[dict]]] = {  # a held-out split; others: seed + 1
+    "builtin:arith": lambda size, seed, *_: arith_held_out_rows(size, seed),
     "builtin:reasoning_gym": reasoning_gym_held_out_rows,
 }
 

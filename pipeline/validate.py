@@ -111,6 +111,10 @@ def check_value(name: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list, got {value!r}")
         return [check_value(f"{name}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if origin is dict:  # a mapping whose names and values its reader checks (data.options: reasoning-gym's config)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, name)
     if tp is bool:
@@ -277,12 +281,17 @@ def check_builtin_data(cfg) -> None:
                               "dataset")
 
 
+RG_DEFAULT_NAME = "letter_counting"  # pipeline/tasks.py RG_DEFAULT (tests/unit/test_tasks.py checks they agree)
 RG_PIP = "pip install 'reasoning-gym==0.1.25'"  # the version pyproject.toml's reasoning-gym extra pins
 
 
 def check_reasoning_gym(cfg) -> None:
     """builtin:reasoning_gym's data (training's or eval's) and its reward: reasoning-gym installed, and `data.name`
     one of its datasets (None: its default, pipeline/tasks.py RG_DEFAULT)."""
+    for f, d in _datasets(cfg):
+        if d.options and d.path != "builtin:reasoning_gym":
+            raise ConfigError(f"{f}.options: only builtin:reasoning_gym reads dataset settings; {f}.path is "
+                              f"{d.path!r}: leave them out")
     data = [(f, d) for f, d in _datasets(cfg) if d.path == "builtin:reasoning_gym"]
     rewards = [f"rewards[{i}].fn" for i, r in enumerate(cfg.rewards) if r.fn == "builtin:reasoning_gym_reward"]
     if not data and not rewards:
@@ -298,6 +307,23 @@ def check_reasoning_gym(cfg) -> None:
             hint = did_you_mean(d.name, DATASETS)
             raise ConfigError(f"{field}.name: {d.name!r} is not a reasoning-gym dataset{hint}; there are "
                               f"{', '.join(sorted(DATASETS))}")
+        if d.options:
+            check_reasoning_gym_options(field, d.name or RG_DEFAULT_NAME, d.options, DATASETS)
+
+
+def check_reasoning_gym_options(field: str, name: str, options: dict, datasets: dict) -> None:
+    """`options` as the fields of dataset `name`'s config class, each value through the config's own validate()."""
+    config_cls = datasets[name][1]
+    known = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+    for key in options:
+        if key not in known:
+            raise ConfigError(f"{field}.options: {key!r} is not a setting of reasoning-gym's {name}"
+                              f"{did_you_mean(key, known)}; it has {', '.join(known)}")
+    try:
+        config_cls(**options, seed=0, size=1).validate()
+    except (AssertionError, TypeError, ValueError) as e:
+        raise ConfigError(f"{field}.options: reasoning-gym's {name} refuses {options}: {e or type(e).__name__}") \
+            from None
 
 
 def check_quantization(cfg) -> None:

@@ -184,6 +184,26 @@ def test_quantization_without_bitsandbytes_is_refused_with_the_install_command(m
     assert config_from_dict({}, ["model.lora={}"]).model.quantization is None
 
 
+def test_data_options_are_checked_by_the_datasets_config_at_start():
+    """data.options: a name the dataset's config does not have, a value its validate() refuses, and options for a
+    task that reads none are refused at load, naming the field and the fix."""
+    def rg(options, path="builtin:reasoning_gym"):
+        return config_from_dict({"data": {"path": path, "name": "basic_arithmetic", "options": options},
+                                 "rewards": [{"fn": "builtin:reasoning_gym_reward"}]})
+
+    assert rg({"max_terms": 2}).data.options == {"max_terms": 2}
+    with pytest.raises(ConfigError, match=r"data.options: 'max_term' is not a setting of reasoning-gym's "
+                                          r"basic_arithmetic \(did you mean max_terms\?\)"):
+        rg({"max_term": 2})
+    with pytest.raises(ConfigError, match=r"data.options: reasoning-gym's basic_arithmetic refuses .*min_terms"):
+        rg({"min_terms": 0})
+    with pytest.raises(ConfigError, match=r"data.options: expected a mapping"):
+        rg([1, 2])
+    with pytest.raises(ConfigError, match=r"data.options: only builtin:reasoning_gym reads dataset settings"):
+        config_from_dict({"data": {"path": "builtin:arith", "options": {"max_terms": 2}},
+                          "rewards": [{"fn": "builtin:math_answer"}]})
+
+
 def test_builtin_reasoning_gym_names_one_of_its_datasets_and_needs_the_package(monkeypatch):
     """An unknown data.name (or eval.data.name) is refused at load with the names there are; without the package,
     the data or the reward is refused with the pip command."""

@@ -238,6 +238,30 @@ def test_reasoning_gym_rows_are_conversational_and_seeded():
                                                                 r["prompt"][-1]["content"] for r in chain)
 
 
+def test_reasoning_gym_options_are_the_datasets_own_settings_for_training_eval_and_the_example():
+    """data.options reaches reasoning-gym's dataset config: basic_arithmetic with two one-digit terms gives sums of
+    two one-digit numbers, in training's rows, the held-out rows and the worked example before each, and the
+    validator's default name is the tasks' (pipeline/validate.py cannot import the tasks)."""
+    import re
+
+    from pipeline import validate
+    from pipeline.config import config_from_dict
+    from pipeline.tasks import RG_DEFAULT, load_eval_rows, reasoning_gym_rows
+
+    easy = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}
+    cfg = config_from_dict({"data": {"path": "builtin:reasoning_gym", "name": "basic_arithmetic", "size": 30,
+                                     "options": easy}, "eval": {"every": 5},
+                            "rewards": [{"fn": "builtin:reasoning_gym_reward"}]})
+    rows, held = load_rows(cfg.data), load_eval_rows(cfg)
+    default = reasoning_gym_rows(30, 0, "basic_arithmetic")
+    for row in rows + held:
+        for turn in (row["prompt"][1], row["prompt"][-1]):  # the example's question and the row's own
+            terms = re.findall(r"-?\d+", turn["content"].split("=")[0])
+            assert len(terms) == 2 and all(len(t.lstrip("-")) == 1 for t in terms), turn["content"]
+    assert any(len(re.findall(r"\d+", r["prompt"][-1]["content"])) > 2 for r in default)  # the default differs
+    assert rows != default[:30] and validate.RG_DEFAULT_NAME == RG_DEFAULT
+
+
 @pytest.mark.parametrize("name", ["letter_counting", "chain_sum"])
 def test_reasoning_gym_example_is_a_right_answer_in_the_tags_from_the_training_side(name):
     """The worked example before each question: a training-side problem (the first of RG_EXAMPLE_SEED's draw, data.seed
