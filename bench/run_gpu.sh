@@ -51,6 +51,8 @@
 #                processes of their own (generator.agent_workers; $AGENT_WORKERS, default 0,4,8,12) (1 GPU)
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
 #   vs-trl-async  TRL 1.16 AsyncGRPOTrainer against vLLM's server (nccl weights) on builtin:arith, $STEPS (30) (2 GPUs)
+#   rg-arith-easy  issue 53 item 6: reasoning-gym's basic_arithmetic with two one-digit terms (data.options), k = 0
+#                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 with and without gradient checkpointing
 #                (about 9 min)
@@ -83,7 +85,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent gpubound-2gpu gpubound-ranks setups-2gpu qlora-smollm2"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy gpubound-2gpu gpubound-ranks setups-2gpu qlora-smollm2"
 PARTS="$PARTS setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -280,6 +282,15 @@ run_part() {
     smollm2
     step vs_trl_async 570 python3 -m bench.vs_trl --task arith --sides trl --trl-mode async --trl-gpus 0,1 \
       --steps "${STEPS:-30}" --timeout 420 --name vs_trl_arith_smollm2_async; pack
+    ;;
+  rg-arith-easy)  # the CPU survey's one dataset above the floor for SmolLM2 (docs/figures.md, "A second task")
+    smollm2
+    step rg_arith_easy 570 python3 -m bench.learning_curves --task reasoning_gym --model builtin:smollm2 \
+      --config configs/gpu-smollm2-reasoning-gym.yaml --gpus --gpus-per-run 1 --gpu-memory 0.06 --enforce-eager 0 \
+      --stagger 10 --kv-cache-gb 5 --minibatches 1 --ks 0,8 --losses m2po --seeds 3 --steps 150 --parallel 6 \
+      --timeout 520 --set data.name=basic_arithmetic --name arith_easy \
+      --set 'data.options={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ["+"], allow_parentheses: false, allow_negation: false}'
+    pack
     ;;
   gpubound-2gpu)  # 2026-11-29 at k = 2: one GPU 5.85, split 8.41 steps/min (the learner waited 23 %, the window full)
     GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K:-3}"
