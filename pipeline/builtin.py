@@ -19,6 +19,7 @@ FUNCTIONS = {  # name: the module:function it loads
 OLD = {path: name for name, path in FUNCTIONS.items()}
 # data.path's builtin tasks (pipeline/tasks.py BUILTIN makes their rows), named here for the config's check
 DATASETS = ("builtin:echo", "builtin:reverse", "builtin:arith", "builtin:reasoning_gym")
+REASONING_GYM_DEFAULT = "letter_counting"  # data.name of builtin:reasoning_gym when none is given
 
 
 def canonical(spec: str, field: str) -> str:

@@ -214,7 +214,7 @@ def _worked(a: int, op: str, b: int) -> str:
     return f"{a} {op} {b} = {_value(a, op, b)}"
 
 
-RG_DEFAULT = "letter_counting"  # data.name of builtin:reasoning_gym when none is given
+RG_DEFAULT = builtin.REASONING_GYM_DEFAULT  # data.name of builtin:reasoning_gym when none is given
 RG_SYSTEM = "direct"  # the system prompt, reasoning_gym.utils.SYSTEM_PROMPTS[RG_SYSTEM]: the answer in <answer> tags
 RG_SPREAD = 1_000_000  # reasoning-gym draws item i from Random(seed + i): data.seed s starts at s * RG_SPREAD
 RG_EXAMPLE_SEED = 999 * RG_SPREAD  # the one worked example's draw, apart from every data.seed below 999

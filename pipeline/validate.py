@@ -281,13 +281,12 @@ def check_builtin_data(cfg) -> None:
                               "dataset")
 
 
-RG_DEFAULT_NAME = "letter_counting"  # pipeline/tasks.py RG_DEFAULT (tests/unit/test_tasks.py checks they agree)
 RG_PIP = "pip install 'reasoning-gym==0.1.25'"  # the version pyproject.toml's reasoning-gym extra pins
 
 
 def check_reasoning_gym(cfg) -> None:
     """builtin:reasoning_gym's data (training's or eval's) and its reward: reasoning-gym installed, and `data.name`
-    one of its datasets (None: its default, pipeline/tasks.py RG_DEFAULT)."""
+    one of its datasets (None: its default, pipeline/builtin.py REASONING_GYM_DEFAULT)."""
     for f, d in _datasets(cfg):
         if d.options and d.path != "builtin:reasoning_gym":
             raise ConfigError(f"{f}.options: only builtin:reasoning_gym reads dataset settings; {f}.path is "
@@ -308,7 +307,7 @@ def check_reasoning_gym(cfg) -> None:
             raise ConfigError(f"{field}.name: {d.name!r} is not a reasoning-gym dataset{hint}; there are "
                               f"{', '.join(sorted(DATASETS))}")
         if d.options:
-            check_reasoning_gym_options(field, d.name or RG_DEFAULT_NAME, d.options, DATASETS)
+            check_reasoning_gym_options(field, d.name or builtin.REASONING_GYM_DEFAULT, d.options, DATASETS)
 
 
 def check_reasoning_gym_options(field: str, name: str, options: dict, datasets: dict) -> None:

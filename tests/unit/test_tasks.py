@@ -241,10 +241,10 @@ def test_reasoning_gym_rows_are_conversational_and_seeded():
 def test_reasoning_gym_options_are_the_datasets_own_settings_for_training_eval_and_the_example():
     """data.options reaches reasoning-gym's dataset config: basic_arithmetic with two one-digit terms gives sums of
     two one-digit numbers, in training's rows, the held-out rows and the worked example before each, and the
-    validator's default name is the tasks' (pipeline/validate.py cannot import the tasks)."""
+    default name the config's check reads (pipeline/builtin.py: it cannot import the tasks) is the tasks'."""
     import re
 
-    from pipeline import validate
+    from pipeline import builtin
     from pipeline.config import config_from_dict
     from pipeline.tasks import RG_DEFAULT, load_eval_rows, reasoning_gym_rows
 
@@ -259,7 +259,7 @@ def test_reasoning_gym_options_are_the_datasets_own_settings_for_training_eval_a
             terms = re.findall(r"-?\d+", turn["content"].split("=")[0])
             assert len(terms) == 2 and all(len(t.lstrip("-")) == 1 for t in terms), turn["content"]
     assert any(len(re.findall(r"\d+", r["prompt"][-1]["content"])) > 2 for r in default)  # the default differs
-    assert rows != default[:30] and validate.RG_DEFAULT_NAME == RG_DEFAULT
+    assert rows != default[:30] and builtin.REASONING_GYM_DEFAULT == RG_DEFAULT
 
 
 @pytest.mark.parametrize("name", ["letter_counting", "chain_sum"])
