@@ -83,10 +83,14 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
         model = load_quantized(cfg, model_path, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    quiet_dropout(model)  # before the adapters: model.lora.dropout is theirs
     if cfg.model.lora is not None:  # PEFT adapters on the frozen base (learner/adapters.py)
         from learner.adapters import wrap
 
         model = wrap(model, cfg.model.lora, dtype)
+    # from_pretrained leaves a model in eval mode, where transformers' layers skip gradient checkpointing: the knob
+    # was accepted and did nothing until 2026-11-29 (docs/figures.md). PEFT's new modules trained already.
+    model.train()
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.model.lora is not None:
@@ -189,6 +193,16 @@ def load_quantized(cfg: Config, model_path: str, dtype: torch.dtype):
 def _left_out(module, state_dict, prefix, local_metadata) -> None:
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]
+
+
+def quiet_dropout(model) -> None:
+    """The base model trains without dropout, as it did in eval mode: its log-probs of a sample are then the
+    engine's, which has none (TRL's disable_dropout). Dropout layers and attention's dropout are set to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # transformers' attention modules
+            module.attention_dropout = 0.0
 
 
 def compile_layers(model) -> int:
