@@ -53,14 +53,18 @@
 #   vs-trl-async  TRL 1.16 AsyncGRPOTrainer against vLLM's server (nccl weights) on builtin:arith, $STEPS (30) (2 GPUs)
 #   rg-arith-easy  issue 53 item 6: reasoning-gym's basic_arithmetic with two one-digit terms (data.options), k = 0
 #                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min)
+#   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml colocated on
+#                GPU 0, a machine's first run (caches cold) and then the same run again (the compile caches it filled
+#                are warm); each result lists the start's phases (bench/timeline.py) (1 GPU; about 4 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
-#                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 with and without gradient checkpointing
-#                (about 9 min)
-#   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml),
-#                at k = $K (3) and $K + 1 (about 7 min)
+#                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 (with gradient checkpointing if $CKPT is
+#                set) (about 8 min)
+#   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml
+#                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min)
 #   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
-#                service held to 40 GB), then TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
-#                on the same shape, config and caps (2 GPUs; bitsandbytes and TRL's wheels; about 10 min)
+#                service held to 40 GB) (2 GPUs; bitsandbytes; up to 9 min)
+#   setups-2gpu-trl  then, on the same machine, TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
+#                on the same shape, config and caps (2 GPUs; bitsandbytes and TRL's wheels; up to 9 min)
 #   qlora-smollm2  issue 54, setup 1 on the real model: SmolLM2 with QLoRA (r 16, NF4), learner GPU 0 + generator GPU 1,
 #                then both on GPU 0, $STEPS (150) steps each, held-out pass@1 (2 GPUs; bitsandbytes; about 9 min)
 #   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
@@ -85,8 +89,8 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy gpubound-2gpu gpubound-ranks setups-2gpu qlora-smollm2"
-PARTS="$PARTS setups-4gpu setups-4gpu-lora"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS qlora-smollm2 setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -292,30 +296,37 @@ run_part() {
       --set 'data.options={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ["+"], allow_parentheses: false, allow_negation: false}'
     pack
     ;;
-  gpubound-2gpu)  # 2026-11-29 at k = 2: one GPU 5.85, split 8.41 steps/min (the learner waited 23 %, the window full)
+  quickstart)
+    smollm2
+    step quickstart 270 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 4 --skip 1 --timeout 125 \
+      --name quickstart --wave "cold:0:0" --wave "warm:0:0"
+    pack
+    ;;
+  gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)
     GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K:-3}"
-    step gpubound_one 200 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
-      --timeout 185 --name "gpubound_one_k${K:-3}" --wave "one:0:0:$GB;generator.gpu_memory_utilization=0.3"; pack
-    step gpubound_split 170 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
-      --timeout 155 --name "gpubound_split_k${K:-3}" --wave "split:0:1:$GB"; pack
-    # a learner with its GPU to itself has room for the activations gradient checkpointing recomputes
-    step gpubound_split_nockpt 170 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 \
-      --skip 2 --timeout 155 --name "gpubound_split_nockpt_k${K:-3}" \
-      --wave "splitnockpt:0:1:$GB;trainer.gradient_checkpointing=false"; pack
+    step gpubound_one 262 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
+      --timeout 245 --name "gpubound_one_k${K:-3}" --wave "one:0:0:$GB;generator.gpu_memory_utilization=0.3"; pack
+    # CKPT=1: the split learner with gradient checkpointing (the config's is off: the learner has its GPU to itself)
+    step gpubound_split 215 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
+      --timeout 200 --name "gpubound_split${CKPT:+_ckpt}_k${K:-3}" \
+      --wave "split:0:1:$GB${CKPT:+;trainer.gradient_checkpointing=true}"; pack
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
     ;;
-  gpubound-ranks)  # 2026-11-29 at k = 2: 9.65 steps/min, 1.65x one GPU; its verdict: the window
-    for k in "${K:-3}" "$(( ${K:-3} + 1 ))"; do
+  gpubound-ranks)  # 2026-11-29: k = 2 9.65, k = 3 7.36 steps/min (the engines, sharing their GPUs, the bound at k = 3)
+    # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards)
+    for k in ${KS:-2 3}; do
       step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
-        --skip 2 --timeout 235 --name "gpubound_two_k$k" --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k"
+        --skip 2 --timeout 235 --name "gpubound_two_k$k" \
+        --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k;trainer.gradient_checkpointing=false"
       pack
     done
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
     ;;
-  setups-2gpu)  # the 7B shape is built by the test, into /tmp/bench-models/q-7b; TRL's side reuses it
+  setups-2gpu)  # the 7B shape is built by the test, into /tmp/bench-models/q-7b; setups-2gpu-trl reuses it
     step gpu_qlora_split 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/qlora-split \
       tests/gpu/test_gpu_qlora_split.py; pack
-    # TRL's server gets the generator's 23.4 GB of an H200's 141 (test_gpu_qlora_split.py's VLLM_BYTES)
+    ;;
+  setups-2gpu-trl)  # TRL's server gets the generator's 23.4 GB of an H200's 141 (test_gpu_qlora_split.py's VLLM_BYTES)
     step trl_qlora_split 560 python3 -m bench.vs_trl --task arith --config configs/qlora-2gpu.yaml --sides trl \
       --trl-mode server --trl-gpus 0,1 --trl-gpu-memory 0.166 --set model.path=/tmp/bench-models/q-7b \
       --steps "${STEPS:-10}" --timeout 480 --name vs_trl_qlora_7b_split; pack

@@ -6,6 +6,10 @@
 Steps before --skip are left out of the rates (start-up, first compilations). It prints one JSON object:
     learner    steps/min, median step, train and wait; the share of step time spent waiting; the longest step after
                the skipped ones against the median; launch to the first training step (with --launched)
+    startup    the start's phases in order, seconds from launch (from the first event without --launched) and long:
+               the learner's (tokenizer, build engine, start the hub, publish the first version), each engine's
+               (import vllm, held until the hub is up, build engine), then the first batch's first generate, the
+               learner's first wait and its first train (the first step's compilations)
     generators completion tokens/s delivered over the steady steps and while any group was generating; the share
                of time with none generating; lease round trips, waits for room and for versions, weights loads,
                score, encode and send (medians and totals); the event loop's lag
@@ -49,6 +53,7 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         "median_step_s": statistics.median(step_s), "median_train_s": _median(train), "median_wait_s": _median(wait),
         "wait_share": sum(wait) / sum(step_s), "longest_step_over_median": max(step_s) / statistics.median(step_s),
         "launch_to_first_step_s": first_train - launched if launched and first_train else None}}
+    out["startup"] = startup(spans, launched)
     generate = [e for e in inside if e["name"] == "generate"]
     tokens = sum(e["args"].get("tokens", 0) for e in generate)
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in generate], t0, t1) / 1e6
@@ -69,6 +74,20 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     bound = verdict(pairs)
     out["verdict"] = {**bound.fields(), "sentence": bound.line()} if bound else None
     return out
+
+
+def startup(spans: list[dict], launched: float | None = None) -> list[dict]:
+    """The start's phases, in the order they began: [{"phase", "from_launch_s", "s"}]."""
+    origin = launched if launched else min(e["ts"] for e in spans) / 1e6
+    phases = [e for e in spans if e["track"] in ("startup", "engine")]
+    for name, track in (("generate", None), ("wait", "learner"), ("train", "learner")):
+        first = min((e for e in spans if e["name"] == name and (track is None or e["track"] == track)),
+                    key=lambda e: e["ts"], default=None)
+        if first is not None:
+            phases.append(dict(first, name=f"first {name}"))
+    return [{"phase": f'{e["track"]}: {e["name"]}' if not e["name"].startswith("first") else e["name"],
+             "from_launch_s": round(e["ts"] / 1e6 - origin, 2), "s": round(e["dur"] / 1e6, 2)}
+            for e in sorted(phases, key=lambda e: e["ts"])]
 
 
 def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -48,3 +48,31 @@ def test_a_single_rank_run_is_summarised_as_before(tmp_path: Path) -> None:
     learner = timeline.summary(tmp_path, skip=2)["learner"]
 
     assert learner["steps"] == 12 and abs(learner["steps_per_min"] - 20.0) < 0.01
+
+
+def test_the_start_is_listed_phase_by_phase_from_launch(tmp_path: Path) -> None:
+    """The quick-start figure (issue 52 item 4) comes apart into the learner's and the engine's phases."""
+    s = 1_000_000
+    launched = 1000.0
+    t0 = int(launched * s)
+
+    def span(pid: int, tid: int, name: str, at: float, dur: float) -> dict:
+        return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": t0 + int(at * s), "dur": int(dur * s),
+                "args": {}}
+
+    events = (_process(10, "learner-rank0", ["startup", "learner"]) + _process(20, "generator", ["engine", "g0"])
+              + [span(10, 1, "tokenizer", 2, 0.5), span(10, 1, "build engine", 3, 9), span(20, 1, "import vllm", 1, 5),
+                 span(20, 1, "held", 6, 4), span(20, 1, "build engine", 10, 18), span(20, 2, "generate", 30, 1.5),
+                 dict(span(10, 2, "step", 12, 25), args={"step": 0}), span(10, 2, "wait", 12, 19.5),
+                 span(10, 2, "train", 31.5, 5)])
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "metrics.jsonl").write_text("")
+
+    out = timeline.summary(tmp_path, launched=launched, skip=0)
+
+    assert [p["phase"] for p in out["startup"]] == [
+        "engine: import vllm", "startup: tokenizer", "startup: build engine", "engine: held", "engine: build engine",
+        "first wait",
+        "first generate", "first train"]
+    assert out["startup"][-1] == {"phase": "first train", "from_launch_s": 31.5, "s": 5.0}
+    assert out["learner"]["launch_to_first_step_s"] == 31.5
