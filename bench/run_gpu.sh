@@ -55,7 +55,8 @@
 #                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min)
 #   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml colocated on
 #                GPU 0, a machine's first run (caches cold) and then the same run again (the compile caches it filled
-#                are warm); each result lists the start's phases (bench/timeline.py) (1 GPU; about 4 min)
+#                are warm); each result lists the start's phases (bench/timeline.py); then the engine's warm start
+#                alone under cProfile (bench/engine_start.py) (1 GPU; about 5 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 (with gradient checkpointing if $CKPT is
 #                set) (about 8 min)
@@ -300,6 +301,8 @@ run_part() {
     smollm2
     step quickstart 270 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 4 --skip 1 --timeout 125 \
       --name quickstart --wave "cold:0:0" --wave "warm:0:0"
+    # the engine's start, warm, under cProfile (2026-11-29: 39 s of the warm run's 64, 17-18 s of it after the graphs)
+    step engine_start 150 python3 -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm
     pack
     ;;
   gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)

@@ -63,25 +63,12 @@ class _Active:
 class Engine:
     def __init__(self, cfg: Config, model_path: str, seed: int, eos_id: int | None, fork: bool = False):
         """`fork`: this process has run no OpenMP region yet (see _engine_core_forked): a generator's first engine."""
-        from vllm import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         g = cfg.generator
-        _worker_in_engine_core_on_cpu(g)
-        args = AsyncEngineArgs(
-            model=model_path, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=seed,
-            max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
-            kv_cache_memory_bytes=int(g.kv_cache_gb * 1e9) or None,  # None: vLLM sizes it from the memory free
-            max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
-            tensor_parallel_size=g.tensor_parallel_size,
-            worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
-            **_served_lora_args(cfg), **_whole_prefills_if_seeded_on_cpu(cfg),
-        )
-        # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
-        # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
         fork = fork and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork") == "fork"  # else the user's choice
-        config = args.create_engine_config(UsageContext.LLM_CLASS)
+        config = engine_config(cfg, model_path, seed)
         with _sigint_blocked(), _engine_core_forked(fork):  # its processes never act on a terminal's Ctrl-C (below)
             self.llm: Any = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.LLM_CLASS)  # None: shut down
         self.mode = g.update_mode
@@ -282,6 +269,27 @@ class Engine:
             # nothing (0.4 s on 2 cores)
             if llm() is not None:
                 gc.collect()
+
+
+def engine_config(cfg: Config, model_path: str, seed: int):
+    """vLLM's config of the generator's engine for `cfg` (bench/engine_start.py builds the same engine)."""
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    g = cfg.generator
+    _worker_in_engine_core_on_cpu(g)
+    args = AsyncEngineArgs(
+        model=model_path, skip_tokenizer_init=True, dtype=cfg.model.dtype, seed=seed,
+        max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
+        kv_cache_memory_bytes=int(g.kv_cache_gb * 1e9) or None,  # None: vLLM sizes it from the memory free
+        max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
+        tensor_parallel_size=g.tensor_parallel_size,
+        worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
+        **_served_lora_args(cfg), **_whole_prefills_if_seeded_on_cpu(cfg),
+    )
+    # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
+    # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
+    return args.create_engine_config(UsageContext.LLM_CLASS)
 
 
 def _worker_in_engine_core_on_cpu(g) -> None:

@@ -1,0 +1,74 @@
+"""Where an engine's start goes (issue 52 item 4, launch to the first step): the generator's vLLM engine for a config,
+built in this process under cProfile. vLLM's engine core is built in-process (`EngineCore`, as `AsyncLLM`'s core
+process builds it) with its one worker beside it (the `uni` executor), so the profile holds the model load,
+torch.compile, the CUDA graphs and the warm-up after them. Run it twice on one machine: the first start fills the
+compile caches (cold), the second finds them (warm).
+
+    python -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm [--top 40]
+
+Result: bench/results/engine_start_<config>_<name>_<machine>.json: the build's seconds and the functions that took
+the longest, by cumulative time (those of vllm, torch, triton, flashinfer and this project) and by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+from pathlib import Path
+
+from bench.common import result_name, write_result
+
+KEEP = ("vllm", "torch", "triton", "flashinfer", "generator", "pipeline", "transformers")
+
+
+def build(config_path: str):
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor import Executor
+
+    from generator.engine import engine_config
+    from pipeline.config import load_config
+    from pipeline.tinymodel import resolve_model_path
+
+    cfg = load_config(config_path)
+    config = engine_config(cfg, resolve_model_path(cfg.model.path), cfg.generator.seed)
+    config.parallel_config.distributed_executor_backend = "uni"  # the worker in this process, under the profile
+    return EngineCore(config, Executor.get_class(config), log_stats=False)
+
+
+def rows(stats: pstats.Stats, key: str, top: int) -> list[dict]:
+    """The `top` functions of KEEP's packages by `key` ("cumulative" or "tottime")."""
+    out = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if any(f"/{k}/" in path for k in KEEP):
+            out.append({"function": f"{path.split('site-packages/')[-1]}:{line} {name}", "calls": calls,
+                        "own_s": round(own, 3), "cumulative_s": round(cumulative, 3)})
+    field = "cumulative_s" if key == "cumulative" else "own_s"
+    return sorted(out, key=lambda r: -r[field])[:top]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/gpu-smollm2-math.yaml")
+    p.add_argument("--name", default="", help="cold, warm, ... (in the result's name)")
+    p.add_argument("--top", type=int, default=40)
+    a = p.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    start = time.perf_counter()
+    profile = cProfile.Profile()
+    profile.enable()
+    core = build(a.config)
+    profile.disable()
+    seconds = time.perf_counter() - start
+    core.shutdown()
+    stats = pstats.Stats(profile)
+    write_result(result_name("engine_start", Path(a.config).stem, a.name), f"python -m bench.engine_start --config "
+                 f"{a.config} --name {a.name}", a.config, {"build_s": round(seconds, 2),
+                                                           "by_cumulative": rows(stats, "cumulative", a.top),
+                                                           "by_own": rows(stats, "tottime", a.top)})
+
+
+if __name__ == "__main__":
+    main()
