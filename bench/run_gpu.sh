@@ -54,9 +54,9 @@
 #   rg-arith-easy  issue 53 item 6: reasoning-gym's basic_arithmetic with two one-digit terms (data.options), k = 0
 #                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min)
 #   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml colocated on
-#                GPU 0, a machine's first run (caches cold) and then the same run again (the compile caches it filled
-#                are warm); each result lists the start's phases (bench/timeline.py); then the engine's warm start
-#                alone under cProfile (bench/engine_start.py) (1 GPU; about 5 min)
+#                GPU 0: a machine's first run (caches cold), a second (Triton's kernels compiled again), then two warm
+#                runs; each result lists the start's phases (bench/timeline.py); then the engine's warm start alone
+#                under cProfile (bench/engine_start.py) (1 GPU; about 9 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 (with gradient checkpointing if $CKPT is
 #                set) (about 8 min)
@@ -297,12 +297,14 @@ run_part() {
       --set 'data.options={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ["+"], allow_parentheses: false, allow_negation: false}'
     pack
     ;;
-  quickstart)
+  quickstart)  # a fresh machine compiles Triton's kernels in its first two runs: the third is the warm start
     smollm2
-    step quickstart 270 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 4 --skip 1 --timeout 125 \
-      --name quickstart --wave "cold:0:0" --wave "warm:0:0"
-    # the engine's start, warm, under cProfile (2026-11-29: 39 s of the warm run's 64, 17-18 s of it after the graphs)
-    step engine_start 150 python3 -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm
+    Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 4 --skip 1)
+    step quickstart_cold 170 "${Q[@]}" --timeout 155 --name quickstart_cold --wave "cold:0:0"
+    step quickstart_refill 110 "${Q[@]}" --timeout 95 --name quickstart_refill --wave "refill:0:0"
+    step quickstart_warm 170 "${Q[@]}" --timeout 75 --name quickstart_warm --wave "warm1:0:0" --wave "warm2:0:0"
+    # the engine's warm start alone, under cProfile
+    step engine_start 100 python3 -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm
     pack
     ;;
   gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)
