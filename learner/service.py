@@ -278,8 +278,8 @@ class Learner:
         if due is not None:
             log.info("what holds the run back, %s", due.line())
             hub.set_verdict(due.line())
-        if joined := self.verdicts.joined():
-            log.info("%s", joined)
+        if changed := self.verdicts.changed():  # generators joined, or k changed, `every` steps ago: did it pay?
+            log.info("%s", changed)
         if gone := self.signal.add(record):
             log.warning("%s", gone)
 

@@ -38,7 +38,7 @@ LEARNER_WAITS = 0.25  # the learner waits at least this share of its time: somet
 HUB_BUSY = 0.5  # the hub's one thread busy this share of the time: its answers start to queue
 REWARDS = 0.5  # reward-function seconds per generator second
 WAITS = 0.2  # generators waiting for room (the window) or for weights, this share of their time
-RISE = 1.1  # steps/min after a generator joined against before: less than this did not rise
+RISE = 1.1  # steps/min after a generator joined (or k rose) against before: less than this did not rise
 WAIT_NOTED = 0.1  # a learner-bound run that still waits this share with the window full is told of the window too
 
 LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD = ("learner compute", "generation throughput", "the window",
@@ -182,7 +182,8 @@ def slim(record: dict) -> dict:
 
 class Verdicts:
     """One learner process's verdicts as its records come (`add`): one every `every` steps over the steps since the
-    last (`due`), and, `every` steps after generators rose, whether steps/min rose with them (`joined`)."""
+    last (`due`), and, `every` steps after generators rose or k changed, whether steps/min rose with them
+    (`changed`)."""
 
     def __init__(self, every: int = EVERY):
         self.every = every
@@ -206,23 +207,34 @@ class Verdicts:
             return None
         return verdict(self._steps(max(0, len(self.records) - self.every - 1)))
 
-    def joined(self) -> str | None:
-        """`every` steps after the number of generators rose: steps/min before and after, and when it did not rise
-        by RISE, why (the verdict after the join)."""
+    def changed(self) -> str | None:
+        """`every` steps after the generators rose or k changed (`pipeline set trainer.max_staleness`): steps/min
+        before and after, and when it did not rise by RISE, why: the verdict after a join; after a wider window, that
+        the engines made no more with more in flight, which only a run at the new k can tell (docs/figures.md: on a
+        GPU shared with training, k = 3 ran slower than k = 2, though the window was full at k = 2)."""
         recs = list(self.records)
-        j = len(recs) - self.every - 1  # the record of the step in which they joined
-        if j < 1 or recs[j]["generators"] <= recs[j - 1]["generators"]:
+        j = len(recs) - self.every - 1  # the record of the step in which they joined, or k changed
+        if j < 1:
+            return None
+        (gens0, k0), (gens, k) = ((r["generators"], r["max_staleness"]) for r in (recs[j - 1], recs[j]))
+        if gens <= gens0 and k == k0:
             return None
         before, after = self._steps(0, j)[-self.every:], self._steps(j)
         if len(before) < MIN_STEPS or len(after) < MIN_STEPS:
             return None
         was, now = rate(before), rate(after)
-        head = (f"generators {recs[j - 1]['generators']} -> {recs[j]['generators']} at step {recs[j]['step']}: "
-                f"{was:.1f} -> {now:.1f} steps/min")
+        what = f"generators {gens0} -> {gens}" if gens > gens0 else f"trainer.max_staleness {k0} -> {k}"
+        head = f"{what} at step {recs[j]['step']}: {was:.1f} -> {now:.1f} steps/min"
         if now >= RISE * was:
             return head
-        why = verdict(after)
-        return f"{head}, no faster" + (f": {why.sentence}" if why else "")
+        if gens > gens0:
+            why = verdict(after)
+            return f"{head}, no faster" + (f": {why.sentence}" if why else "")
+        if k < k0:
+            return f"{head}, no faster"
+        return (f"{head}, no faster: the engines made no more with more batches in flight (at their limit, or sharing "
+                f"a GPU with training); `pipeline set trainer.max_staleness={k0}` sets it back, and a generator on a "
+                "GPU of its own (`pipeline generator --learner ADDR`) adds throughput")
 
 
 def rate(pairs: Sequence[tuple[dict, float]]) -> float:

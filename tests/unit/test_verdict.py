@@ -144,7 +144,7 @@ def test_the_verdict_reads_its_records_and_changes_none():
     verdicts = V.Verdicts()
     for r in rs:
         verdicts.add(r)
-        verdicts.joined()
+        verdicts.changed()
     assert rs == before
 
 
@@ -159,12 +159,13 @@ def test_a_verdict_every_ten_steps_over_the_ten_before():
     assert due[9].fields()["verdict/stage"] == V.LEARNER and due[9].line().startswith("steps 2-9: training took")
 
 
-def _join(before: dict, after: dict) -> list[str]:
+def _join(before: dict, after: dict, **change) -> list[str]:
+    """What the verdicts said of `after` steps following `before` steps, with `change` (default: a second generator)."""
     verdicts, said = V.Verdicts(), []
-    steps = [{"wall": 30.0, "wait": 30.0}] + [before] * 14 + [dict(after, generators=2)] * 12
+    steps = [{"wall": 30.0, "wait": 30.0}] + [before] * 14 + [dict(after, **(change or {"generators": 2}))] * 12
     for r in records(steps):
         verdicts.add(r)
-        if line := verdicts.joined():
+        if line := verdicts.changed():
             said.append(line)
     return said
 
@@ -180,6 +181,25 @@ def test_a_generator_that_speeds_the_run_up_is_named_without_a_why():
     slow = STAGE_RUNS[V.GENERATION]
     (said,) = _join(slow, dict(slow, wall=0.5, wait=0.1, generating=0.9))
     assert said == "generators 1 -> 2 at step 15: 60.0 -> 120.0 steps/min"
+
+
+# the 1.5B shape on one H200 (2026-11-29): at k = 2 the window was full 95 % and the learner waited 22 %; at k = 3
+# each batch took twice as long on the engine sharing the learner's GPU, and the learner waited 41 %
+ONE_1_5B_K2 = {"wall": 11.1, "wait": 2.4, "train": 8.6, "publish": 0.03, "generating": 11.1, "wait_room": 10.5}
+ONE_1_5B_K3 = {"wall": 13.2, "wait": 5.4, "train": 7.7, "publish": 0.03, "generating": 13.2, "wait_room": 12.4}
+
+
+def test_a_wider_window_that_does_not_pay_is_named_with_the_way_back():
+    (said,) = _join(dict(ONE_1_5B_K2, k=2), ONE_1_5B_K3, k=3)
+    assert said.startswith("trainer.max_staleness 2 -> 3 at step 15: 5.4 -> 4.5 steps/min, no faster: the engines"), \
+        said
+    assert "`pipeline set trainer.max_staleness=2` sets it back" in said
+    assert "the window was full" not in said  # the verdict at k = 3 would propose k = 4 again
+
+
+def test_a_wider_window_that_pays_is_named_without_a_why():
+    (said,) = _join(H200_K1, H200_K2, k=2)
+    assert said == "trainer.max_staleness 1 -> 2 at step 15: 137.0 -> 238.1 steps/min"
 
 
 def test_the_status_shows_the_latest_verdict_and_an_older_peer_decodes_without_it():
@@ -238,7 +258,7 @@ def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_pat
         def add(self, record):
             return None
 
-        def joined(self):
+        def changed(self):
             return None
 
     def replay(run_dir, verdicts) -> tuple[list[dict], list[str]]:
