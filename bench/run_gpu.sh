@@ -54,9 +54,9 @@
 #   rg-arith-easy  issue 53 item 6: reasoning-gym's basic_arithmetic with two one-digit terms (data.options), k = 0
 #                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min)
 #   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml colocated on
-#                GPU 0: a machine's first run (caches cold), a second (Triton's kernels compiled again), then two warm
-#                runs; each result lists the start's phases (bench/timeline.py); then the engine's warm start alone
-#                under cProfile (bench/engine_start.py) (1 GPU; about 9 min)
+#                GPU 0: a machine's first run (caches cold); the second start, the engine's alone under cProfile
+#                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
+#                result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 (with gradient checkpointing if $CKPT is
 #                set) (about 8 min)
@@ -301,10 +301,9 @@ run_part() {
     smollm2
     Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 4 --skip 1)
     step quickstart_cold 170 "${Q[@]}" --timeout 155 --name quickstart_cold --wave "cold:0:0"
-    step quickstart_refill 110 "${Q[@]}" --timeout 95 --name quickstart_refill --wave "refill:0:0"
+    # the second start alone, under cProfile: what it compiles again (18 s after the CUDA graphs, 2026-11-29)
+    step engine_start 120 python3 -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name second
     step quickstart_warm 170 "${Q[@]}" --timeout 75 --name quickstart_warm --wave "warm1:0:0" --wave "warm2:0:0"
-    # the engine's warm start alone, under cProfile
-    step engine_start 100 python3 -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm
     pack
     ;;
   gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)
