@@ -197,12 +197,15 @@ def _left_out(module, state_dict, prefix, local_metadata) -> None:
 
 def quiet_dropout(model) -> None:
     """The base model trains without dropout, as it did in eval mode: its log-probs of a sample are then the
-    engine's, which has none (TRL's disable_dropout). Dropout layers and attention's dropout are set to 0."""
+    engine's, which has none (TRL's disable_dropout). Dropout layers are set to 0, and so are the rates that
+    transformers' modules keep as numbers (attention_dropout, a layer's dropout, layerdrop). The config, which the
+    final model is saved with, keeps its values."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # transformers' attention modules
-            module.attention_dropout = 0.0
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and name.endswith(("dropout", "_pdrop", "layerdrop")):
+                setattr(module, name, 0.0)
 
 
 def compile_layers(model) -> int:

@@ -65,3 +65,4 @@ def test_the_base_model_trains_without_dropout(model_cache):
     quiet_dropout(model)
 
     assert model.training and torch.equal(model(ids).logits, model(ids).logits)
+    assert model.config.attention_dropout == 0.5  # what the final model is saved with stays the base's
