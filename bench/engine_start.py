@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import time
 from pathlib import Path
@@ -38,15 +37,12 @@ def build(config_path: str):
     return EngineCore(config, Executor.get_class(config), log_stats=False)
 
 
-def rows(stats: pstats.Stats, key: str, top: int) -> list[dict]:
-    """The `top` functions of KEEP's packages by `key` ("cumulative" or "tottime")."""
-    out = []
-    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
-        if any(f"/{k}/" in path for k in KEEP):
-            out.append({"function": f"{path.split('site-packages/')[-1]}:{line} {name}", "calls": calls,
-                        "own_s": round(own, 3), "cumulative_s": round(cumulative, 3)})
-    field = "cumulative_s" if key == "cumulative" else "own_s"
-    return sorted(out, key=lambda r: -r[field])[:top]
+def profiled(stats: pstats.Stats) -> list[dict]:
+    """Every function of KEEP's packages in the profile, with its calls, own and cumulative seconds."""
+    return [{"function": f"{path.split('site-packages/')[-1]}:{line} {name}", "calls": calls,
+             "own_s": round(own, 3), "cumulative_s": round(cumulative, 3)}
+            for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items()  # type: ignore[attr-defined]
+            if any(f"/{k}/" in path for k in KEEP)]
 
 
 def main() -> None:
@@ -55,7 +51,6 @@ def main() -> None:
     p.add_argument("--name", default="", help="cold, warm, ... (in the result's name)")
     p.add_argument("--top", type=int, default=40)
     a = p.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     start = time.perf_counter()
     profile = cProfile.Profile()
     profile.enable()
@@ -63,11 +58,12 @@ def main() -> None:
     profile.disable()
     seconds = time.perf_counter() - start
     core.shutdown()
-    stats = pstats.Stats(profile)
+    functions = profiled(pstats.Stats(profile))
     write_result(result_name("engine_start", Path(a.config).stem, a.name), f"python -m bench.engine_start --config "
-                 f"{a.config} --name {a.name}", a.config, {"build_s": round(seconds, 2),
-                                                           "by_cumulative": rows(stats, "cumulative", a.top),
-                                                           "by_own": rows(stats, "tottime", a.top)})
+                 f"{a.config} --name {a.name}", a.config, {
+                     "build_s": round(seconds, 2),
+                     "by_cumulative": sorted(functions, key=lambda r: -r["cumulative_s"])[:a.top],
+                     "by_own": sorted(functions, key=lambda r: -r["own_s"])[:a.top]})
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from pipeline import trace
 from pipeline.metrics import read_jsonl
@@ -48,7 +49,7 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     step_s = [e["dur"] / 1e6 for e in steady]
     wait, train = named("wait", "learner"), named("train", "learner")
     first_train = min((e["ts"] / 1e6 for e in spans if e["track"] == "learner" and e["name"] == "train"), default=None)
-    out = {"learner": {
+    out: dict[str, Any] = {"learner": {
         "steps": len(steps), "steady_steps": len(steady), "steps_per_min": 60 * len(steady) / ((t1 - t0) / 1e6),
         "median_step_s": statistics.median(step_s), "median_train_s": _median(train), "median_wait_s": _median(wait),
         "wait_share": sum(wait) / sum(step_s), "longest_step_over_median": max(step_s) / statistics.median(step_s),
@@ -64,7 +65,7 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         **{f"{n}_s": _stats(named(n)) for n in ("lease", "wait_room", "wait_version", "weights", "score", "encode",
                                                   "send", "generate")},
         "loop_lag_ms": {"p50": _pct(lags, 50), "p99": _pct(lags, 99), "max": max(lags, default=None)}}
-    hub = {}
+    hub: dict[str, float] = {}
     for e in inside:
         if e["track"] == "hub":
             hub[e["name"]] = hub.get(e["name"], 0.0) + e["dur"] / 1e6
@@ -79,15 +80,14 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
 def startup(spans: list[dict], launched: float | None = None) -> list[dict]:
     """The start's phases, in the order they began: [{"phase", "from_launch_s", "s"}]."""
     origin = launched if launched else min(e["ts"] for e in spans) / 1e6
-    phases = [e for e in spans if e["track"] in ("startup", "engine")]
+    phases = [(f'{e["track"]}: {e["name"]}', e) for e in spans if e["track"] in ("startup", "engine")]
     for name, track in (("generate", None), ("wait", "learner"), ("train", "learner")):
         first = min((e for e in spans if e["name"] == name and (track is None or e["track"] == track)),
                     key=lambda e: e["ts"], default=None)
         if first is not None:
-            phases.append(dict(first, name=f"first {name}"))
-    return [{"phase": f'{e["track"]}: {e["name"]}' if not e["name"].startswith("first") else e["name"],
-             "from_launch_s": round(e["ts"] / 1e6 - origin, 2), "s": round(e["dur"] / 1e6, 2)}
-            for e in sorted(phases, key=lambda e: e["ts"])]
+            phases.append((f"first {name}", first))
+    return [{"phase": label, "from_launch_s": round(e["ts"] / 1e6 - origin, 2), "s": round(e["dur"] / 1e6, 2)}
+            for label, e in sorted(phases, key=lambda p: p[1]["ts"])]
 
 
 def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
