@@ -311,13 +311,15 @@ run_part() {
     ;;
   gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)
     shape15b
-    GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K:-3}"
+    GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness="
+    # one GPU at its own best k ($K_ONE, default 2: k = 3 ran slower there), the split at $K
     step gpubound_one 262 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
-      --timeout 245 --name "gpubound_one_k${K:-3}" --wave "one:0:0:$GB;generator.gpu_memory_utilization=0.3"; pack
+      --timeout 245 --name "gpubound_one_k${K_ONE:-2}" \
+      --wave "one:0:0:$GB${K_ONE:-2};generator.gpu_memory_utilization=0.3"; pack
     # CKPT=1: the split learner with gradient checkpointing (the config's is off: the learner has its GPU to itself)
     step gpubound_split 215 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
       --timeout 200 --name "gpubound_split${CKPT:+_ckpt}_k${K:-3}" \
-      --wave "split:0:1:$GB${CKPT:+;trainer.gradient_checkpointing=true}"; pack
+      --wave "split:0:1:$GB${K:-3}${CKPT:+;trainer.gradient_checkpointing=true}"; pack
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
     ;;
   gpubound-ranks)  # 2026-11-29: k = 2 9.65, k = 3 7.36 steps/min (the engines, sharing their GPUs, the bound at k = 3)

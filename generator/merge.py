@@ -20,6 +20,7 @@ generator.lora_mode's; the Merger merges onto W'. Nothing is ever merged into qu
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,22 +36,28 @@ class Merger:
         self.quantized = set(quantized_names(str(self.dir), quantization)) if quantization else set()
         self.base: dict[str, torch.Tensor] = {}
 
-    def __call__(self, named: list) -> list[tuple[str, torch.Tensor]]:
+    def __call__(self, named: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """The version's weights to load: checked whole first, then each merged weight made as the loader takes it,
+        so one merged weight at a time lies beside the engine's (a list of them all was the model's size again: the
+        7B QLoRA generator peaked at 47 GB, its cap 40)."""
         a = {n.removesuffix(LORA_A): t for n, t in named if n.endswith(LORA_A)}
         b = {n.removesuffix(LORA_B): t for n, t in named if n.endswith(LORA_B)}
         if a.keys() != b.keys():
             raise ValueError(f"adapter version: lora_A and lora_B name different modules "
                              f"({sorted(a.keys() ^ b.keys())[:3]})")
-        out = [(n, t) for n, t in named if not n.endswith((LORA_A, LORA_B))]
         self._load_base([f"{owner}.weight" for owner in a if f"{owner}.weight" not in self.base])
+        for owner, lora_a in a.items():
+            shape, base = [b[owner].shape[0], lora_a.shape[-1]], list(self.base[f"{owner}.weight"].shape)
+            if shape != base:
+                raise ValueError(f"adapter version: {owner} gives B A of shape {shape}, the base weight is {base}")
+        return self._merged(named, a, b)
+
+    def _merged(self, named: list, a: dict, b: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((n, t) for n, t in named if not n.endswith((LORA_A, LORA_B)))
         for owner, lora_a in a.items():
             w0 = self.base[f"{owner}.weight"]
             delta = b[owner].to(w0.device, torch.float32) @ lora_a.to(w0.device, torch.float32)
-            if delta.shape != w0.shape:
-                raise ValueError(f"adapter version: {owner} gives B A of shape {list(delta.shape)}, the base weight "
-                                 f"is {list(w0.shape)}")
-            out.append((f"{owner}.weight", (w0.float() + delta).to(self.dtype)))
-        return out
+            yield f"{owner}.weight", (w0.float() + delta).to(self.dtype)
 
     def _load_base(self, names: list[str]) -> None:
         """The base weights `names` from the checkpoint, in the engine's dtype, on the worker's device."""
@@ -59,31 +66,37 @@ class Merger:
         self.base.update(_read(self.dir, names, self.dtype, self.device, self.quantized, self.quantization))
 
 
-def learner_base_weights(model: str, dtype: torch.dtype, device, quantization: str) -> list[tuple[str, torch.Tensor]]:
-    """Every weight the learner of a quantized run quantized, as W' (its base as it computes with it)."""
+def learner_base_weights(model: str, dtype: torch.dtype, device,
+                         quantization: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight the learner of a quantized run quantized, as W' (its base as it computes with it), one at a
+    time as the loader takes them: all at once they were the model's size again beside the engine's."""
     root = _local_dir(model)
     names = quantized_names(str(root), quantization)
-    return list(_read(root, names, dtype, device, set(names), quantization).items())
+    return _read(root, names, dtype, device, set(names), quantization)
 
 
 def _read(root: Path, names: list[str], dtype: torch.dtype, device, quantized: set[str],
-          quantization: str | None) -> dict[str, torch.Tensor]:
-    """The weights `names` of the checkpoint in `root`, in `dtype` on `device`; those in `quantized` as W'."""
-    from safetensors import safe_open
-
+          quantization: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `names` of the checkpoint in `root`, in `dtype` on `device`, each read as it is taken; those in
+    `quantized` as W'. A name the checkpoint lacks is refused before any is read."""
     where = _index(root)
     missing = [n for n in names if n not in where]
     if missing:
         raise ValueError(f"adapter version: {root} holds no weight {missing[0]} (of {len(missing)} missing): "
                          "generator and learner must load the same model.path")
-    out = {}
+    return _tensors(root, names, where, dtype, device, quantized, quantization)
+
+
+def _tensors(root: Path, names: list[str], where: dict[str, str], dtype: torch.dtype, device, quantized: set[str],
+             quantization: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     for file in sorted({where[n] for n in names}):
         with safe_open(str(root / file), framework="pt", device="cpu") as f:
             for n in names:
                 if where[n] == file:
                     w = f.get_tensor(n).to(device, dtype)
-                    out[n] = learner_base(w, quantization) if quantization and n in quantized else w
-    return out
+                    yield n, learner_base(w, quantization) if quantization and n in quantized else w
 
 
 def _index(root: Path) -> dict[str, str]:

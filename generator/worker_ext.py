@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pipeline.transports import TRANSPORTS
@@ -58,10 +59,11 @@ class Core:
                 model_config = self.vllm_config.model_config
                 self._merger = Merger(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
                                       getattr(self, "_quantization", None))
-            named = self._merger(named)
+            self._into_engine(self._merger(named))
+            return
         self._into_engine(named)
 
-    def _into_engine(self, named: list) -> None:
+    def _into_engine(self, named: Iterable) -> None:
         import logging
 
         from vllm.platforms import current_platform
@@ -83,10 +85,17 @@ class Core:
 
         model_config = self.vllm_config.model_config
         self._quantization = quantization
-        named = learner_base_weights(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
-                                     quantization)
-        self._into_engine(named)
-        return len(named)
+        count = 0
+
+        def counted():  # one W' at a time, as the loader takes them (learner_base_weights)
+            nonlocal count
+            for item in learner_base_weights(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
+                                             quantization):
+                count += 1
+                yield item
+
+        self._into_engine(counted())
+        return count
 
     def next_adapter(self, lora_id: int) -> None:
         """generator.lora_mode adapter: the version about to be loaded is served as vLLM LoRA adapter `lora_id`."""
@@ -183,17 +192,15 @@ WeightLoader = type("WeightLoader", (*_mixins(), Core), {"__module__": __name__,
                     "transport's worker mixin: the class vLLM adds to its workers."})
 
 
-def _under_base_layers(model, named: list) -> list:
+def _under_base_layers(model, named: Iterable) -> Iterator:
     """With LoRA enabled, vLLM wraps each linear layer it serves adapters on, and the layer's own weights lie under
     `base_layer`, where its loader looks for them by name: `model.layers.0.self_attn.q_proj.weight` (packed into
     qkv_proj) is loaded as `model.layers.0.self_attn.q_proj.base_layer.weight`."""
     wrapped = {n for n, m in model.named_modules() if hasattr(m, "base_layer")}
     packed = {leaf: whole for whole, leaves in (getattr(model, "packed_modules_mapping", None) or {}).items()
               for leaf in leaves}
-    out = []
-    for name, t in named:
+    for name, t in named:  # as the loader takes them (the Merger's and learner_base_weights' are made one by one)
         owner, _, param = name.rpartition(".")
         head, _, leaf = owner.rpartition(".")
         served = f"{head}.{packed.get(leaf, leaf)}" if head else packed.get(leaf, leaf)
-        out.append((f"{owner}.base_layer.{param}" if served in wrapped else name, t))
-    return out
+        yield f"{owner}.base_layer.{param}" if served in wrapped else name, t

@@ -168,8 +168,9 @@ def _decide(f: dict[str, float], k: int) -> tuple[str, float, str]:
             "`weights.delta`, another `weights.transport` or `generator.update_mode=inflight` moves it")
     busy = f" while the engines generated {_pct(f['generating'])} of theirs" if "generating" in f else ""
     return GENERATION, f.get("generating", f["wait"]), (
-        f"{waited} for rollouts{busy}: another generator (`pipeline generator --learner ADDR`) or a larger "
-        "`generator.max_num_seqs` moves it")
+        f"{waited} for rollouts{busy}: another generator (`pipeline generator --learner ADDR`), on a GPU of its own "
+        "or beside an engine on the same GPU, moves it (a `generator.max_num_seqs` past 512, vLLM's largest CUDA "
+        "graph, made an engine slower, docs/figures.md)")
 
 
 def slim(record: dict) -> dict:

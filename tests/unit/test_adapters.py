@@ -177,3 +177,39 @@ def test_with_lora_enabled_the_base_weights_are_named_under_the_wrapped_layers()
         "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight", "lm_head.weight")])]
     assert names == ["model.layers.0.self_attn.k_proj.base_layer.weight",
                      "model.layers.0.self_attn.o_proj.base_layer.weight", "lm_head.weight"]
+
+
+def most_alive_at_once(named) -> int:
+    """How many of the tensors an iterable of (name, tensor) gives are alive at once, taken as a loader takes them
+    (each dropped before the next is asked for)."""
+    import weakref
+
+    alive, most = [0], 0
+    for _, t in named:
+        alive[0] += 1
+        most = max(most, alive[0])
+        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - 1))
+        del t
+    return most
+
+
+def test_merged_weights_and_the_quantized_base_are_made_one_at_a_time(tiny):
+    """The loader takes one weight at a time, so the generator makes one at a time: a list of every merged weight
+    (or of every W') was the model's size again beside the engine's, and the 7B QLoRA generator peaked at 47 GB
+    under a 40 GB cap (issue 54). A mismatched adapter is still refused before anything is made."""
+    pytest.importorskip("bitsandbytes")
+    from generator.merge import learner_base_weights
+
+    torch.manual_seed(0)
+    model = lora_model(tiny)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    published = [(n, t.clone()) for n, t in AdapterVersion(model).gathered(SimpleNamespace(module=model), 0)]
+    merger = Merger(tiny, torch.float32, "cpu")
+    assert most_alive_at_once(merger(published)) <= 2  # of 14 merged weights
+    assert most_alive_at_once(learner_base_weights(tiny, torch.float32, "cpu", "4bit")) <= 2  # of 14
+    bad = [(n, t[:, :-1] if n.endswith("lora_A.weight") else t) for n, t in published]
+    with pytest.raises(ValueError, match=r"gives B A of shape \[\d+, \d+\], the base weight is"):
+        merger(bad)
