@@ -6,7 +6,8 @@ and generators once the learner has finished. On Ctrl-C generators leave at once
 drain, the run is being abandoned) and the learner removes its shared-memory files; what a child killed
 after the grace period could not remove is removed afterwards (`remove_stale`). Signals never interrupt the
 launcher's code: they are counted and its loops look (the first stops the run, another cuts the grace period
-short), so no second Ctrl-C can leave a child running.
+short), so no second Ctrl-C can leave a child running. Once every child is stopped they are ignored: `pipeline run`
+exits 130 after a Ctrl-C however many more came.
 
 Nothing outlives the process that started it: each child has a guard (`guard`, a small process in a session of
 its own) that ends the child's process group once the child or its starter is gone, however it went (SIGKILL,
@@ -288,6 +289,10 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         if bound := verdict(timed(records)):  # what held it back (pipeline/verdict.py), as the learner's log says
             print(f"bound: {bound.line()}")
         print(f"run directory: {run_dir}  (metrics.jsonl, reward.png, final/)")
+    # every child is stopped: a Ctrl-C from here on has nothing to stop, and one that came while the interpreter
+    # exits would end it by SIGINT's default action (Python restores it then, but not an ignored one), not with rc
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     return rc
 
 
