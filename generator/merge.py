@@ -67,12 +67,13 @@ class Merger:
 
 
 def learner_base_weights(model: str, dtype: torch.dtype, device,
-                         quantization: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight the learner of a quantized run quantized, as W' (its base as it computes with it), one at a
-    time as the loader takes them: all at once they were the model's size again beside the engine's."""
+                         quantization: str) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
+    """(the names of every weight the learner of a quantized run quantized, each as W': its base as it computes
+    with it). The weights come one at a time as the loader takes them: all at once they were the model's size again
+    beside the engine's."""
     root = _local_dir(model)
     names = quantized_names(str(root), quantization)
-    return _read(root, names, dtype, device, set(names), quantization)
+    return names, _read(root, names, dtype, device, set(names), quantization)
 
 
 def _read(root: Path, names: list[str], dtype: torch.dtype, device, quantized: set[str],

@@ -85,17 +85,10 @@ class Core:
 
         model_config = self.vllm_config.model_config
         self._quantization = quantization
-        count = 0
-
-        def counted():  # one W' at a time, as the loader takes them (learner_base_weights)
-            nonlocal count
-            for item in learner_base_weights(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
-                                             quantization):
-                count += 1
-                yield item
-
-        self._into_engine(counted())
-        return count
+        names, weights = learner_base_weights(model_config.model, model_config.dtype, getattr(self, "device", "cpu"),
+                                              quantization)
+        self._into_engine(weights)  # one W' at a time; a weight the checkpoint lacks was refused before any
+        return len(names)
 
     def next_adapter(self, lora_id: int) -> None:
         """generator.lora_mode adapter: the version about to be loaded is served as vLLM LoRA adapter `lora_id`."""

