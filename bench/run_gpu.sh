@@ -58,8 +58,8 @@
 #                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
 #                result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
-#                (3): both on GPU 0, then learner GPU 0 + generator GPU 1 (with gradient checkpointing if $CKPT is
-#                set) (about 8 min)
+#                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + generator GPU 1 (with gradient checkpointing
+#                if $CKPT is set; two generators on GPU 1 if $ENGINES is 2) (about 8 min)
 #   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml
 #                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min)
 #   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
@@ -316,10 +316,13 @@ run_part() {
     step gpubound_one 262 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
       --timeout 245 --name "gpubound_one_k${K_ONE:-2}" \
       --wave "one:0:0:$GB${K_ONE:-2};generator.gpu_memory_utilization=0.3"; pack
-    # CKPT=1: the split learner with gradient checkpointing (the config's is off: the learner has its GPU to itself)
+    # CKPT=1: the split learner with gradient checkpointing (the config's is off: the learner has its GPU to itself);
+    # ENGINES=2: two generators on GPU 1, each with 0.42 of it (2026-11-30: one engine was the bound at k = 3)
+    local gens=1 share=""
+    if [ "${ENGINES:-1}" = 2 ]; then gens=1,1 share=";generator.gpu_memory_utilization=0.42"; fi
     step gpubound_split 215 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
-      --timeout 200 --name "gpubound_split${CKPT:+_ckpt}_k${K:-3}" \
-      --wave "split:0:1:$GB${K:-3}${CKPT:+;trainer.gradient_checkpointing=true}"; pack
+      --timeout 200 --name "gpubound_split${CKPT:+_ckpt}${ENGINES:+_${ENGINES}engines}_k${K:-3}" \
+      --wave "split:0:$gens:$GB${K:-3}${CKPT:+;trainer.gradient_checkpointing=true}$share"; pack
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
     ;;
   gpubound-ranks)  # 2026-11-29: k = 2 9.65, k = 3 7.36 steps/min (the engines, sharing their GPUs, the bound at k = 3)
@@ -338,9 +341,11 @@ run_part() {
       tests/gpu/test_gpu_qlora_split.py; pack
     ;;
   setups-2gpu-trl)  # TRL's server gets the generator's 23.4 GB of an H200's 141 (test_gpu_qlora_split.py's VLLM_BYTES)
+    # 2026-11-30: TRL's first weight sync sent 4-bit packed weights, the server refused them and the trainer waited
+    # until cut; its server starts in about 90 s, so the trainer's limit leaves the result time to be written
     step trl_qlora_split 560 python3 -m bench.vs_trl --task arith --config configs/qlora-2gpu.yaml --sides trl \
       --trl-mode server --trl-gpus 0,1 --trl-gpu-memory 0.166 --set model.path=/tmp/bench-models/q-7b \
-      --steps "${STEPS:-10}" --timeout 480 --name vs_trl_qlora_7b_split; pack
+      --steps "${STEPS:-10}" --timeout 400 --name vs_trl_qlora_7b_split; pack
     ;;
   qlora-smollm2)
     smollm2

@@ -62,8 +62,8 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     out["generators"] = {
         "tokens_per_s": tokens / ((t1 - t0) / 1e6), "tokens_per_s_generating": tokens / busy if busy else None,
         "none_generating_share": 1 - busy / ((t1 - t0) / 1e6), "groups": len(generate),
-        **{f"{n}_s": _stats(named(n)) for n in ("lease", "wait_room", "wait_version", "weights", "score", "encode",
-                                                  "send", "generate")},
+        **{f"{n}_s": _stats(named(n)) for n in ("lease", "wait_room", "engine_full", "wait_version", "weights",
+                                                  "score", "encode", "send", "generate")},
         "loop_lag_ms": {"p50": _pct(lags, 50), "p99": _pct(lags, 99), "max": max(lags, default=None)}}
     hub: dict[str, float] = {}
     for e in inside:
@@ -143,7 +143,8 @@ def plot(run_dir: Path, first: int, last: int, out: Path, lanes: int = 12) -> Pa
     rows = ["learner", "leases", "weights"] + [f"group {i}" for i in range(lanes)]
     colours = {"wait": "#d62728", "train": "#2ca02c", "publish": "#9467bd", "record": "#8c564b",
                "checkpoint": "#7f7f7f",
-               "lease": "#1f77b4", "wait_room": "#ff9896", "wait_version": "#ffbb78", "weights": "#9467bd",
+               "lease": "#1f77b4", "wait_room": "#ff9896", "engine_full": "#c5b0d5", "wait_version": "#ffbb78",
+               "weights": "#9467bd",
                "generate": "#17becf", "score": "#bcbd22", "encode": "#e377c2", "send": "#7f7f7f"}
     fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.2))
     for y, row in enumerate(rows):

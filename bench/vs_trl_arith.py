@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -174,8 +175,11 @@ def run_trl(args, cfg) -> dict:
             server.stop(grace=10)
     result = json.loads(out.read_text()) if out.exists() else {}
     rounds = result.get("eval") or read_jsonl(evals)  # a cut run: the rounds it finished
+    # what TRL's server refused (TRL 1.16's QLoRA trainer sent it 4-bit packed weights, then waited forever)
+    refused = server_errors(d / "trl-vllm-serve.log") if served and (code != 0 or not out.exists()) else []
     if not rounds:
-        return {"side": "trl", "error": f"exit {code}: {child.tail(30)}", "command": " ".join(argv[1:])}
+        return {"side": "trl", "error": f"exit {code}: {child.tail(30)}", "server_errors": refused,
+                "command": " ".join(argv[1:])}
     launched = wall[0]
     paused, points = 0.0, []
     for r in sorted(rounds, key=lambda r: r["version"]):
@@ -194,7 +198,19 @@ def run_trl(args, cfg) -> dict:
             "final": curves.final(points, args.final_window), "steps": result.get("steps", points[-1]["version"]),
             "steps_per_min": result.get("steps_per_min"), "generation_s": result.get("generation_s"),
             "training_s": result.get("training_s"), "server_ready_s": server_s,
-            "server_gpu_memory_peak_gib": server_peak[0] / 2**30 if served else None, "trl": trl, "run": result}
+            "server_gpu_memory_peak_gib": server_peak[0] / 2**30 if served else None, "server_errors": refused,
+            "trl": trl, "run": result}
+
+
+def server_errors(log: Path, most: int = 4) -> list[str]:
+    """The distinct exceptions a vLLM server's log names (`AssertionError`, `RuntimeError: ...`), in order."""
+    found: list[str] = []
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    for line in lines:
+        m = re.search(r"(?:^|\] |\) )(\w*(?:Error|Exception)\b(?::.*)?)$", line.strip())
+        if m and "Traceback" not in line and m.group(1) not in found:
+            found.append(m.group(1))
+    return found[:most]
 
 
 def trl_adapters(model) -> list[str]:

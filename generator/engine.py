@@ -181,6 +181,12 @@ class Engine:
         states = getattr(getattr(self.llm, "output_processor", None), "request_states", {})
         return sum(getattr(getattr(s, "stats", None), "num_generation_tokens", 0) or 0 for s in states.values())
 
+    def full(self) -> bool:
+        """The engine holds as many sequences as it runs at once (`concurrent_sequences`): more would wait in its
+        queue. vLLM's frontend keeps one state per sequence it has not finished (a request of n samples is n)."""
+        states = getattr(getattr(self.llm, "output_processor", None), "request_states", {})
+        return len(states) >= self.concurrent_sequences()
+
     def concurrent_sequences(self) -> int:
         """Sequences the engine runs at once: its max_num_seqs, fewer when its KV cache holds fewer sequences of
         max_model_len (the prompts of a group share their blocks, so this is a lower bound)."""

@@ -453,8 +453,10 @@ class Generator:
                 await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
                 break
             if isinstance(reply, P.Wait):  # asked again after retry_s, or as soon as the engine loads a new version:
-                # the step that published it made room in the window (the hub opens it as it publishes)
-                with self.stages.span("wait_room", "leases", why=reply.reason):
+                # the step that published it made room in the window (the hub opens it as it publishes). With its
+                # engine full, a wider window would only queue more: that wait is the engine's (engine_full)
+                stage = "engine_full" if self.engine.full() else "wait_room"
+                with self.stages.span(stage, "leases", why=reply.reason):
                     async with self.version_changed:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self.version_changed.wait(), reply.retry_s)

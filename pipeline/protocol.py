@@ -173,9 +173,11 @@ class Heartbeat(Message):
     stage_s: dict = field(default_factory=dict)
 
 
-# a generator's stages (Heartbeat.stage_s): lease round trips, waits for room in the window and for a lease's
-# weights version, time with groups generating and with none, scoring, encoding, sending, loading weights
-STAGES = ("lease", "wait_room", "wait_version", "generating", "idle", "score", "encode", "send", "weights")
+# a generator's stages (Heartbeat.stage_s): lease round trips, waits for room in the window (engine_full: while its
+# engine held as many sequences as it runs at once) and for a lease's weights version, time with groups generating
+# and with none, scoring, encoding, sending, loading weights
+STAGES = ("lease", "wait_room", "engine_full", "wait_version", "generating", "idle", "score", "encode", "send",
+          "weights")
 
 
 @dataclass

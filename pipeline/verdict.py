@@ -13,6 +13,11 @@ window of steps the verdict adds them up and asks, in this order:
       wait for their weights, 20 % of their time         once it reaches 20 %
     none of these                                        generation throughput
 
+A generator that waits for room while its engine already holds as many sequences as it runs at once records that
+wait as `engine_full`, not `wait_room`: a wider window would only queue more in the engine, so that time counts for
+generation throughput, not for the window (on two H200s the window was "full" 26 % of such a run's time while its
+engine ran its 512 sequences, and k + 1 was the advice; docs/figures.md).
+
 The generators' seconds are shares of their own time (generating + idle, which add up to each one's wall time), so
 heartbeats that land unevenly between steps do not skew them. Each learner process's first WARMUP steps are left
 out (step 0 waits for the engines to start), and so are steps LONG times the window's mean or more (an evaluation
@@ -45,7 +50,8 @@ LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD = ("learner compute", "generat
                                                      "weights delivery", "the hub", "rewards")
 STAGES = (LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD)
 # the generators' shares a verdict reads, and the stage of theirs (protocol.STAGES) each is of
-SHARES = {"generating": "generating", "window_full": "wait_room", "wait_weights": "wait_version", "rewards": "score"}
+SHARES = {"generating": "generating", "window_full": "wait_room", "engine_full": "engine_full",
+          "wait_weights": "wait_version", "rewards": "score"}
 
 
 @dataclass(frozen=True)
@@ -167,10 +173,13 @@ def _decide(f: dict[str, float], k: int) -> tuple[str, float, str]:
             f"leases waited for their weights version {_pct(weights)} of the generators' time and {waited}: "
             "`weights.delta`, another `weights.transport` or `generator.update_mode=inflight` moves it")
     busy = f" while the engines generated {_pct(f['generating'])} of theirs" if "generating" in f else ""
+    full = f.get("engine_full", 0.0)
+    if full >= WAITS:
+        busy += (f" and were full {_pct(full)} of it, where a wider window (`trainer.max_staleness`) would only queue "
+                 "more")
     return GENERATION, f.get("generating", f["wait"]), (
         f"{waited} for rollouts{busy}: another generator (`pipeline generator --learner ADDR`), on a GPU of its own "
-        "or beside an engine on the same GPU, moves it (a `generator.max_num_seqs` past 512, vLLM's largest CUDA "
-        "graph, made an engine slower, docs/figures.md)")
+        "or beside an engine on the same GPU, moves it")
 
 
 def slim(record: dict) -> dict:

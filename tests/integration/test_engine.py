@@ -61,15 +61,20 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache, monkeypatc
             # log-probs are kept flat: no object per generated token for the garbage collector to walk
             # each look walks the objects made since the freeze only, not the whole process: in a long test session
             # a walk of every object took so long that the request ended after two looks
+            # and the engine says it is full while it runs its 16 sequences (a generator refused a lease then records
+            # `engine_full`, not `wait_room`: generator/service.py)
+            assert not engine.full()
             gc.freeze()
             try:
-                probe, seen = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long)), []
+                probe, seen, full = asyncio.create_task(engine.generate([4, 5, 6, 3], 16, long)), [], []
                 while not probe.done():
                     seen.append(_logprob_objects())
+                    full.append(engine.full())
                     await asyncio.sleep(0.05)
             finally:
                 gc.unfreeze()
             assert len((await probe)[0].logprobs) == 240 and len(seen) > 2 and max(seen) == 0
+            assert any(full) and not engine.full(), full
             # a prompt of several cache blocks, its KV cached under version 0
             prompt, one = [4 + (7 * j) % 10 for j in range(150)], P.Sampling(max_tokens=1, temperature=0.0)
             await engine.generate(prompt, 1, one)

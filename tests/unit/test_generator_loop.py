@@ -34,10 +34,14 @@ class FakeEngine:
         self.last_swap_ms: dict[str, float] = {}
         self.is_dead = False
         self.seqs = 64  # sequences it runs at once
+        self.inside = 0  # sequences held inside it (HoldingEngine)
         self.staging = False  # nccl: no staged receive
 
     def concurrent_sequences(self) -> int:
         return self.seqs
+
+    def full(self) -> bool:
+        return self.inside >= self.seqs
 
     def tokens_in_flight(self) -> int:
         return 0
@@ -187,7 +191,11 @@ class HoldingEngine(FakeEngine):
         self.seqs, self.release = seqs, asyncio.Event()
 
     async def generate(self, prompt_ids, n, sampling, seed=None):
-        await self.release.wait()
+        self.inside += n
+        try:
+            await self.release.wait()
+        finally:
+            self.inside -= n
         return await super().generate(prompt_ids, n, sampling, seed)
 
 
@@ -204,6 +212,23 @@ async def test_groups_in_flight_are_sized_from_what_the_engine_runs_at_once(tmp_
         engine.release.set()
         await _until(lambda: len(hub.ledger.buffer) >= 32)  # released: the whole window fills
         assert len(hub.ledger.buffer) == 32
+
+
+@pytest.mark.parametrize("seqs, stage", [(4, "engine_full"), (8, "wait_room")])
+async def test_a_wait_for_room_with_the_engine_full_is_the_engines_not_the_windows(tmp_path, seqs, stage):
+    """k = 0: the window holds one batch, 2 groups of 2 (4 sequences), and the generator asks for one group more (its
+    lease). With an engine that runs 4 at once, it waits with its engine full: a wider window would only queue more
+    there, so that wait is `engine_full` (pipeline/verdict.py counts it for generation); with room for 8, it is the
+    window's (`wait_room`)."""
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 0, "total_steps": 100},
+                            "generator": {"lease_size": 1}, "hub": {"heartbeat_s": 0.2}})
+    engine = HoldingEngine(seqs=seqs)
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: engine.inside == 4)
+        await _until(lambda: gen.stages.report().get(stage, 0.0) > 0.3)
+        other = {"engine_full", "wait_room"} - {stage}
+        assert gen.stages.report().get(other.pop(), 0.0) == 0.0
+        engine.release.set()
 
 
 class GatedEngine(FakeEngine):

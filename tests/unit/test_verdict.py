@@ -71,7 +71,8 @@ def test_leases_waiting_for_their_weights_name_the_weights():
 def test_each_sentence_gives_its_figure_and_knob():
     knobs = {V.LEARNER: "`trainer.micro_batch_tokens`", V.WEIGHTS: "`weights.transport`",
              V.HUB: "`generator.lease_size`", V.REWARD: "`pipeline generator --learner ADDR`",
-             V.WINDOW: "`trainer.max_staleness=2` lets 2 batches generate", V.GENERATION: "`generator.max_num_seqs`"}
+             V.WINDOW: "`trainer.max_staleness=2` lets 2 batches generate",
+             V.GENERATION: "`pipeline generator --learner ADDR`"}
     for stage, knob in knobs.items():
         v = judge([STAGE_RUNS[stage]] * 8)
         assert knob in v.sentence, v.sentence
@@ -102,6 +103,27 @@ def test_the_h200_runs_read_as_measured():
     assert k2.stage == V.LEARNER and k2.left_out == 1, k2.line()
     assert k2.share == pytest.approx(0.188 / 0.252, abs=0.01)  # train ~ 75 % of the step
     assert judge([SPLIT_1_5B] * 9).stage == V.LEARNER
+
+
+# the split 1.5B run at k = 3 on two H200s (2026-11-30, 512 sequences an engine): the learner waited 34 %, and the
+# generator waited for room 26 % of its time while its engine ran the 512 sequences it runs at once
+SPLIT_1_5B_K3 = {"wall": 8.63, "wait": 2.97, "train": 5.6, "publish": 0.05, "generating": 8.62}
+
+
+def test_waits_for_room_with_the_engine_full_count_for_generation_not_the_window():
+    """The split run's verdict was "the window" with `trainer.max_staleness=4` as the knob, while its engine already
+    ran all the sequences it could: recorded as `engine_full`, those waits name generation throughput, and the
+    sentence says a wider window would only queue more."""
+    assert judge([dict(SPLIT_1_5B_K3, wait_room=2.26)] * 9, k=3).stage == V.WINDOW  # what the run said
+    v = judge([dict(SPLIT_1_5B_K3, engine_full=2.26)] * 9, k=3)
+    assert v.stage == V.GENERATION and v.figures["engine_full"] == pytest.approx(2.26 / 8.63, abs=0.01), v.line()
+    assert "full 26 %" in v.sentence and "would only queue more" in v.sentence
+    assert "max_staleness=4" not in v.sentence
+    # a learner-bound run is not told that k + 1 may take its wait when its engine was the one full
+    one = {"wall": 11.0, "wait": 1.9, "train": 9.0, "generating": 11.0}  # one GPU at k = 2 (2026-11-30)
+    assert "max_staleness=3" in judge([dict(one, wait_room=8.7)] * 9, k=2).sentence
+    learner = judge([dict(one, engine_full=8.7)] * 9, k=2)
+    assert learner.stage == V.LEARNER and "max_staleness" not in learner.sentence, learner.line()
 
 
 def test_a_long_step_is_left_out_and_alternating_steps_are_not():
