@@ -72,7 +72,7 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     out["hub"] = {k: round(v, 4) for k, v in sorted(hub.items())}
     pairs = [(r, wall) for r, wall in timed(read_jsonl(Path(run_dir) / "metrics.jsonl")) if r["step"] >= skip]
     out["metrics"] = dict(sorted(totals([r for r, _ in pairs], ("gen/", "time/hub/")).items()))
-    bound = verdict(pairs)
+    bound = verdict(pairs, _trains_adapters(Path(run_dir)))
     out["verdict"] = {**bound.fields(), "sentence": bound.line()} if bound else None
     return out
 
@@ -127,6 +127,15 @@ def main() -> None:
         print(plot(a.run_dir, int(a.plot[0]), int(a.plot[1]), Path(a.plot[2])))
         return
     print(json.dumps(summary(a.run_dir, a.launched, a.skip), indent=1))
+
+
+def _trains_adapters(run_dir: Path) -> bool:
+    """Whether the run's config.yaml sets model.lora (the verdict then leaves it out of the learner's knobs)."""
+    import yaml
+
+    config = run_dir / "config.yaml"
+    cfg = yaml.safe_load(config.read_text()) if config.exists() else None
+    return bool(((cfg or {}).get("model") or {}).get("lora"))
 
 
 def plot(run_dir: Path, first: int, last: int, out: Path, lanes: int = 12) -> Path:

@@ -205,7 +205,7 @@ class Learner:
         self.skipped = 0  # steps not finite in a row
         self.started = self.last_time = time.perf_counter()
         self.last_tokens = hub.counters["tokens"] if hub else 0
-        self.verdicts = Verdicts()
+        self.verdicts = Verdicts(lora=cfg.model.lora is not None)
         self.signal = Signal()  # whether the steps still teach anything (learner/signal.py)
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
@@ -285,7 +285,7 @@ class Learner:
 
     def conclude(self, hub: Hub) -> None:
         """Rank 0, at the end: what held the whole run back (every step in metrics.jsonl, a resumed run's too)."""
-        final = verdict(timed(read_metrics(self.run_dir)))
+        final = verdict(timed(read_metrics(self.run_dir)), self.cfg.model.lora is not None)
         if final is not None:
             log.info("what held the run back, %s", final.line())
             hub.set_verdict(final.line())

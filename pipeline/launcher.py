@@ -286,7 +286,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         first, last = records[0]["reward/mean"], records[-1]["reward/mean"]
         print(f"done: {len(records)} steps, reward {first:.3f} -> {last:.3f}, "
               f"{records[-1]['time/elapsed_s']:.0f} s of training")
-        if bound := verdict(timed(records)):  # what held it back (pipeline/verdict.py), as the learner's log says
+        # what held it back (pipeline/verdict.py), as the learner's log says
+        if bound := verdict(timed(records), cfg.model.lora is not None):
             print(f"bound: {bound.line()}")
         print(f"run directory: {run_dir}  (metrics.jsonl, reward.png, final/)")
     # every child is stopped: a Ctrl-C from here on has nothing to stop, and one that came while the interpreter

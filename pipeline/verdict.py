@@ -99,13 +99,14 @@ def totals(records: Sequence[dict], prefixes: tuple[str, ...] = ("gen/", "time/"
     return out
 
 
-def verdict(pairs: Sequence[tuple[dict, float]]) -> Verdict | None:
-    """The stage that bound these steps ((record, wall seconds), from `steps`); None for fewer than MIN_STEPS."""
+def verdict(pairs: Sequence[tuple[dict, float]], lora: bool = False) -> Verdict | None:
+    """The stage that bound these steps ((record, wall seconds), from `timed`); None for fewer than MIN_STEPS. `lora`:
+    the run trains adapters already, so the learner's knobs leave `model.lora` out."""
     kept = _usual(pairs)
     if len(kept) < MIN_STEPS:
         return None
     f = _figures([r for r, _ in kept], sum(w for _, w in kept))
-    stage, share, sentence = _decide(f, kept[-1][0].get("max_staleness", 1))
+    stage, share, sentence = _decide(f, kept[-1][0].get("max_staleness", 1), lora)
     return Verdict(stage, share, sentence, kept[0][0]["step"], kept[-1][0]["step"], len(kept),
                    len(pairs) - len(kept), {k: v for k, v in f.items() if k != "score_per_group"})
 
@@ -138,7 +139,7 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f} %"
 
 
-def _decide(f: dict[str, float], k: int) -> tuple[str, float, str]:
+def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float, str]:
     """(stage, its figure, the sentence with the knob) from the shares of `_figures`."""
     waited = f"the learner waited {_pct(f['wait'])} of its time"
     if f["wait"] < LEARNER_WAITS:
@@ -149,10 +150,11 @@ def _decide(f: dict[str, float], k: int) -> tuple[str, float, str]:
         room = f.get("window_full", 0.0)
         window = (f"; the window was full {_pct(room)} of the generators' time, so `trainer.max_staleness={k + 1}` "
                   "may take the wait" if f["wait"] >= WAIT_NOTED and room >= WAITS else "")
+        knobs = "`trainer.micro_batch_tokens`, `trainer.compile` or more learner GPUs" if lora else \
+            "`trainer.micro_batch_tokens`, `trainer.compile`, more learner GPUs or `model.lora`"
         return LEARNER, f["train"], (
             f"training took {_pct(f['train'])} of the step, waiting for rollouts {_pct(f['wait'])}: the learner sets "
-            "the pace; `trainer.micro_batch_tokens`, `trainer.compile`, more learner GPUs or `model.lora` move it"
-            + window)
+            f"the pace; {knobs} move it" + window)
     if f["hub_busy"] >= HUB_BUSY:
         return HUB, f["hub_busy"], (
             f"the hub's thread was busy {_pct(f['hub_busy'])} of the time and {waited}: fewer, larger messages "
@@ -195,8 +197,8 @@ class Verdicts:
     last (`due`), and, `every` steps after generators rose or k changed, whether steps/min rose with them
     (`changed`)."""
 
-    def __init__(self, every: int = EVERY):
-        self.every = every
+    def __init__(self, every: int = EVERY, lora: bool = False):
+        self.every, self.lora = every, lora  # lora: as `verdict`'s
         self.records: deque[dict] = deque(maxlen=2 * every + 2)
         self.seen = 0  # records of this process
 
@@ -215,7 +217,7 @@ class Verdicts:
         """The verdict over the last `every` steps, at every `every`-th step (none when `every` is 0)."""
         if not self.every or not self.records or (self.records[-1]["step"] + 1) % self.every:
             return None
-        return verdict(self._steps(max(0, len(self.records) - self.every - 1)))
+        return verdict(self._steps(max(0, len(self.records) - self.every - 1)), self.lora)
 
     def changed(self) -> str | None:
         """`every` steps after the generators rose or k changed (`pipeline set trainer.max_staleness`): steps/min
@@ -238,7 +240,7 @@ class Verdicts:
         if now >= RISE * was:
             return head
         if gens > gens0:
-            why = verdict(after)
+            why = verdict(after, self.lora)
             return f"{head}, no faster" + (f": {why.sentence}" if why else "")
         if k < k0:
             return f"{head}, no faster"

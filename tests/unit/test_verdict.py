@@ -126,6 +126,18 @@ def test_waits_for_room_with_the_engine_full_count_for_generation_not_the_window
     assert learner.stage == V.LEARNER and "max_staleness" not in learner.sentence, learner.line()
 
 
+def test_a_run_that_trains_adapters_is_not_told_to_train_adapters():
+    """The learner's knobs name `model.lora` only to a run without it (a SmolLM2 QLoRA run was told to use it)."""
+    pairs = V.timed(records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + [LEARNER_BOUND] * 8))
+    assert "`model.lora`" in V.verdict(pairs).sentence
+    lora = V.verdict(pairs, lora=True)
+    assert lora.stage == V.LEARNER and "`model.lora`" not in lora.sentence and "more learner GPUs" in lora.sentence
+    verdicts = V.Verdicts(lora=True)
+    due = [v for r in records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + [LEARNER_BOUND] * 8)
+           if (v := verdicts.add(r))]
+    assert len(due) == 1 and "`model.lora`" not in due[0].sentence, due
+
+
 def test_a_long_step_is_left_out_and_alternating_steps_are_not():
     """The evaluation round's step alone would make k = 2 look upstream-bound (its wait is 30 % of the window)."""
     with_round = [H200_K2] * 4 + [H200_K2_EVAL] + [H200_K2] * 5
