@@ -131,11 +131,10 @@ def main() -> None:
 
 def _trains_adapters(run_dir: Path) -> bool:
     """Whether the run's config.yaml sets model.lora (the verdict then leaves it out of the learner's knobs)."""
-    import yaml
+    from pipeline.config import load_config
 
     config = run_dir / "config.yaml"
-    cfg = yaml.safe_load(config.read_text()) if config.exists() else None
-    return bool(((cfg or {}).get("model") or {}).get("lora"))
+    return config.exists() and load_config(config).model.lora is not None
 
 
 def plot(run_dir: Path, first: int, last: int, out: Path, lanes: int = 12) -> Path:

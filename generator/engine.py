@@ -175,17 +175,21 @@ class Engine:
         self._tap = not why
         return self._tap
 
+    def _unfinished(self) -> dict:
+        """vLLM's frontend state of each sequence not finished yet (a request of n samples is n); none where this vLLM
+        keeps no such states."""
+        return getattr(getattr(self.llm, "output_processor", None), "request_states", {})
+
     def tokens_in_flight(self) -> int:
         """Tokens the requests still running have generated so far, from vLLM's per-request stats (FINAL_ONLY output
         says nothing before a request ends); 0 where this vLLM keeps no such stats."""
-        states = getattr(getattr(self.llm, "output_processor", None), "request_states", {})
-        return sum(getattr(getattr(s, "stats", None), "num_generation_tokens", 0) or 0 for s in states.values())
+        return sum(getattr(getattr(s, "stats", None), "num_generation_tokens", 0) or 0
+                   for s in self._unfinished().values())
 
     def full(self) -> bool:
         """The engine holds as many sequences as it runs at once (`concurrent_sequences`): more would wait in its
-        queue. vLLM's frontend keeps one state per sequence it has not finished (a request of n samples is n)."""
-        states = getattr(getattr(self.llm, "output_processor", None), "request_states", {})
-        return len(states) >= self.concurrent_sequences()
+        queue."""
+        return len(self._unfinished()) >= self.concurrent_sequences()
 
     def concurrent_sequences(self) -> int:
         """Sequences the engine runs at once: its max_num_seqs, fewer when its KV cache holds fewer sequences of

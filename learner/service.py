@@ -285,7 +285,7 @@ class Learner:
 
     def conclude(self, hub: Hub) -> None:
         """Rank 0, at the end: what held the whole run back (every step in metrics.jsonl, a resumed run's too)."""
-        final = verdict(timed(read_metrics(self.run_dir)), self.cfg.model.lora is not None)
+        final = verdict(timed(read_metrics(self.run_dir)), self.verdicts.lora)
         if final is not None:
             log.info("what held the run back, %s", final.line())
             hub.set_verdict(final.line())

@@ -150,11 +150,12 @@ def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float
         room = f.get("window_full", 0.0)
         window = (f"; the window was full {_pct(room)} of the generators' time, so `trainer.max_staleness={k + 1}` "
                   "may take the wait" if f["wait"] >= WAIT_NOTED and room >= WAITS else "")
-        knobs = "`trainer.micro_batch_tokens`, `trainer.compile` or more learner GPUs" if lora else \
-            "`trainer.micro_batch_tokens`, `trainer.compile`, more learner GPUs or `model.lora`"
+        knobs = ["`trainer.micro_batch_tokens`", "`trainer.compile`", "more learner GPUs"]
+        if not lora:  # not to a run that trains adapters already
+            knobs.append("`model.lora`")
         return LEARNER, f["train"], (
             f"training took {_pct(f['train'])} of the step, waiting for rollouts {_pct(f['wait'])}: the learner sets "
-            f"the pace; {knobs} move it" + window)
+            f"the pace; {', '.join(knobs[:-1])} or {knobs[-1]} move it" + window)
     if f["hub_busy"] >= HUB_BUSY:
         return HUB, f["hub_busy"], (
             f"the hub's thread was busy {_pct(f['hub_busy'])} of the time and {waited}: fewer, larger messages "
