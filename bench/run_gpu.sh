@@ -58,8 +58,8 @@
 #                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
 #                result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
-#                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + generator GPU 1 (with gradient checkpointing
-#                if $CKPT is set; two generators on GPU 1 if $ENGINES is 2) (about 8 min)
+#                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + the config's two generators on GPU 1 (one
+#                with the GPU to itself if $ENGINES is 1; gradient checkpointing if $CKPT is set) (about 8 min)
 #   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml
 #                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min)
 #   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
@@ -67,7 +67,8 @@
 #   setups-2gpu-trl  then, on the same machine, TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
 #                on the same shape, config and caps (2 GPUs; bitsandbytes and TRL's wheels; up to 9 min)
 #   qlora-smollm2  issue 54, setup 1 on the real model: SmolLM2 with QLoRA (r 16, NF4), learner GPU 0 + generator GPU 1,
-#                then both on GPU 0, $STEPS (150) steps each, held-out pass@1 (2 GPUs; bitsandbytes; about 9 min)
+#                then both on GPU 0, $STEPS (150) steps each, at lr $LR (the config's, 1e-5, unless set; 1e-4 is a LoRA
+#                rate), held-out pass@1 (2 GPUs; bitsandbytes; about 9 min)
 #   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
 #                7B shape (random weights, built into /tmp/bench-models first if missing: about 1 min), a ZeRO-3 learner
 #                on GPUs 0-2 with the optimizer offloaded to the CPU and a generator on GPU 3, each GPU held to 24 GB;
@@ -105,6 +106,7 @@ mkdir -p "${OUT:-bench/out}" /tmp/bench-logs
 OUT=$(cd "${OUT:-bench/out}" && pwd)
 export BENCH_PGIDS=/tmp/bench-pgids.txt BENCH_RESULTS=${BENCH_RESULTS:-$OUT/results}
 T0=$(date +%s)
+ALONE="generator.gpu_memory_utilization=0.85"  # one generator with a GPU to itself (gpu-qwen-math.yaml runs two, 0.42)
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 cleanup() {  # process groups the benchmarks started (each child runs in its own session)
@@ -262,13 +264,14 @@ run_part() {
   grow)  # a generator added twice while a run goes on (issue 41): 1, 2, 3 generator GPUs beside a learner on GPU 0
     step busy_grow 380 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 0.5b --steps 24 --skip 2 \
       --timeout 340 --name grow --join grow:2@3 --join grow:3@8 \
-      --wave "grow:0:1:trainer.compile=true;trainer.micro_batch_tokens=10240;trainer.gradient_checkpointing=false"; pack
+      --wave "grow:0:1:trainer.compile=true;trainer.micro_batch_tokens=10240;trainer.gradient_checkpointing=false;$ALONE"
+    pack
     ;;
   grow-1.5b)  # learner compute bounds this workload at about 5.5 s a step (busy_gpu-qwen-math_gpubound_h200x4.json):
     # gradient checkpointing off, as the 0.5B grow
     step busy_grow_1.5b 540 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 40 --skip 2 \
       --timeout 480 --name grow-1.5b --join grow:2@6 --join grow:3@16 \
-      --wave "grow:0:1:trainer.max_staleness=${K:-1};trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.gradient_checkpointing=false"
+      --wave "grow:0:1:trainer.max_staleness=${K:-1};trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.gradient_checkpointing=false;$ALONE"
     grep -h "what holds\|what held\|join" /tmp/bench-runs/busy/grow/logs/*.log | cut -c1-300; pack
     ;;
   gens13)
@@ -309,19 +312,19 @@ run_part() {
     step quickstart_warm 170 "${Q[@]}" --timeout 75 --name quickstart_warm --wave "warm1:0:0" --wave "warm2:0:0"
     pack
     ;;
-  gpubound-2gpu)  # 2026-11-29: one GPU at k = 2 5.41, k = 3 4.56; split at k = 3 10.87 steps/min (learner compute)
+  gpubound-2gpu)  # 2026-11-30: one GPU at k = 2 5.61, the split at k = 3 with the config's two engines 10.84 (1.93x)
     shape15b
     GB="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness="
     # one GPU at its own best k ($K_ONE, default 2: k = 3 ran slower there), the split at $K
     step gpubound_one 262 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
       --timeout 245 --name "gpubound_one_k${K_ONE:-2}" \
       --wave "one:0:0:$GB${K_ONE:-2};generator.gpu_memory_utilization=0.3"; pack
-    # CKPT=1: the split learner with gradient checkpointing (the config's is off: the learner has its GPU to itself);
-    # ENGINES=2: two generators on GPU 1, each with 0.42 of it (2026-11-30: one engine was the bound at k = 3)
-    local gens=1 share=""
-    if [ "${ENGINES:-1}" = 2 ]; then gens=1,1 share=";generator.gpu_memory_utilization=0.42"; fi
+    # the config's two generators on GPU 1, each with 0.42 of it; ENGINES=1: one engine with the GPU to itself (it
+    # made 6.95-10.28 steps/min on three machines); CKPT=1: the split learner with gradient checkpointing
+    local gens=1,1 share=""
+    if [ "${ENGINES:-2}" = 1 ]; then gens=1 share=";$ALONE"; fi
     step gpubound_split 215 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 14 --skip 3 \
-      --timeout 200 --name "gpubound_split${CKPT:+_ckpt}${ENGINES:+_${ENGINES}engines}_k${K:-3}" \
+      --timeout 200 --name "gpubound_split${CKPT:+_ckpt}_${ENGINES:-2}engines_k${K:-3}" \
       --wave "split:0:$gens:$GB${K:-3}${CKPT:+;trainer.gradient_checkpointing=true}$share"; pack
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
     ;;
@@ -349,7 +352,7 @@ run_part() {
     ;;
   qlora-smollm2)
     smollm2
-    Q=(--set "model.lora={r: 16, alpha: 32}" --set model.quantization=4bit)
+    Q=(--set "model.lora={r: 16, alpha: 32}" --set model.quantization=4bit ${LR:+--set trainer.lr=$LR})
     step qlora_split 280 python3 -m bench.vs_trl --task arith --sides ours --steps "${STEPS:-150}" "${Q[@]}" \
       --set "run.learner_gpus='0'" --set 'run.generator_gpus=["1"]' --timeout 260 --name qlora_smollm2_split; pack
     step qlora_colocated 280 python3 -m bench.vs_trl --task arith --sides ours --steps "${STEPS:-150}" "${Q[@]}" \

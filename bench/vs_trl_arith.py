@@ -75,15 +75,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--with", dest="with_", nargs="+", default=[], metavar="RESULT",
                    help="side results of earlier calls to compare with this call's")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULT", help="start nothing: compare these sides")
-    p.add_argument("--run-dir", type=Path, default=RUNS / "vs-trl-arith")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="the sides' run directories (default RUNS/vs-trl-arith/NAME: a call's runs of two names keep "
+                   "both)")
     p.add_argument("--name", default="", help="result name prefix (default vs_trl_arith_MODEL)")
     args = p.parse_args(argv)
     if args.merge:
         compare([json.loads(Path(f).read_text()) for f in args.merge], args)
         return 0
     cfg = load(args)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
     prefix = args.name or f"vs_trl_arith_{model_name(cfg)}"
+    args.run_dir = args.run_dir or RUNS / "vs-trl-arith" / prefix
+    args.run_dir.mkdir(parents=True, exist_ok=True)
     sides = [json.loads(Path(f).read_text()) for f in args.with_]
     for side in args.sides.split(","):
         if side == "trl":

@@ -225,6 +225,7 @@ def check_config(cfg) -> None:
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     check_environment(g)
+    check_shared_gpus(cfg)
     check_builtin_data(cfg)
     check_reasoning_gym(cfg)
     if cfg.weights.transport not in ("auto", *TRANSPORTS):
@@ -240,6 +241,28 @@ def check_config(cfg) -> None:
             builtin.module_path(spec)
         except ValueError as e:  # `builtin:` with a name there is not
             raise ConfigError(f"{key}: {e}") from None
+
+
+SHARED_GPU = 0.95  # of a GPU, the generators' shares together at most: each engine's CUDA context is beyond its share
+
+
+def check_shared_gpus(cfg) -> None:
+    """The generators `pipeline run` puts on one GPU (run.generator_gpus, in turn) each take
+    generator.gpu_memory_utilization of it, and vLLM refuses an engine whose share exceeds the memory free at its
+    start: a second engine would fail minutes into the run, once the first had built."""
+    gpus, share = cfg.run.generator_gpus, cfg.generator.gpu_memory_utilization
+    on: dict[str, int] = {}
+    for i in range(cfg.run.generators if gpus else 0):
+        for gpu in str(gpus[i % len(gpus)]).split(","):
+            on[gpu] = on.get(gpu, 0) + 1
+    gpu, n = max(on.items(), key=lambda kv: kv[1], default=("", 0))
+    if n > 1 and n * share > SHARED_GPU:
+        most = math.floor(SHARED_GPU / n * 100) / 100
+        raise ConfigError(f"generator.gpu_memory_utilization: {share:g} for each of the {n} generators that "
+                          f"run.generators and run.generator_gpus put on GPU {gpu} is {n * share:.2f} of it; vLLM "
+                          "refuses an engine whose share exceeds the memory the engines before it left free. Set "
+                          f"generator.gpu_memory_utilization to {most:g} or less, or give each generator a GPU of "
+                          "its own (run.generator_gpus)")
 
 
 def check_loss(t) -> None:

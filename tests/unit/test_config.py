@@ -234,6 +234,20 @@ def test_a_lone_gpu_index_is_accepted_as_the_number_yaml_reads():
         config_from_dict({}, ["run.learner_gpus=true"])
 
 
+def test_generators_sharing_a_gpu_that_cannot_hold_their_shares_are_refused_at_load():
+    # vLLM refuses an engine whose gpu_memory_utilization exceeds the memory free at its start: the second of two
+    # generators at 0.85 on one GPU would fail once the first had built
+    two = ["run.generators=2", "run.generator_gpus=['1']"]
+    with pytest.raises(ConfigError, match=r"0.85 for each of the 2 generators .* GPU 1 is 1.70 of it.* 0.47 or less"):
+        config_from_dict({}, [*two, "generator.gpu_memory_utilization=0.85"])
+    with pytest.raises(ConfigError, match="on GPU 1 is 1.00"):  # the second generator's turn comes round to GPU 1
+        config_from_dict({}, ["run.generators=3", "run.generator_gpus=['1', '2,3']",
+                              "generator.gpu_memory_utilization=0.5"])
+    assert config_from_dict({}, [*two, "generator.gpu_memory_utilization=0.42"]).run.generators == 2
+    assert config_from_dict({}, ["run.generators=2", "run.generator_gpus=['0', '1']",
+                                 "generator.gpu_memory_utilization=0.9"]).run.generators == 2  # a GPU each
+
+
 def test_gpus_count_within_the_cuda_visible_devices_a_user_set(monkeypatch):
     from pipeline.config import OUTER_GPUS, visible_gpus
 
