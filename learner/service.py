@@ -23,6 +23,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -61,92 +64,100 @@ class NotFinite(RuntimeError):
 def main(cfg: Config, run_dir: Path, resume: bool = False, token: str = "", profile: bool = False) -> Path:
     """`token`: `pipeline run`'s, written in hub.json so that it takes this learner's address and no other.
     `profile`: the timeline of each rank (and of its hub) goes to RUN_DIR/trace/, merged into RUN_DIR/trace.json."""
-    signal.signal(signal.SIGTERM, _terminate)  # finally blocks run: the hub stops, shm files are removed
+    stop_on_signals()
+    model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
+    # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
+    place = Place.join(cfg, run_dir, profile)
+    try:
+        learner = Learner.build(cfg, model_path, place, resume, token)
+        with place.explains():  # a collective that failed: was a rank lost?
+            learner.run()
+        learner.finish()
+    finally:
+        place.close()
+    leave_distributed()  # the run ended well on this rank (an error has left above)
+    return run_dir
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the run like Ctrl-C: finally blocks run, the hub stops, shm files are removed."""
+    signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
     # a rank that aborts in C++ prints every thread's Python stack: a finished rank 1 once more aborted at its end
     # ("terminate called without an active exception", test_chaos's resumed 2-rank learner, 2026-11-29)
     faulthandler.enable()
-    model_path = resolve_model_path(cfg.model.path)  # before the process group: a builtin model is built (once per
-    # machine) by whichever rank comes first, and transformers saves nothing on a rank other than 0 of a group
-    rank, world = init_distributed(cfg.trainer.rank_timeout_s)
-    if profile:
-        trace.start(trace.trace_dir(run_dir), f"learner-rank{rank}")
-    run_id, roster = f"{run_dir.name}-{secrets.token_hex(3)}", None
-    if world > 1:
-        roster = Roster(rank, world)
-        end_if_stuck(run_id)
-    log.info("learner rank %d of %d on host %s (local rank %s)", rank, world, socket.gethostname(),
-             os.environ.get("LOCAL_RANK", "0"))
-    if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
-        (run_dir / "hub.json").unlink(missing_ok=True)
-    from transformers import AutoTokenizer
 
-    with trace.span("tokenizer", "startup"):  # the learner's start, on a track of its own (--profile)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if resume:
-        reapply_changes(cfg, run_dir)
-    with trace.span("build engine", "startup"):
-        engine, extras = build_engine(cfg, model_path)
-    kind = version_kind(cfg, engine.module).kind  # a checkpoint of the other kind is refused
-    version, hub_state = checkpoint.load(engine, run_dir, kind) if resume else (0, None)
-    if resume and rank == 0:
-        discarded = truncate_metrics(run_dir, version)
-        log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
-    hub, what = None, None
-    try:
-        if rank == 0:
-            for stale in remove_stale():
-                log.info("removed %s, left by a process that no longer runs", stale)
-            save_config(cfg, run_dir / "config.yaml")
-            with trace.span("start the hub", "startup"):  # the model's fingerprints, the dataset, the sockets
-                # what every generator's files must be, and what a checkpoint's weights mean
-                prints, contents = of_model(cfg.model), content_digests(cfg)
-                what = checkpoint.meaning(cfg, prints["model.path"], kind, contents)
-                hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, version, hub_state,
-                          encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
-                          vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg),
-                          fingerprints=prints, contents=contents)
-                hub.start()
-            _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": run_id,
-                                      "rollouts": hub.rollouts_address, "token": token})
-            print(f"learner: hub listening on {hub.address}  (pipeline generator --learner {hub.address})",
-                  flush=True)
-        publisher = WeightPublisher(cfg, engine, hub, rank)
-        with trace.span("publish the first version", "startup"):
-            publisher.publish(version)
-        metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
+
+@dataclass
+class Place:
+    """This rank among the learner's ranks, and what it closes however the run ends: rank 0's hub once started
+    (`hub`, set by `Learner.build`), the roster of ranks (several ranks: it tells a lost rank from a failed
+    collective), the timeline (`--profile`)."""
+
+    rank: int
+    world: int
+    run_id: str
+    run_dir: Path
+    profile: bool = False
+    roster: Roster | None = None
+    hub: Hub | None = None
+
+    @classmethod
+    def join(cls, cfg: Config, run_dir: Path, profile: bool) -> Place:
+        rank, world = init_distributed(cfg.trainer.rank_timeout_s)
+        if profile:
+            trace.start(trace.trace_dir(run_dir), f"learner-rank{rank}")
+        place = cls(rank, world, f"{run_dir.name}-{secrets.token_hex(3)}", run_dir, profile)
+        if world > 1:
+            place.roster = Roster(rank, world)
+            end_if_stuck(place.run_id)
+        log.info("learner rank %d of %d on host %s (local rank %s)", rank, world, socket.gethostname(),
+                 os.environ.get("LOCAL_RANK", "0"))
+        return place
+
+    @contextmanager
+    def explains(self) -> Iterator[None]:
+        """A collective that failed (gloo, nccl: RuntimeError), or torchrun's agent stopping this rank (its
+        rendezvous lost a node), raised as the rank that was lost when one was."""
         try:
-            version = Learner(cfg, engine, extras, hub, publisher, metrics, run_dir, rank, world, pad_id,
-                              what).run(version)
-            if metrics is not None:
-                metrics.close()
-            publisher.flush()
-            publisher.kind.save_final(engine, cfg, tokenizer, run_dir / "final", rank)  # full, or the adapter
-        except (RuntimeError, KeyboardInterrupt) as e:  # a collective failed (gloo, nccl: RuntimeError), or
-            # torchrun's agent stops this rank (its rendezvous lost a node): was a rank lost?
-            lost = roster.explain(e, linger=isinstance(e, RuntimeError)) if roster is not None else None
+            yield
+        except (RuntimeError, KeyboardInterrupt) as e:
+            lost = self.roster.explain(e, linger=isinstance(e, RuntimeError)) if self.roster is not None else None
             if lost is None:
                 raise
             raise lost from e
-        if rank == 0:
-            assert hub is not None  # rank 0's, started above
-            if cfg.eval.every:  # the last version's evaluation (eval.jsonl), a while at most
-                hub.evaluations(wait_s=cfg.hub.lease_timeout_s)
-            plot(run_dir)
-            hub.finish_run()
-            hub.wait_generators_gone(timeout=15.0)  # let generators hear "run complete" and leave
-    finally:
-        if hub is not None:
-            hub.stop()
-            remove_shm(run_id)
-        if profile and rank == 0:  # what every process wrote so far; `pipeline run` merges again once all are gone
+
+    def close(self) -> None:
+        if self.hub is not None:
+            self.hub.stop()
+            remove_shm(self.run_id)
+        if self.profile and self.rank == 0:  # what every process wrote so far; `pipeline run` merges again at the end
             trace.TRACE.flush()
-            trace.merge(run_dir)
-        if roster is not None:
-            roster.close()
-    leave_distributed()  # the run ended well on this rank (an error has left above)
-    return run_dir
+            trace.merge(self.run_dir)
+        if self.roster is not None:
+            self.roster.close()
+
+
+def start_hub(cfg: Config, place: Place, version: int, hub_state: dict | None, tokenizer, engine,
+              kind: str, token: str) -> tuple[Hub, dict]:
+    """Rank 0's hub, started, its address in RUN_DIR/hub.json: (the hub, what a checkpoint's weights mean)."""
+    run_dir = place.run_dir
+    for stale in remove_stale():
+        log.info("removed %s, left by a process that no longer runs", stale)
+    save_config(cfg, run_dir / "config.yaml")
+    with trace.span("start the hub", "startup"):  # the model's fingerprints, the dataset, the sockets
+        # what every generator's files must be, and what a checkpoint's weights mean
+        prints, contents = of_model(cfg.model), content_digests(cfg)
+        what = checkpoint.meaning(cfg, prints["model.path"], kind, contents)
+        hub = place.hub = Hub(cfg, load_rows(cfg.data), run_dir, place.run_id, version, hub_state,
+                              encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
+                              vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg),
+                              fingerprints=prints, contents=contents)
+        hub.start()
+    _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": place.run_id,
+                              "rollouts": hub.rollouts_address, "token": token})
+    print(f"learner: hub listening on {hub.address}  (pipeline generator --learner {hub.address})", flush=True)
+    return hub, what
 
 
 def _terminate(signum, frame) -> None:
@@ -190,17 +201,18 @@ def _write_hub_json(run_dir: Path, hub: dict) -> None:
 
 
 class Learner:
-    """One rank's trainer, its parts as attributes (`main` builds them): `run` trains from a version to
-    trainer.total_steps (or until the dataset is exhausted), `step` is one step as the algorithm reads. Each step's
-    phases are timed (learner/timeline.py): its record says where its time went, and a profiled run's trace shows
-    it; every few steps and at the end, rank 0 says what holds the run back (pipeline/verdict.py). `extras`:
+    """One rank's trainer, its parts as attributes (`build` makes them): `run` trains from the version it was built
+    at to trainer.total_steps (or until the dataset is exhausted), `step` is one step as the algorithm reads. Each
+    step's phases are timed (learner/timeline.py): its record says where its time went, and a profiled run's trace
+    shows it; every few steps and at the end, rank 0 says what holds the run back (pipeline/verdict.py). `extras`:
     build_engine's, beside the engine; `what`: what the weights mean, recorded with each checkpoint."""
 
-    def __init__(self, cfg: Config, engine, extras: Extras, hub: Hub | None, publisher: WeightPublisher,
-                 metrics: MetricsWriter | None, run_dir: Path, rank: int, world: int, pad_id: int, what=None):
+    def __init__(self, cfg: Config, engine, extras: Extras, *, hub: Hub | None, publisher: WeightPublisher,
+                 metrics: MetricsWriter | None, run_dir: Path, rank: int = 0, world: int = 1, pad_id: int = 0,
+                 what: dict | None = None, version: int = 0, tokenizer=None):
         self.cfg, self.engine, self.extras, self.hub, self.publisher = cfg, engine, extras, hub, publisher
-        self.metrics, self.run_dir, self.rank, self.world, self.pad_id, self.what = metrics, run_dir, rank, world, \
-            pad_id, what
+        self.metrics, self.run_dir, self.rank, self.world = metrics, run_dir, rank, world
+        self.pad_id, self.what, self.version, self.tokenizer = pad_id, what, version, tokenizer
         self.times = StepTimes(hub)
         self.skipped = 0  # steps not finite in a row
         self.started = self.last_time = time.perf_counter()
@@ -210,9 +222,40 @@ class Learner:
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
 
-    def run(self, version: int) -> int:
-        """Train from `version`; returns the last version."""
-        step = version
+    @classmethod
+    def build(cls, cfg: Config, model_path: str, place: Place, resume: bool = False, token: str = "") -> Learner:
+        """This rank's parts, in order: the tokenizer, the engine (at the newest checkpoint's version when resumed),
+        rank 0's hub (`place.hub`), the publisher with the first version published, rank 0's metrics."""
+        run_dir, rank = place.run_dir, place.rank
+        if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
+            (run_dir / "hub.json").unlink(missing_ok=True)
+        from transformers import AutoTokenizer
+
+        with trace.span("tokenizer", "startup"):  # the learner's start, on a track of its own (--profile)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        if resume:
+            reapply_changes(cfg, run_dir)
+        with trace.span("build engine", "startup"):
+            engine, extras = build_engine(cfg, model_path)
+        kind = version_kind(cfg, engine.module).kind  # a checkpoint of the other kind is refused
+        version, hub_state = checkpoint.load(engine, run_dir, kind) if resume else (0, None)
+        if resume and rank == 0:
+            discarded = truncate_metrics(run_dir, version)
+            log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
+        hub, what = start_hub(cfg, place, version, hub_state, tokenizer, engine, kind, token) if rank == 0 else \
+            (None, None)
+        publisher = WeightPublisher(cfg, engine, hub, rank)
+        with trace.span("publish the first version", "startup"):
+            publisher.publish(version)
+        metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return cls(cfg, engine, extras, hub=hub, publisher=publisher, metrics=metrics, run_dir=run_dir, rank=rank,
+                   world=place.world, pad_id=pad_id, what=what, version=version, tokenizer=tokenizer)
+
+    def run(self) -> int:
+        """Train from the version built at; then the final checkpoint, the last weights sent and the final model
+        saved (full, or the adapter). Returns the last version."""
+        step = self.version
         while step < self.cfg.trainer.total_steps:
             made = self.step(step)
             if made is None:  # the run ends early
@@ -224,7 +267,23 @@ class Learner:
             self.save(step)
         if self.hub is not None:
             self.conclude(self.hub)
+        if self.metrics is not None:
+            self.metrics.close()
+        self.publisher.flush()
+        self.publisher.kind.save_final(self.engine, self.cfg, self.tokenizer, self.run_dir / "final", self.rank)
+        self.version = step
         return step
+
+    def finish(self) -> None:
+        """Rank 0, after the run: the last version's evaluation (eval.jsonl, a while at most), the reward plot, and
+        "run complete" to the generators, with time to hear it and leave."""
+        if self.hub is None:
+            return
+        if self.cfg.eval.every:
+            self.hub.evaluations(wait_s=self.cfg.hub.lease_timeout_s)
+        plot(self.run_dir)
+        self.hub.finish_run()
+        self.hub.wait_generators_gone(timeout=15.0)
 
     def step(self, step: int) -> int | None:
         """The step from version `step`: the version it made (`step` again when it was not finite), None when the run

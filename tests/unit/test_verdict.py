@@ -305,7 +305,8 @@ def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_pat
         hub.generator_stages = lambda: copy.deepcopy(hub.stages)
         publisher = types.SimpleNamespace(metrics=lambda: {"sync/broadcast_ms": 1.0})
         run_dir.mkdir()
-        learner = service.Learner(Config(), None, None, hub, publisher, MetricsWriter(run_dir), run_dir, 0, 1, 0)
+        learner = service.Learner(Config(), None, None, hub=hub, publisher=publisher, metrics=MetricsWriter(run_dir),
+                                  run_dir=run_dir)
         learner.verdicts = verdicts
         for step in range(25):
             s = STAGE_RUNS[V.WINDOW] if step % 7 else LEARNER_BOUND  # a mixed run
