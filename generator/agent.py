@@ -28,14 +28,15 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from generator.agent_workers import AgentWorkers
+from generator.agent_workers import AgentWorkers, Ran
 from generator.endpoint import Endpoint, Part, Session, ToolCalls, in_process_http
 from generator.rollout import AgentFailed, Context, Trajectory, seed_of
 from pipeline.tasks import load_callable
 
-log = logging.getLogger("generator.service")
+log = logging.getLogger(__name__)
 
 
 class AgentRollout:
@@ -53,7 +54,9 @@ class AgentRollout:
         self.workers = AgentWorkers(cfg, g.agent_workers) if g.agent_workers else None
 
     async def __call__(self, engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
-        run = self.workers.sample if self.workers is not None else self._sample
+        # a worker's record of the session (Ran) or the session itself: trajectory() reads the parts and extra of either
+        run: Callable[[Any, Context, int], Coroutine[Any, Any, tuple[Session | Ran, str, str]]] = \
+            self.workers.sample if self.workers is not None else self._sample
         try:  # one sample failing under agent_failure requeue stops the others: the prompt is leased again whole
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(run(engine, ctx, i)) for i in range(ctx.n)]

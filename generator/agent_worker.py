@@ -24,7 +24,7 @@ from generator.agent_workers import pack
 from generator.rollout import AgentFailed, Context
 from pipeline import protocol as P
 
-log = logging.getLogger("generator.service")
+log = logging.getLogger(__spec__.name)  # generator.agent_worker, also under python -m (where __name__ is "__main__")
 
 
 class RemoteEngine:
@@ -127,9 +127,10 @@ async def serve(setup: dict) -> None:
 
 
 def main() -> None:
-    # into the generator's log (its stderr): this process's lines as the generator's, no library's each request
+    # into the generator's log (its stderr): this process's own lines (the generator package's) at INFO, no library's
+    # each request
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
+    logging.getLogger("generator").setLevel(logging.INFO)
     asyncio.run(serve(json.loads(sys.stdin.read())))
 
 

@@ -48,7 +48,7 @@ from generator.endpoint import Part
 from generator.rollout import AgentFailed, Context
 from pipeline import protocol as P
 
-log = logging.getLogger("generator.service")
+log = logging.getLogger(__name__)
 READY_S = 300.0  # a worker's start (imports, the tokenizer, vLLM's tool parser) must not take longer
 STOP_S = 10.0  # after "stop", a worker still running is killed
 

@@ -42,7 +42,7 @@ from pipeline import protocol as P
 if TYPE_CHECKING:
     import uvicorn
 
-log = logging.getLogger("generator.service")
+log = logging.getLogger(__name__)
 ENDED = 4096  # ended sessions whose keys are remembered (their late calls told so, not just refused)
 # a request body's bytes, at most: these plus as many per token of generator.max_model_len (a longer body cannot fit
 # the context; unbounded, a 10 MB message took 12 s of the generator's CPU to tokenize)

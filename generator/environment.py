@@ -30,13 +30,14 @@ import inspect
 import json
 import logging
 import threading
+from typing import Any
 
 from generator.agent import AgentRollout
 from generator.endpoint import Session, turn_text
 from generator.rollout import Context
 from pipeline.tasks import load_callable
 
-log = logging.getLogger("generator.service")
+log = logging.getLogger(__name__)
 TOOL_THREADS = 32  # a generator's threads for its environments' synchronous methods (its factory, reset, tools)
 # a tool's replies of more characters than this per token of context left end the episode before they are tokenized
 # (no token of a tokenizer in use is near this long): a 10 MB reply took seconds of a CPU to tokenize
@@ -71,6 +72,7 @@ class ToolThreads:
         done: asyncio.Future = loop.create_future()
 
         def work():
+            outcome: tuple[Any, BaseException | None]  # (result, None) or (None, what it raised)
             try:
                 outcome = (fn(*args, **kwargs), None)
             except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine as it is
@@ -125,6 +127,8 @@ class EnvironmentRollout(AgentRollout):
         if isinstance(observation, str) and users:  # after the last user message, as TRL's docs say
             messages[users[-1]] = dict(messages[users[-1]], content=messages[users[-1]]["content"] + observation)
         tok, schemas = ctx.tokenizer, self.schemas
+        parser = self.endpoint.tool_calls
+        assert parser is not None  # AgentRollout gives its endpoint one
         bootstrap = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
         ids = await asyncio.to_thread(self.render, tok, messages, schemas, bool(bootstrap))
         if len(ids) >= self.max_model_len:
@@ -134,7 +138,7 @@ class EnvironmentRollout(AgentRollout):
         for turn in range(self.max_calls + 1):
             out = await session.complete(ids, None)
             text, bootstrap = bootstrap + turn_text(tok, out.token_ids), ""
-            calls = self.endpoint.tool_calls.read(tok, text, schemas)[1] if turn < self.max_calls else []
+            calls = parser.read(tok, text, schemas)[1] if turn < self.max_calls else []
             if not calls:
                 return text
             replies = [await self._run_tool(tools, call) for call in calls]

@@ -179,6 +179,7 @@ class _RunnerV1:
                 del self.sampler.gather_logprobs
         if forced:
             column, out.logprobs_tensors, self.gathered = self.gathered, None, None
+            assert column is not None  # the sampler asks for log-probs (max_num_logprobs 0): _gather has run
         elif out.logprobs_tensors is not None:
             column = out.logprobs_tensors.logprobs[:, 0]  # the sampled token's comes first
         else:

@@ -29,7 +29,7 @@ from pipeline import protocol as P
 from pipeline.config import Config
 from pipeline.tasks import load_callable, load_reward_fns
 
-log = logging.getLogger("generator.service")  # its lines are the generator's
+log = logging.getLogger(__name__)
 
 EARLY_S = 5.0  # seconds: no answer from the hub this long, and its own config names a model: build that meanwhile
 

@@ -35,6 +35,7 @@ import numpy as np
 from hub.prompts import Prompts
 from hub.validation import Expected, Rejected, RunShape, check_rollout
 from pipeline import protocol as P
+from pipeline.config import Config
 
 EPOCH = -1  # the epoch of an evaluation prompt: never one of training's
 
@@ -61,7 +62,7 @@ class EvalLease:
 
 
 class Evaluation:
-    def __init__(self, cfg, prompts: Prompts, shape: RunShape, run_dir: Path):
+    def __init__(self, cfg: Config, prompts: Prompts, shape: RunShape, run_dir: Path) -> None:
         self.cfg, self.prompts, self.run_dir = cfg.eval, prompts, run_dir
         self.shape = RunShape(shape.vocab_size, cfg.eval.samples, shape.max_tokens, shape.max_model_len, shape.rewards)
         s = cfg.sampling

@@ -12,9 +12,13 @@ is quarantined (`rejected_rollout`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from hub.ledger import Key
+from hub.journal import Journal
+from hub.ledger import Key, PromptLedger
+from hub.registry import GeneratorInfo, Registry
 from pipeline import protocol as P
+from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +26,8 @@ MAX_ATTEMPTS = 3  # a prompt whose group failed this often in engines is rejecte
 
 
 class Faults:
-    def __init__(self, cfg, ledger, registry, journal, counters: dict[str, int], fail):
+    def __init__(self, cfg: Config, ledger: PromptLedger, registry: Registry, journal: Journal,
+                 counters: dict[str, int], fail: Callable[[str], None]) -> None:
         self.cfg, self.ledger, self.registry, self.journal, self.counters = cfg, ledger, registry, journal, counters
         self.fail = fail  # callable(why): the run cannot go on
         self.confirmed_reward_errors = 0  # reward errors every principal that could try agreed on
@@ -56,7 +61,7 @@ class Faults:
             self.fail(f"{limit} prompts were rejected (hub.max_rejected_prompts), the last, prompt {key[1]}: "
                       f"{reason}. Check data.prompt_column, the tokenizer and generator.max_model_len")
 
-    def rejected_rollout(self, gen, why: str) -> bool:
+    def rejected_rollout(self, gen: GeneratorInfo, why: str) -> bool:
         """A rollout of `gen`'s own lease was invalid. Past hub.max_rejected_rollouts in one registration its
         principal is quarantined (True: the hub drops it, its leases re-queued) and refused for hub.quarantine_s,
         so a faulty or compromised generator cannot keep taking prompts from the window to return them invalid."""

@@ -31,6 +31,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from hub.evaluation import Evaluation
 from hub.faults import Faults
 from hub.journal import Journal
 from hub.leases import LeaseDesk
-from hub.ledger import PromptLedger
+from hub.ledger import Key, PromptLedger
 from hub.operators import Operators
 from hub.prompts import Prompts
 from hub.registry import GENERATOR_ID, GeneratorInfo, Registry
@@ -70,8 +71,9 @@ class DatasetExhausted(HubStopped):
 
 class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
-                 state: dict | None = None, *, encode, vocab_size: int, eval_rows: list[dict] | None = None,
-                 fingerprints: dict[str, str] | None = None, contents: dict[str, str] | None = None):
+                 state: dict | None = None, *, encode: Callable[[str | list], list[int]], vocab_size: int,
+                 eval_rows: list[dict] | None = None, fingerprints: dict[str, str] | None = None,
+                 contents: dict[str, str] | None = None) -> None:
         """`fingerprints`: of the learner's model files (pipeline/fingerprint.py); `contents`: the digests of the code
         and files its config names (pipeline/pinning.py). Every generator's must be these."""
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
@@ -352,7 +354,7 @@ class Hub:
             finally:
                 self._left_when_in(gen)
 
-    def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key) -> None:
+    def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key: Key) -> None:
         """A rollout of a registered generator, under the lock: scored (evaluation), buffered, or refused."""
         self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
         if self.evaluation.owns(msg.lease_id):  # scored, not trained (hub/evaluation.py)

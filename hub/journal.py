@@ -13,8 +13,9 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
-log = logging.getLogger("hub.hub")
+log = logging.getLogger(__name__)
 
 
 class Journal:
@@ -26,7 +27,7 @@ class Journal:
         self._logged: dict[str, list[float]] = {}  # kind -> times of the warnings logged in the last minute
         self._written: dict[str, list] = {}  # principal -> [start of its minute, bytes written in it]
 
-    def event(self, name: str, by: str = "", **fields) -> None:
+    def event(self, name: str, by: str = "", **fields: Any) -> None:
         """Append one event; `by`: the principal it is charged to ("": the hub's own, not bounded)."""
         line = json.dumps({"time": time.time(), "event": name, **fields}) + "\n"
         if by and not self._charge(by, len(line)):
@@ -51,7 +52,7 @@ class Journal:
         written[1] += size
         return True
 
-    def warn(self, kind: str, fmt: str, *args, per_minute: int = 10) -> None:
+    def warn(self, kind: str, fmt: str, *args: object, per_minute: int = 10) -> None:
         """A warning, at most `per_minute` of one kind a minute."""
         now = time.monotonic()
         times = self._logged.setdefault(kind, [])

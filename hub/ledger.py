@@ -47,7 +47,7 @@ class Holdings:
     every request took the hub's core. The sum is made afresh only when the active principals (a new set from the
     registry) or r change: when a generator registers, leaves or drains."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.by: dict[str, int] = {}
         self._active: set[str] | None = None
         self._r = 0

@@ -16,7 +16,7 @@ from hub.registry import Registry
 from pipeline import protocol as P
 from pipeline.config import Config, ConfigError, apply_runtime_change
 
-log = logging.getLogger("hub.hub")
+log = logging.getLogger(__name__)
 
 
 class Operators:

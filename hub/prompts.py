@@ -6,6 +6,8 @@ generator is asked."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from hub.validation import Rejected, check_prompt_ids
@@ -14,7 +16,8 @@ from pipeline.tasks import is_conversational
 
 
 class Prompts:
-    def __init__(self, rows: list[dict], column: str, encode, vocab_size: int, max_model_len: int):
+    def __init__(self, rows: list[dict], column: str, encode: Callable[[str | list], list[int]], vocab_size: int,
+                 max_model_len: int) -> None:
         self.rows, self.column, self.encode = rows, column, encode  # encode: prompt text -> token ids
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
 

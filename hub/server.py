@@ -16,6 +16,8 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
@@ -31,11 +33,30 @@ ROLLOUTS_PER_TURN = 32  # rollouts read between two looks at the control socket:
 TICK_S = 0.05  # how often the handler's timeout checks run while messages keep coming (they walk every generator)
 
 
+class Handler(Protocol):
+    """What the server hands its messages to (hub/hub.py's Hub is one). Called on the server's thread."""
+
+    def control(self, msg: P.Message, ident: bytes, user: str) -> P.Message:
+        """A request on control connection `ident`; the reply."""
+        ...
+
+    def rollout(self, msg: P.RolloutGroup, user: str) -> None:
+        """A group from the rollouts socket (`user`: its connection's user id, "" without keys)."""
+
+    def malformed(self, what: str, rollout: bool) -> None:
+        """A message that could not be decoded or handled (counted)."""
+
+    def tick(self) -> None:
+        """Every TICK_S to 100 ms: the timeout checks."""
+
+    def failed(self, why: str) -> None:
+        """The server's thread failed (`why`: its traceback): the run cannot go on."""
+
+
 class Server:
-    def __init__(self, host: str, port: int, auth: ServerAuth | None, rollout_limits: P.Limits, handler,
-                 counters: dict[str, int]):
-        """`handler` has control(msg, ident, user) -> reply, rollout(msg, user), malformed(what, rollout: bool),
-        tick() (every TICK_S to 100 ms) and failed(why); `counters["muted"]` counts what was dropped."""
+    def __init__(self, host: str, port: int, auth: ServerAuth | None, rollout_limits: P.Limits, handler: Handler,
+                 counters: dict[str, int]) -> None:
+        """`counters["muted"]` counts what was dropped."""
         self.host, self.auth, self.rollout_limits, self.handler = host, auth, rollout_limits, handler
         self.counters = counters
         self.busy = trace.Sums()  # seconds this thread spent decoding and handling, by message (the learner's record)
@@ -152,7 +173,7 @@ class Server:
                 self.handler.tick()
                 next_tick = now + TICK_S
 
-    def _drain(self, sock, handle, budget: int = 1000) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], budget: int = 1000) -> None:
         """Read without blocking until empty (much faster than one poll per message)."""
         for _ in range(budget):
             try:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import mmap
 
+from hub.registry import GeneratorInfo, Registry
+from hub.server import Server
 from pipeline import protocol as P
-from pipeline.config import env_flag
+from pipeline.config import Config, env_flag
 from pipeline.host import host_identity
 from weights import pick, senders
 from weights.base import Announcer
@@ -22,7 +24,8 @@ CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (th
 
 
 class WeightServing:
-    def __init__(self, cfg, registry, server, announcer: Announcer, run_id: str, version: int):
+    def __init__(self, cfg: Config, registry: Registry, server: Server, announcer: Announcer, run_id: str,
+                 version: int) -> None:
         self.cfg, self.registry, self.server, self.run_id = cfg, registry, server, run_id
         self.newest = version  # announced: a rollout may already come from it
         self.last_ready: P.WeightsReady | None = None  # the newest file version
@@ -72,7 +75,7 @@ class WeightServing:
             if g in gens:
                 self.server.push(gens[g].ident, data)
 
-    def chunk(self, msg: P.WeightsFetch, gen, version: int) -> P.Message:
+    def chunk(self, msg: P.WeightsFetch, gen: GeneratorInfo, version: int) -> P.Message:
         if self.server.chunks_in_flight(gen.ident) >= CHUNKS_IN_FLIGHT:
             return P.Error(f"weights: more than {CHUNKS_IN_FLIGHT} chunks of {self.cfg.weights.chunk_mb} MB in "
                            "flight to this generator")

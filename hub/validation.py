@@ -47,7 +47,7 @@ class Rejected(ValueError):
 def check_rollout(group: P.RolloutGroup, expected: Expected, version: int, shape: RunShape) -> None:
     where = f"RolloutGroup(prompt_id={group.prompt_id})"
     try:
-        P.check_rollout(group, shape.group_size)
+        P.check_shape(group, shape.group_size)
     except P.ProtocolError as e:
         raise Rejected("samples" if "group size" in str(e) else "structure", str(e)) from None
     if group.prompt_ids != expected.prompt_ids:

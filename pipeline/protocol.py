@@ -435,7 +435,7 @@ def trajectory_rewards(samples: list[Sample]) -> list[float]:
     return [first[t] for t in sorted(first)]
 
 
-def check_rollout(group: RolloutGroup, group_size: int) -> None:
+def check_shape(group: RolloutGroup, group_size: int) -> None:
     """Validate array sizes of a decoded RolloutGroup (types are already checked by `decode`)."""
     where = f"RolloutGroup(prompt_id={group.prompt_id})"
     if len(group.prompt_ids) % 4 or not group.prompt_ids:

@@ -21,8 +21,17 @@ ipc, nccl, shm and zmq (`pick`). tests/unit/test_transports.py adds a toy one.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.transports import TRANSPORTS
+
+if TYPE_CHECKING:
+    from pipeline import protocol as P
+    from pipeline.client import HubClient
+    from pipeline.config import Config
+    from weights.base import Announcer, Receiver, Sender
+    from weights.ipc import IpcSender
+    from weights.nccl import NcclSender
 
 
 class VersionGone(Exception):
@@ -30,17 +39,18 @@ class VersionGone(Exception):
     newest announced. Not a reason to register again."""
 
 
-def _load(spec: str):
+def _load(spec: str) -> Any:  # a class named in pipeline/transports.py
     module, name = spec.split(":")
     return getattr(importlib.import_module(module), name)
 
 
-def senders(cfg, announcer, run_id: str) -> dict:
+def senders(cfg: Config, announcer: Announcer, run_id: str) -> dict[str, Sender]:
     """The learner's senders by transport: the configured one's, or with `auto` every one available here."""
     names = list(TRANSPORTS) if cfg.weights.transport == "auto" else [cfg.weights.transport]
-    made, out = {}, {}
+    made: dict[type[Sender], Sender] = {}
+    out: dict[str, Sender] = {}
     for name in names:
-        cls = _load(TRANSPORTS[name][0])
+        cls: type[Sender] = _load(TRANSPORTS[name][0])
         if cfg.weights.transport == "auto" and not cls.available():
             continue
         if cls not in made:
@@ -51,14 +61,15 @@ def senders(cfg, announcer, run_id: str) -> dict:
     return out
 
 
-def receiver(transport: str, client, chunk_mb: int, generator_id: str):
+def receiver(transport: str, client: HubClient, chunk_mb: int, generator_id: str) -> Receiver:
     """The generator's receiver for the transport its Welcome names."""
     if transport not in TRANSPORTS:
         raise ValueError(f"weights.transport: {transport!r} is not available here ({', '.join(TRANSPORTS)})")
     return _load(TRANSPORTS[transport][1])(client, chunk_mb * 2**20, generator_id)
 
 
-def pick(configured: str, register, learner_host: str, learner_gpus: list[str], senders: dict) -> str:
+def pick(configured: str, register: P.Register, learner_host: str, learner_gpus: list[str],
+         senders: dict[str, Sender]) -> str:
     """The transport of a registering generator. `auto`: ipc for a one-GPU generator on the learner's own GPU;
     nccl when the learner has a collective transport (GPUs) and the generator reports GPUs other than the
     learner's; else shm on the learner's host, zmq across hosts. A generator that failed ipc or nccl once is
@@ -71,11 +82,11 @@ def pick(configured: str, register, learner_host: str, learner_gpus: list[str], 
     # the boot id alone (an older generator reports nothing else): one machine, whose GPU numbers are the learner's
     same_machine = bool(register.boot_id) and register.boot_id.split(":")[0] == learner_host.split(":")[0]
     shares_gpu = same_machine and bool(set(register.gpus.split(",")) & set(learner_gpus))
-    ipc = senders.get("ipc")
+    ipc = cast("IpcSender | None", senders.get("ipc"))
     if (ipc is not None and same_host and register.gpus == learner_gpus[0] and register.tensor_parallel == 1
             and register.generator_id not in ipc.failed):
         return "ipc"
-    nccl = senders.get("nccl")
+    nccl = cast("NcclSender | None", senders.get("nccl"))
     if nccl is not None and register.gpus and not shares_gpu and register.generator_id not in nccl.failed:
         return "nccl"
     return "shm" if same_host else "zmq"

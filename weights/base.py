@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline import protocol as P
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.client import HubClient
+    from pipeline.config import Config
 
 
 class Announcer(Protocol):
@@ -53,21 +59,22 @@ class Engine(Protocol):
     staging: bool  # weights.staging: nccl receives each version into buffers of its own where there is room
     last_swap_ms: dict[str, float]  # of the last swap, by phase; a receiver may add its own ("receive")
 
-    async def swap(self, version: int, method: str, *args) -> float:
+    async def swap(self, version: int, method: str, *args: Any) -> float:
         """Swap in `version` through every worker's `method` between two engine steps; milliseconds stopped."""
         ...
 
-    async def rpc(self, method: str, *args) -> list:
+    async def rpc(self, method: str, *args: Any) -> list:
         """Call every worker's `method` outside a swap; their results."""
         ...
 
 
 class Sender:
     transports: set[str]  # set by weights.senders: the transports this object serves
-    latest = None  # set by the publisher: latest(fn, background=False) calls fn(version, named) with the newest
-    # version's CPU copy (late joiners)
+    # set by the publisher: latest(fn, background=False) calls fn(version, named) with the newest version's CPU copy
+    # (late joiners)
+    latest: Callable[..., None] | None = None
 
-    def __init__(self, cfg, announcer: Announcer, run_id: str):
+    def __init__(self, cfg: Config, announcer: Announcer, run_id: str) -> None:
         self.announcer, self.run_id = announcer, run_id
 
     @staticmethod
@@ -75,7 +82,7 @@ class Sender:
         """Usable here, for `weights.transport: auto`."""
         return True
 
-    def join(self, register: P.Register, ident: bytes, version: int):
+    def join(self, register: P.Register, ident: bytes, version: int) -> P.CollectiveSetup | None:
         """A generator of this transport registers (hub thread, hub lock held): its setup for the Welcome
         (P.CollectiveSetup) or None."""
         return None
@@ -87,7 +94,7 @@ class Sender:
         """A version is being gathered: True to get its buckets as they are packed."""
         return False
 
-    def bucket(self, flat) -> None:
+    def bucket(self, flat: torch.Tensor) -> None:
         """One packed bucket (on the learner's device)."""
 
     def end(self) -> None:
@@ -98,7 +105,7 @@ class Sender:
         """Wants the version's CPU copy: `send` runs in the background."""
         return False
 
-    def send(self, version: int, named, published_at: float) -> None:
+    def send(self, version: int, named: list[tuple[str, torch.Tensor]], published_at: float) -> None:
         """The version's CPU copy, (name, tensor) pairs."""
 
     def on_applied(self, generator_id: str, version: int) -> None:
@@ -116,7 +123,7 @@ class Receiver:
     name = via = ""  # its transport; `via`: the one the last version came by (shm may fall back to zmq)
     in_order = False  # True: every version must be received, in order (a broadcast the learner is sending)
 
-    def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
+    def __init__(self, client: HubClient | None = None, chunk_bytes: int = 0, generator_id: str = "") -> None:
         self.client, self.chunk, self.generator_id = client, chunk_bytes, generator_id
 
     def accepts(self, ready: P.WeightsReady) -> bool:

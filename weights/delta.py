@@ -37,24 +37,24 @@ def encode(base: bytes | bytearray | mmap.mmap, new: bytes | bytearray | mmap.mm
     return struct.pack(f"<I{len(chunks)}I", len(chunks), *map(len, chunks)) + b"".join(chunks)
 
 
-def apply(base, delta) -> np.ndarray:
+def apply(base: bytes | bytearray | mmap.mmap, delta: bytes | bytearray) -> np.ndarray:
     """`base` with `delta` applied (buffers): the new version's blob, as bytes in an array."""
-    base, delta = np.frombuffer(base, np.uint8), memoryview(delta)
-    (count,) = struct.unpack_from("<I", delta)
-    if count != -(-len(base) // CHUNK) or 4 * (count + 1) > len(delta):  # before the count sizes anything
-        raise ValueError(f"a delta of {count} chunks ({len(delta)} bytes) for a base of {len(base)} bytes")
-    sizes = struct.unpack_from(f"<{count}I", delta, 4)
-    if 4 * (count + 1) + sum(sizes) != len(delta):
-        raise ValueError(f"a delta of {count} chunks ({len(delta)} bytes) for a base of {len(base)} bytes")
+    old, diff = np.frombuffer(base, np.uint8), memoryview(delta)
+    (count,) = struct.unpack_from("<I", diff)
+    if count != -(-len(old) // CHUNK) or 4 * (count + 1) > len(diff):  # before the count sizes anything
+        raise ValueError(f"a delta of {count} chunks ({len(diff)} bytes) for a base of {len(old)} bytes")
+    sizes = struct.unpack_from(f"<{count}I", diff, 4)
+    if 4 * (count + 1) + sum(sizes) != len(diff):
+        raise ValueError(f"a delta of {count} chunks ({len(diff)} bytes) for a base of {len(old)} bytes")
     offsets = np.cumsum((4 * (count + 1), *sizes))
-    out = np.empty_like(base)
+    out = np.empty_like(old)
 
     def chunk(i: int) -> None:
-        xor = np.frombuffer(zlib.decompress(delta[offsets[i]:offsets[i + 1]]), np.uint8)
+        xor = np.frombuffer(zlib.decompress(diff[offsets[i]:offsets[i + 1]]), np.uint8)
         start = i * CHUNK
-        if len(xor) != len(base[start:start + CHUNK]):
-            raise ValueError(f"delta chunk {i}: {len(xor)} bytes, the base has {len(base[start:start + CHUNK])}")
-        np.bitwise_xor(base[start:start + CHUNK], xor, out=out[start:start + CHUNK])
+        if len(xor) != len(old[start:start + CHUNK]):
+            raise ValueError(f"delta chunk {i}: {len(xor)} bytes, the base has {len(old[start:start + CHUNK])}")
+        np.bitwise_xor(old[start:start + CHUNK], xor, out=out[start:start + CHUNK])
 
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(chunk, range(count)))

@@ -14,12 +14,18 @@ import mmap
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import host
 from pipeline import protocol as P
 from pipeline.host import private_dir, remove_dir, write_private
 from weights import delta
 from weights.base import Announcer, Sender, Worker
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.config import Config
 
 
 def shm_dir(run_id: str) -> Path:
@@ -34,7 +40,8 @@ def write_shm(run_id: str, version: int, blob: bytes, keep: int = 2) -> str:
     return str(path)
 
 
-def serialize_to_shm(run_id: str, version: int, named, keep: int = 2) -> tuple[str, mmap.mmap]:
+def serialize_to_shm(run_id: str, version: int, named: list[tuple[str, torch.Tensor]],
+                     keep: int = 2) -> tuple[str, mmap.mmap]:
     """`weights.plan.serialize` straight into the shm file of `version` (atomically, as write_shm): one copy of
     each tensor, not a blob then a write. Returns the path and the file's memory map, which serves as the blob
     (zmq pulls, deltas) and outlives the file's removal."""
@@ -49,6 +56,7 @@ def serialize_to_shm(run_id: str, version: int, named, keep: int = 2) -> tuple[s
             return mmap.mmap(fd, size)
 
         blob = serialize(named, mapped)
+        assert isinstance(blob, mmap.mmap)  # what `mapped` made
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -110,7 +118,7 @@ class FileSender(Sender):
 
     device = None  # packs wherever the learner does
 
-    def __init__(self, cfg, announcer: Announcer, run_id: str):
+    def __init__(self, cfg: Config, announcer: Announcer, run_id: str) -> None:
         super().__init__(cfg, announcer, run_id)
         self.transport, self.delta = cfg.weights.transport, cfg.weights.delta
         self.transports = {self.transport}  # set by weights.senders: the ones it serves
@@ -130,10 +138,11 @@ class FileSender(Sender):
     def wanted(self) -> bool:
         return self.announcer.wants_blobs(self.transports)
 
-    def send(self, version: int, named, published_at: float) -> None:
+    def send(self, version: int, named: list[tuple[str, torch.Tensor]], published_at: float) -> None:
         from weights.plan import checksum, serialize
 
         start = time.perf_counter()
+        blob: bytearray | mmap.mmap
         if self.transport == "shm" or self.announcer.uses_transport("shm"):
             shm_path, blob = serialize_to_shm(self.run_id, version, named)
         else:
@@ -149,7 +158,7 @@ class FileSender(Sender):
         self.sizes = (len(blob), len(diff) if diff is not None else 0)
         self.serialize_ms = (time.perf_counter() - start) * 1000
 
-    def _send_newest(self, version: int, named) -> None:
+    def _send_newest(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
         last = self.announcer.last_file_version()
         if last is None or last.version < version:
             self.send(version, named, 0.0)

@@ -28,12 +28,16 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline import protocol as P
 from weights.base import Announcer, Engine, Receiver, Sender, Worker
 from weights.plan import Packer, buckets, manifest
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 SHM = Path("/dev/shm")
@@ -60,7 +64,7 @@ def check_handles(ipc: P.IpcHandles, manifest: list) -> None:
                                   f"of {size}")
 
 
-def open_buffers(ipc: P.IpcHandles, manifest: list, device) -> list[torch.Tensor]:
+def open_buffers(ipc: P.IpcHandles, manifest: list, device: torch.device | str) -> list[torch.Tensor]:
     """The learner's buffers, opened in this process on `device` (which must be the learner's GPU); `ipc` passed
     `check_handles` in the generator."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -83,7 +87,7 @@ class IpcSender(Sender):
     """The learner's side: one set of shared buckets on its GPU, written when every generator of this transport
     has applied the version before, then announced with their handles."""
 
-    def __init__(self, cfg, announcer: Announcer, run_id: str):
+    def __init__(self, cfg: Config, announcer: Announcer, run_id: str) -> None:
         if not torch.cuda.is_available():
             raise ValueError("weights.transport ipc: the learner has no CUDA device to share its buffers from "
                              "(use auto, shm or zmq)")

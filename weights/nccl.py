@@ -21,7 +21,7 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,15 @@ from weights.base import Announcer, Engine, Receiver, Sender, Worker
 from weights.plan import Packer, manifest
 from weights.staging import StagingClient, StagingThread, announce_key
 
+if TYPE_CHECKING:
+    from pipeline.client import HubClient
+    from pipeline.config import Config
+
 log = logging.getLogger(__name__)
 
 
-def make_group(store, rank: int, world: int, backend: str, timeout_s: float, device=None):
+def make_group(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float,
+               device: torch.device | None = None) -> Any:
     """A process group on `store`, checked with one broadcast from rank 0 (NCCL creates its communicator
     lazily: without it a rank that never comes would only be noticed at the first real broadcast)."""
     group: Any  # ProcessGroupNCCL or ProcessGroupGloo: torch's stubs give their common base no collectives
@@ -52,7 +57,7 @@ def make_group(store, rank: int, world: int, backend: str, timeout_s: float, dev
 JOIN_KEY = "joined"  # each of a generator's workers adds 1 on its group's store before it makes the group
 
 
-def abort(group) -> None:
+def abort(group: Any) -> None:
     """Tear down a group whose peer failed (NCCL would otherwise keep its pending work)."""
     for name in ("abort", "_abort", "shutdown"):
         fn = getattr(group, name, None)
@@ -64,7 +69,7 @@ def abort(group) -> None:
             return
 
 
-def let_go(group, work, timeout_s: float) -> None:
+def let_go(group: Any, work: dist.Work | None, timeout_s: float) -> None:
     """Abort a dropped peer's group, and hold it until its last broadcast has ended (at most `timeout_s`): the
     group's destructor joins gloo's threads, one of which sends to a host that vanished (no FIN, no RST) until the
     group's timeout, and neither abort nor anything else ends that send. Whichever thread lets go of the group last
@@ -76,14 +81,14 @@ def let_go(group, work, timeout_s: float) -> None:
 
 
 class Peer:
-    def __init__(self, generator_id: str, store, world: int, loaded_version: int):
+    def __init__(self, generator_id: str, store: dist.TCPStore, world: int, loaded_version: int) -> None:
         self.generator_id, self.store, self.world, self.loaded_version = generator_id, store, world, loaded_version
         self.group: Any = None  # its process group (make_group), from joining until dropped
         self.ready = False  # joined and holding the current version: new versions are broadcast to it
         self.failed = False
         self.closed = threading.Event()  # dropped: its rendezvous stops waiting, which frees the thread and store
         self.announced = 0  # versions announced on the store
-        self.work = None  # its broadcast under way: a drop holds the group until it ends (let_go)
+        self.work: dist.Work | None = None  # its broadcast under way: a drop holds the group until it ends (let_go)
 
     def announce(self, version: int) -> None:
         """Tell the workers' receiver threads, through the store, that `version` is about to be broadcast."""
@@ -95,7 +100,7 @@ class NcclSender(Sender):
     """The learner's side: a process group per generator, each version broadcast bucket by bucket while it is
     gathered, to the generators that joined before it started; a joiner gets the newest CPU copy."""
 
-    def __init__(self, cfg, announcer: Announcer, run_id: str):
+    def __init__(self, cfg: Config, announcer: Announcer, run_id: str) -> None:
         super().__init__(cfg, announcer, run_id)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
@@ -277,7 +282,7 @@ class NcclSender(Sender):
                 if not peer.failed:  # not closed meanwhile (a closed group's broadcasts fail by design)
                     self._fail(peer, f"broadcast failed ({e})")
 
-    def _wait(self, peer: Peer, work) -> None:
+    def _wait(self, peer: Peer, work: dist.Work) -> None:
         """Wait for one peer's broadcast until it is done, the peer is closed (the hub dropped it), or the timeout.
         NCCL's wait only makes the stream wait, and its abort ends the broadcast. Gloo's wait blocks, and neither
         its abort nor anything else ends a send to a host that vanished without FIN or RST (a cut link) before
@@ -306,7 +311,7 @@ class NcclReceiver(Receiver):
     name = via = "nccl"
     in_order = True
 
-    def __init__(self, client=None, chunk_bytes: int = 0, generator_id: str = ""):
+    def __init__(self, client: HubClient | None = None, chunk_bytes: int = 0, generator_id: str = "") -> None:
         super().__init__(client, chunk_bytes, generator_id)  # the group is made at `start`, from the Welcome
         self.staged: StagingClient | None = None  # the workers' receiver threads, once they have room
         self.ask_staging = False  # the first version of the group asks the workers for room

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -30,7 +32,7 @@ def nbytes(dtype: str, shape: list) -> int:
     return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def is_adapter(entries) -> bool:
+def is_adapter(entries: Iterable[Sequence[Any]]) -> bool:
     """Whether a version, as (name, tensor) pairs or as its manifest ([name, dtype, shape]), is an adapter version."""
     return any(name.endswith(LORA_A) for name, *_ in entries)
 
@@ -71,7 +73,8 @@ class Packer:
     goes to `emit(flat, idx, offs)` (broadcast, CPU copy). ZeRO-3 may release a parameter once it is added:
     the copy is queued on the current stream, ahead of any reuse of its memory."""
 
-    def __init__(self, manifest: list, device, emit):
+    def __init__(self, manifest: list, device: torch.device | str,
+                 emit: Callable[[torch.Tensor, list[int], list[int]], None]) -> None:
         self.plan, self.device, self.emit = buckets(manifest), device, emit
         self.k, self.n = 0, 0
         self.flat: torch.Tensor | None = None  # the bucket being filled
@@ -88,7 +91,7 @@ class Packer:
             self.emit(self.flat, idx, offs)
             self.k, self.n, self.flat = self.k + 1, 0, None
 
-    def pack(self, tensors) -> None:
+    def pack(self, tensors: Iterable[torch.Tensor]) -> None:
         """A whole version at once (a joiner's, from the CPU copy): add each, then finish."""
         for t in tensors:
             self.add(t)
@@ -100,7 +103,7 @@ class Packer:
                                "from the announced manifest")
 
 
-def manifest(named) -> list[list]:
+def manifest(named: Iterable[tuple[str, torch.Tensor]]) -> list[list]:
     """[name, dtype, shape] of (name, tensor) pairs in broadcast order (ZeRO-3 parameters: the full shape)."""
     return [[name, str(t.dtype).removeprefix("torch."), list(getattr(t, "ds_shape", t.shape))] for name, t in named]
 
@@ -110,7 +113,8 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def serialize(named_tensors: Iterable, buffer=bytearray):
+def serialize(named_tensors: Iterable[tuple[str, torch.Tensor]],
+              buffer: Callable[[int], bytearray | mmap.mmap] = bytearray) -> bytearray | mmap.mmap:
     """(name, tensor) pairs -> one safetensors blob, each tensor copied once into a buffer of the final size
     (safetensors.torch.save copies each two or three times: for the 0.5B shape on 2 cores, 2.0 s against 0.78 s
     in `python -m bench.serialize_blob`, on the learner's path at max_staleness >= 1). Tensors in safetensors'
@@ -141,7 +145,7 @@ def serialize(named_tensors: Iterable, buffer=bytearray):
 CRC_SEGMENT = 64 * 2**20  # bytes per thread of `checksum`
 
 
-def checksum(blob) -> int:
+def checksum(blob: bytes | bytearray | mmap.mmap) -> int:
     """zlib's crc32 of `blob`, its segments summed in threads (crc32 releases the GIL) and combined: a version of
     the 0.5B shape is 1 GB, whose crc32 took 440 ms on one core, on the learner's and the generator's side."""
     view = memoryview(blob).cast("B")

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 # seconds past the receive's own timeout for a worker to answer at all: one that never does was never told the
 # version (a receive that started answers within its timeout)
@@ -31,8 +36,8 @@ class StagingThread:
     (`apply_collective`, weights.nccl.CollectiveWorker), which frees the buffers for the next version. Bound here,
     in the worker: the address is ready before the generator connects."""
 
-    def __init__(self, group, store, manifest: list, plan: list, staging: list | None, device: str,
-                 timeout_s: float):
+    def __init__(self, group: Any, store: dist.Store, manifest: list, plan: list, staging: list[torch.Tensor] | None,
+                 device: str, timeout_s: float) -> None:
         import os
         import tempfile
         import threading
@@ -107,7 +112,7 @@ class StagingThread:
                     self._stop.wait(0.1)
         return None
 
-    def _until(self, ready) -> bool:
+    def _until(self, ready: Callable[[], object]) -> bool:
         """Wait until `ready()` (which blocks up to 200 ms) is true; False when stopped first."""
         while not self._stop.is_set():
             if ready():
@@ -125,7 +130,7 @@ class StagingThread:
             return None
         return [torch.empty(size, dtype=torch.uint8).fill_(0) for _, _, size in self.plan]
 
-    def _receive(self, stream, ahead: list | None) -> list:
+    def _receive(self, stream: torch.cuda.Stream | None, ahead: list | None) -> list:
         import contextlib
         import datetime
 
@@ -153,7 +158,7 @@ class StagingClient:
     each. `receive` asks all of them for a version (each started receiving it when the learner announced it on
     the group's store) and waits until every one has it in its buffers."""
 
-    def __init__(self, addresses: list[str], manifest: list):
+    def __init__(self, addresses: list[str], manifest: list) -> None:
         import zmq
         import zmq.asyncio
 

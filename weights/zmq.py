@@ -12,12 +12,17 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import protocol as P
 from pipeline.host import private_dir, receiver_dir
 from weights import VersionGone
 from weights.base import Engine, Receiver
 from weights.files import ChecksumMismatch, verify_file
+
+if TYPE_CHECKING:
+    from pipeline.client import HubClient
 
 KEEP = 2  # the newest versions always served
 PULLED_MAX = 2  # older versions kept while a generator pulls them: each is a blob of the model's size in host memory
@@ -30,7 +35,7 @@ class Blobs:
     and never apply one. At most PULLED_MAX older versions are kept; past that the oldest goes, and a generator
     pulling it is told it cannot keep up."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
         self.by_version: dict[int, bytes | bytearray | mmap.mmap] = {}
         self.deltas: dict[int, bytes] = {}  # weights.delta: version -> the delta from the version before
@@ -80,8 +85,9 @@ class ZmqReceiver(Receiver):
 
     name = "zmq"
     in_order = False  # a file may skip to the newest announced version
+    client: HubClient  # the chunks come over the generator's control connection
 
-    def __init__(self, client, chunk_bytes: int, generator_id: str = "", window: int = 4):
+    def __init__(self, client: HubClient, chunk_bytes: int, generator_id: str = "", window: int = 4) -> None:
         super().__init__(client, chunk_bytes, generator_id)
         self.window = window
         self.dir = receiver_dir()
@@ -123,12 +129,12 @@ class ZmqReceiver(Receiver):
         self._remove_all_but(path)  # the engine has loaded the previous version; this one is the next base
         return path
 
-    def _remove_all_but(self, keep) -> None:
+    def _remove_all_but(self, keep: str | None) -> None:
         for old in self.dir.glob("weights-v*.safetensors"):
             if keep is None or old.name != str(keep).rsplit("/", 1)[-1]:
                 old.unlink(missing_ok=True)
 
-    async def _fetch_delta(self, ready: P.WeightsReady, base, path) -> None:
+    async def _fetch_delta(self, ready: P.WeightsReady, base: Path, path: Path) -> None:
         from weights.delta import apply
         from weights.plan import checksum
 
@@ -144,7 +150,7 @@ class ZmqReceiver(Receiver):
             f.write(blob.data)
         self.fetched += len(buf)
 
-    async def _pull(self, ready: P.WeightsReady, path, delta: bool, size: int, into) -> None:
+    async def _pull(self, ready: P.WeightsReady, path: Path, delta: bool, size: int, into: int | bytearray) -> None:
         """`size` bytes of the version's blob (or delta) in chunks, several in flight, into a file descriptor
         (closed here) or a bytearray."""
         try:

@@ -12,6 +12,8 @@ import sys
 from pipeline.config import ConfigError, env_flag
 from pipeline.entrypoints import service
 
+log = logging.getLogger(__name__)
+
 
 def add_parser(sub) -> None:
     s = service.add_parser(sub, "learner", "the learner service (DeepSpeed + hub)", main)
@@ -45,12 +47,11 @@ def main(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         learner_main(cfg, run_dir, resume=args.resume is not None, token=args.launch_token, profile=args.profile)
     except (HubStopped, NotFinite, CheckpointError, RankLost, ConfigError) as e:  # cannot go on: why, no traceback
-        logging.getLogger("pipeline").error("the run failed: %s", e)
+        log.error("the run failed: %s", e)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (learner.service turns it into this)
         who = f" rank {env_flag('RANK')} on host {socket.gethostname()}" if service.launched() else ""
         orphan = " (its launcher, torchrun's agent, is gone)" if os.getppid() != parent else ""
-        logging.getLogger("pipeline").warning("learner%s stopped by a signal%s; the hub and its files are gone",
-                                              who, orphan)
+        log.warning("learner%s stopped by a signal%s; the hub and its files are gone", who, orphan)
         return 130
     return 0

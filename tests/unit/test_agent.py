@@ -394,7 +394,7 @@ def _encoded(outs, ctx, prompt, cfg) -> P.RolloutGroup:
     scores = score_group(outs, ctx, rewards, 10)
     lease = SimpleNamespace(lease_id=1, sampling=P.Sampling(128, 1.0))
     group, _ = P.decode(encode_group(outs, ctx, lease, prompt, scores, "g", "s"))
-    P.check_rollout(group, ctx.n)
+    P.check_shape(group, ctx.n)
     return group
 
 

@@ -107,7 +107,7 @@ def test_the_loss_covers_the_models_tokens_only_not_the_environments():
     sample = _sample([5, 9, 8, 6], [-1, 0, 0, -2], 1.0)
     sample.mask = P.pack_mask([1, 0, 0, 1])
     group = P.RolloutGroup(1, "g", 0, 0, P.pack_ints([3, 4]), [sample, _sample([7], [-3], 0.0)])
-    P.check_rollout(group, 2)
+    P.check_shape(group, 2)
     rows, _ = build_rows([group], step=0, scale_rewards=False)
     batch = collate(rows, pad_id=0, device="cpu")
     r = [i for i, row in enumerate(rows) if len(row.completion) == 4][0]
@@ -116,7 +116,7 @@ def test_the_loss_covers_the_models_tokens_only_not_the_environments():
     assert batch["mu"][r].tolist() == [0, -1, 0, 0, -2, 0, 0]
     sample.mask = P.pack_mask([1, 0, 1])  # not one per token
     with pytest.raises(P.ProtocolError, match="mask: 3 bytes for 4 tokens"):
-        P.check_rollout(group, 2)
+        P.check_shape(group, 2)
 
 
 def test_token_logprobs_match_a_direct_computation():

@@ -61,12 +61,12 @@ def test_oversized_message_is_refused_before_decoding():
 
 def test_rollout_array_checks():
     g = _group()
-    P.check_rollout(g, 2)
+    P.check_shape(g, 2)
     with pytest.raises(P.ProtocolError, match="run's group size is 3"):
-        P.check_rollout(g, 3)
+        P.check_shape(g, 3)
     g.samples[1].logprobs = P.pack_floats([0.0])
     with pytest.raises(P.ProtocolError, match=r"samples\[1\]: token_ids \(12 bytes\) and logprobs \(4 bytes\)"):
-        P.check_rollout(g, 2)
+        P.check_shape(g, 2)
 
 
 @pytest.mark.parametrize("body, message", [
