@@ -74,6 +74,9 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     out["metrics"] = dict(sorted(totals([r for r, _ in pairs], ("gen/", "time/hub/")).items()))
     bound = verdict(pairs, _trains_adapters(Path(run_dir)))
     out["verdict"] = {**bound.fields(), "sentence": bound.line()} if bound else None
+    # the held-out pass@1 of each evaluation round (eval.every): accuracy beside the speed of the same run
+    rounds = sorted(read_jsonl(Path(run_dir) / "eval.jsonl"), key=lambda e: e["version"])
+    out["heldout_pass@1"] = {str(e["version"]): round(e["eval/pass@1"], 4) for e in rounds}
     return out
 
 

@@ -76,3 +76,15 @@ def test_the_start_is_listed_phase_by_phase_from_launch(tmp_path: Path) -> None:
         "first generate", "first train"]
     assert out["startup"][-1] == {"phase": "first train", "from_launch_s": 31.5, "s": 5.0}
     assert out["learner"]["launch_to_first_step_s"] == 31.5
+
+
+def test_the_held_out_accuracy_of_each_round_comes_with_the_speed(tmp_path: Path) -> None:
+    events = _process(10, "learner-rank0", ["startup", "hub", "learner"]) + _steps(10, 3, 12, 3_000_000)
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "metrics.jsonl").write_text("")
+    rounds = [{"version": 10, "eval/pass@1": 0.40625}, {"version": 0, "eval/pass@1": 0.15234375}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+
+    assert timeline.summary(tmp_path, skip=2)["heldout_pass@1"] == {"0": 0.1523, "10": 0.4062}
+    (tmp_path / "eval.jsonl").unlink()  # a run without evaluation rounds
+    assert timeline.summary(tmp_path, skip=2)["heldout_pass@1"] == {}
