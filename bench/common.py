@@ -153,12 +153,14 @@ def standalone_hub(cfg, run_dir: Path, run_id: str, model: str):
 
     from hub.hub import Hub
     from pipeline.tasks import encode_prompt, load_rows
+    from weights import senders
     from weights.files import write_shm
     from weights.plan import checksum, serialize
 
     tok = AutoTokenizer.from_pretrained(model)
     hub = Hub(cfg, load_rows(cfg.data), run_dir, run_id, encode=lambda text: encode_prompt(tok, cfg.data, text),
               vocab_size=AutoConfig.from_pretrained(model).vocab_size)
+    hub.serve_weights(senders(cfg, hub, run_id))  # as the learner does
     tensors = {k: v for f in sorted(Path(model).glob("*.safetensors")) for k, v in load_file(f).items()}
     blob = serialize(tensors.items())
     hub.announce(P.WeightsReady(0, file=P.FileVersion(len(blob), checksum(blob), write_shm(run_id, 0, blob))), blob)

@@ -60,6 +60,7 @@ def hub_process(n: int, batch: int, conn, profile: str = "") -> None:
     from hub.hub import Hub
     from pipeline.config import config_from_dict
     from pipeline.tasks import echo_rows
+    from weights import senders
 
     def encode(text: str) -> list[int]:  # the embedded tiny model's ids of an echo prompt: digit d is 4 + d, '=' 3
         return [3 if w == "=" else 4 + int(w) for w in text.split() if w == "=" or w.isdigit()]
@@ -71,6 +72,7 @@ def hub_process(n: int, batch: int, conn, profile: str = "") -> None:
         "hub": {"max_generators": n, "heartbeat_s": 1.0, "heartbeat_timeout_s": 30.0}})
     hub = Hub(cfg, echo_rows(max(4096, 4 * batch), 0), Path(tempfile.mkdtemp(prefix="hub-ceiling-")), "bench", 0, None,
               encode=encode, vocab_size=16)
+    hub.serve_weights(senders(cfg, hub, "bench"))
     hub.start()
     pauses, began = {0: [], 1: [], 2: []}, [0.0]  # Python's collections in the hub's process: they hold every thread
 

@@ -13,9 +13,11 @@
     hub/journal.py         events.jsonl, rate-limited logs
     pipeline/runspec.py    the run's spec, which every generator adopts before it registers (SpecRequest)
     hub/serving.py         the weight transports' side of registration, announcements and zmq pulls
+    hub/trainer.py         what the learner may call (TrainerHub) and read for a step's record (HubStats)
 
-The learner's thread talks to the hub through `take_batch`, `finish_step`, `abandon_step`, `finish_run` and
-`announce` (a lock and a condition), so the hub keeps answering heartbeats and leases while a step trains.
+The learner's thread calls the hub as a TrainerHub (`take_batch`, `finish_step`, ...) and its weight senders call
+`announce`, each under a lock and a condition, so the hub keeps answering heartbeats and leases while a step trains.
+The senders are the learner's, handed to the hub before it starts (`serve_weights`).
 Every peer is hostile until shown otherwise: a message about a generator from another connection is refused,
 a rejected rollout is counted by reason and its prompt leased again, a weights version it reports must be one
 the hub published, and faults that could end the run (prompts no engine takes, reward functions that raise)
@@ -45,12 +47,13 @@ from hub.prompts import Prompts
 from hub.registry import GENERATOR_ID, GeneratorInfo, Registry
 from hub.server import Server
 from hub.serving import WeightServing
+from hub.trainer import HubStats
 from hub.validation import Expected, Rejected, RunShape, check_rollout, check_stages
 from pipeline import pinning, runspec
 from pipeline import protocol as P
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
-from weights.base import Announcer
+from weights.base import Sender
 
 if TYPE_CHECKING:
     import mmap
@@ -111,9 +114,7 @@ class Hub:
         self.evaluation.start(version)
         self.auth = ServerAuth.load(cfg.auth.keys)
         self.server = Server(cfg.hub.host, cfg.hub.port, self.auth, limits, self, self.counters)
-        announcer: Announcer = self  # what the weight senders may ask of it (the type checker holds it to that)
-        # builds the senders (weights/__init__.py)
-        self.weights = WeightServing(cfg, self.registry, self.server, announcer, run_id, version)
+        self.weights = WeightServing(cfg, self.registry, self.server, version)  # its senders: `serve_weights`
         self.journal = Journal(run_dir, cfg.hub.journal_kib_per_minute, self.counters)
         self.faults = Faults(cfg, self.ledger, self.registry, self.journal, self.counters, self.failed)
         self.desk = LeaseDesk(cfg, self.ledger, self.registry, self.evaluation, self.prompts, self.faults, self.journal,
@@ -132,7 +133,15 @@ class Hub:
     def rollouts_address(self) -> str:
         return self.server.endpoint(self.server.rollouts_port)
 
+    def serve_weights(self, senders: dict[str, Sender]) -> None:
+        """The learner's weight senders by transport (weights.senders, built with this hub as their Announcer), which
+        its publisher drives: registration picks among them. Before `start`."""
+        self.weights.senders = senders
+
     def start(self) -> None:
+        if not self.weights.senders:  # else the first generator to register would be refused, not the run
+            raise RuntimeError("Hub.start: no weight senders; hand the hub weights.senders(cfg, hub, run_id) with "
+                               "serve_weights first")
         # what is loaded by now (the dataset's rows, the model's modules) lives as long as the run: frozen, Python's
         # full collections no longer walk it. They hold every thread, the hub's answers too: 257 ms at worst with
         # 1,024 generators before (docs/figures.md, "The hub's ceiling")
@@ -524,10 +533,13 @@ class Hub:
                                or not self.registry.generators, wait_s)
             return self.evaluation.done()
 
-    def generator_stages(self) -> dict[str, dict]:
-        """Each registered generator's seconds per stage since it started (its last heartbeat's)."""
+    def step_stats(self) -> HubStats:
+        """What a step's record reads of the hub, copied at once: the hub's thread changes it meanwhile."""
         with self.lock:
-            return {g.generator_id: dict(g.stage_s) for g in self.registry.generators.values()}
+            gens = self.registry.generators
+            return HubStats(tokens=self.counters["tokens"], generators=len(gens), counters=dict(self.counters),
+                            busy=dict(self.server.busy),  # (added to outside the lock: dict() copies it whole)
+                            stages={g.generator_id: dict(g.stage_s) for g in gens.values()})
 
     def wait_generators_gone(self, timeout: float) -> bool:
         with self.lock:

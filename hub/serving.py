@@ -1,5 +1,7 @@
 """The hub's side of the weight transports (it runs under the hub's lock, on the hub's thread or the learner's).
 
+The senders are the learner's: it builds them (weights.senders, with the hub as their Announcer), its publisher
+drives them, and the hub holds them by transport (Hub.serve_weights) to tell them who joins and leaves.
 At registration: the generator's transport (`weights.pick`) and its sender's `join` (an nccl group opened, or
 the newest file version pushed right after the Welcome). Each new version: the announcement pushed to the
 generators it concerns (a file version to every generator of a file transport, a broadcast to the ones the
@@ -16,21 +18,20 @@ from hub.server import Server
 from pipeline import protocol as P
 from pipeline.config import Config, env_flag
 from pipeline.host import host_identity
-from weights import pick, senders
-from weights.base import Announcer
+from weights import pick
+from weights.base import Sender
 from weights.zmq import Blobs
 
 CHUNKS_IN_FLIGHT = 5  # weight chunks per peer not yet handed to the network (the generator keeps 4 in flight)
 
 
 class WeightServing:
-    def __init__(self, cfg: Config, registry: Registry, server: Server, announcer: Announcer, run_id: str,
-                 version: int) -> None:
-        self.cfg, self.registry, self.server, self.run_id = cfg, registry, server, run_id
+    def __init__(self, cfg: Config, registry: Registry, server: Server, version: int) -> None:
+        self.cfg, self.registry, self.server = cfg, registry, server
         self.newest = version  # announced: a rollout may already come from it
         self.last_ready: P.WeightsReady | None = None  # the newest file version
         self.blobs = Blobs(cfg.weights.chunk_mb * 2**20)
-        self.senders = senders(cfg, announcer, run_id)  # by transport (weights/__init__.py); the publisher drives them
+        self.senders: dict[str, Sender] = {}  # by transport: the learner's (Hub.serve_weights)
         self._host = host_identity()[1]  # boot id, network namespace, /dev/shm: which generators share a host
 
     def join(self, msg: P.Register, ident: bytes, version: int) -> tuple[str, P.CollectiveSetup | None]:

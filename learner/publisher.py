@@ -7,20 +7,22 @@ while a version is gathered (nccl: broadcast to the generators). Each bucket is 
 on a side CUDA stream (pinned; two sets, alternating by version), which nobody waits for until the copy is
 read: training goes on meanwhile. The CPU copy serves the senders that want it (the file transports: a
 safetensors blob serialised, checksummed and written while the next step trains) and generators that join
-later (`latest`). The senders are weights/__init__.py's, built by the hub. Every rank calls `publish`
-(ZeRO-3 gathering is collective); only rank 0 sends. The training loop, not the publisher, ends a step
-(Hub.finish_step)."""
+later (`latest`). The senders are weights/__init__.py's, built by the learner (rank 0's; the hub holds them too, to
+tell them who joins). Every rank calls `publish` (ZeRO-3 gathering is collective); only rank 0 sends. The training
+loop, not the publisher, ends a step (Hub.finish_step)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from learner.model import free_gpu_bytes
 from learner.versions import version_kind
+from weights.base import Sender
 from weights.plan import Packer, manifest, nbytes, unpack
 
 INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least this much, and up to half the
@@ -28,11 +30,12 @@ INFLIGHT_BYTES = 2 * 2**30  # device buckets held for their CPU copy: at least t
 
 
 class WeightPublisher:
-    def __init__(self, cfg, engine, hub, rank: int):
+    def __init__(self, cfg, engine, senders: Iterable[Sender], rank: int):
+        """`senders`: rank 0's (weights.senders' values), none on other ranks."""
         self.cfg, self.engine, self.rank = cfg, engine, rank
         self.kind = version_kind(cfg, engine.module)  # every parameter, or a LoRA adapter alone
         self.version_bytes = 0  # of the last version: what it carries (an adapter run: the adapter's bytes)
-        self.senders = list(dict.fromkeys(hub.weights.senders.values())) if rank == 0 else []
+        self.senders = list(dict.fromkeys(senders))  # each once: one FileSender serves both shm and zmq
         self.device = next((s.device for s in self.senders if s.device is not None), None) or _device(engine)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._pending: list[Future] = []

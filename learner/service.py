@@ -31,7 +31,9 @@ from pathlib import Path
 import msgpack
 import torch
 
+import weights
 from hub.hub import DatasetExhausted, Hub
+from hub.trainer import TrainerHub
 from learner import checkpoint
 from learner.model import Extras, build_engine, init_distributed, leave_distributed
 from learner.publisher import WeightPublisher
@@ -50,6 +52,7 @@ from pipeline.pinning import content_digests
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
 from pipeline.verdict import Verdicts, timed, verdict
+from weights.base import Sender
 from weights.files import remove_shm
 
 log = logging.getLogger(__name__)
@@ -139,8 +142,10 @@ class Place:
 
 
 def start_hub(cfg: Config, place: Place, version: int, hub_state: dict | None, tokenizer, engine,
-              kind: str, token: str) -> tuple[Hub, dict]:
-    """Rank 0's hub, started, its address in RUN_DIR/hub.json: (the hub, what a checkpoint's weights mean)."""
+              kind: str, token: str) -> tuple[Hub, dict[str, Sender], dict]:
+    """Rank 0's hub, started, its address in RUN_DIR/hub.json: (the hub, the weight senders by transport, what a
+    checkpoint's weights mean). The senders are the learner's: its publisher drives them, the hub tells them who
+    joins; they ask the hub to announce."""
     run_dir = place.run_dir
     for stale in remove_stale():
         log.info("removed %s, left by a process that no longer runs", stale)
@@ -153,11 +158,13 @@ def start_hub(cfg: Config, place: Place, version: int, hub_state: dict | None, t
                               encode=lambda text: encode_prompt(tokenizer, cfg.data, text),
                               vocab_size=engine.module.config.vocab_size, eval_rows=load_eval_rows(cfg),
                               fingerprints=prints, contents=contents)
+        senders = weights.senders(cfg, hub, place.run_id)
+        hub.serve_weights(senders)
         hub.start()
     _write_hub_json(run_dir, {"address": hub.address, "pid": os.getpid(), "run_id": place.run_id,
                               "rollouts": hub.rollouts_address, "token": token})
     print(f"learner: hub listening on {hub.address}  (pipeline generator --learner {hub.address})", flush=True)
-    return hub, what
+    return hub, senders, what
 
 
 def _terminate(signum, frame) -> None:
@@ -207,16 +214,17 @@ class Learner:
     shows it; every few steps and at the end, rank 0 says what holds the run back (pipeline/verdict.py). `extras`:
     build_engine's, beside the engine; `what`: what the weights mean, recorded with each checkpoint."""
 
-    def __init__(self, cfg: Config, engine, extras: Extras, *, hub: Hub | None, publisher: WeightPublisher,
+    def __init__(self, cfg: Config, engine, extras: Extras, *, hub: TrainerHub | None, publisher: WeightPublisher,
                  metrics: MetricsWriter | None, run_dir: Path, rank: int = 0, world: int = 1, pad_id: int = 0,
                  what: dict | None = None, version: int = 0, tokenizer=None):
         self.cfg, self.engine, self.extras, self.hub, self.publisher = cfg, engine, extras, hub, publisher
         self.metrics, self.run_dir, self.rank, self.world = metrics, run_dir, rank, world
         self.pad_id, self.what, self.version, self.tokenizer = pad_id, what, version, tokenizer
-        self.times = StepTimes(hub)
+        seen = hub.step_stats() if hub is not None else None
+        self.times = StepTimes(seen)
         self.skipped = 0  # steps not finite in a row
         self.started = self.last_time = time.perf_counter()
-        self.last_tokens = hub.counters["tokens"] if hub else 0
+        self.last_tokens = seen.tokens if seen is not None else 0
         self.verdicts = Verdicts(lora=cfg.model.lora is not None)
         self.signal = Signal()  # whether the steps still teach anything (learner/signal.py)
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
@@ -225,7 +233,8 @@ class Learner:
     @classmethod
     def build(cls, cfg: Config, model_path: str, place: Place, resume: bool = False, token: str = "") -> Learner:
         """This rank's parts, in order: the tokenizer, the engine (at the newest checkpoint's version when resumed),
-        rank 0's hub (`place.hub`), the publisher with the first version published, rank 0's metrics."""
+        rank 0's hub (`place.hub`) with the weight senders it shares with the publisher, the publisher with the first
+        version published, rank 0's metrics."""
         run_dir, rank = place.run_dir, place.rank
         if rank == 0:  # a resumed run's: its learner is gone, and nobody may take its address for this one's
             (run_dir / "hub.json").unlink(missing_ok=True)
@@ -242,9 +251,9 @@ class Learner:
         if resume and rank == 0:
             discarded = truncate_metrics(run_dir, version)
             log.info("resumed at version %d; %d step records after the checkpoint were discarded", version, discarded)
-        hub, what = start_hub(cfg, place, version, hub_state, tokenizer, engine, kind, token) if rank == 0 else \
-            (None, None)
-        publisher = WeightPublisher(cfg, engine, hub, rank)
+        hub, senders, what = start_hub(cfg, place, version, hub_state, tokenizer, engine, kind, token) \
+            if rank == 0 else (None, {}, None)
+        publisher = WeightPublisher(cfg, engine, senders.values(), rank)
         with trace.span("publish the first version", "startup"):
             publisher.publish(version)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
@@ -319,21 +328,21 @@ class Learner:
         self.times.end(step)
         return step + 1
 
-    def record(self, hub: Hub, step: int, stats: dict, knobs: dict, groups: list, sync_ms: float) -> None:
-        now, tokens = time.perf_counter(), hub.counters["tokens"]
-        rate = (tokens - self.last_tokens) / max(1e-6, now - self.last_time)
+    def record(self, hub: TrainerHub, step: int, stats: dict, knobs: dict, groups: list, sync_ms: float) -> None:
+        now, seen = time.perf_counter(), hub.step_stats()
+        rate = (seen.tokens - self.last_tokens) / max(1e-6, now - self.last_time)
         assert self.metrics is not None  # rank 0's
         record = step_record(
-            step, {**stats, **self.times.record()}, sync_ms=sync_ms, elapsed_s=now - self.started,
-            publisher=self.publisher.metrics(), tokens_per_s=rate,
-            generators=len(hub.registry.generators), max_staleness=knobs["trainer.max_staleness"], groups=groups,
-            counters=dict(hub.counters), evaluations=hub.evaluations())  # (a copy: the hub's thread adds keys)
+            step, {**stats, **self.times.record(seen)}, sync_ms=sync_ms, elapsed_s=now - self.started,
+            publisher=self.publisher.metrics(), tokens_per_s=rate, generators=seen.generators,
+            max_staleness=knobs["trainer.max_staleness"], groups=groups, counters=seen.counters,
+            evaluations=hub.evaluations())
         # what holds the run back, from the records so far and this one, whole: read, never changed
         due = self.verdicts.add(record)
         if due is not None:
             record.update(due.fields())
         self.metrics.write(record)
-        self.last_tokens, self.last_time = tokens, now
+        self.last_tokens, self.last_time = seen.tokens, now
         if due is not None:
             log.info("what holds the run back, %s", due.line())
             hub.set_verdict(due.line())
@@ -342,7 +351,7 @@ class Learner:
         if gone := self.signal.add(record):
             log.warning("%s", gone)
 
-    def conclude(self, hub: Hub) -> None:
+    def conclude(self, hub: TrainerHub) -> None:
         """Rank 0, at the end: what held the whole run back (every step in metrics.jsonl, a resumed run's too)."""
         final = verdict(timed(read_metrics(self.run_dir)), self.verdicts.lora)
         if final is not None:
@@ -354,8 +363,8 @@ class Learner:
                         self.cfg.trainer.keep_checkpoints, self.what)
 
 
-def next_batch(hub: Hub | None, step: int, cfg: Config, rank: int, world: int, device) -> tuple[list | None, dict,
-                                                                                              dict, str]:
+def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int,
+               device) -> tuple[list | None, dict, dict, str]:
     """Rank 0's next batch, on every rank: (groups, stats of the groups dropped, knobs, why the run ends). While
     rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
     than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone."""
@@ -369,7 +378,8 @@ def next_batch(hub: Hub | None, step: int, cfg: Config, rank: int, world: int, d
             return groups, {"staleness/dropped": dropped}, knobs, end
 
 
-def _take(hub: Hub | None, step: int, wait_s: float | None) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
+def _take(hub: TrainerHub | None, step: int,
+          wait_s: float | None) -> tuple[list[P.RolloutGroup] | None, dict, dict, str]:
     assert hub is not None  # rank 0's
     try:
         groups, stats, knobs = hub.take_batch(step, wait_s)
@@ -378,7 +388,7 @@ def _take(hub: Hub | None, step: int, wait_s: float | None) -> tuple[list[P.Roll
     return groups, stats, knobs, ""
 
 
-def _skipped(hub, step: int, stats: dict, n_groups: int, in_a_row: int, limit: int) -> None:
+def _skipped(hub: TrainerHub | None, step: int, stats: dict, n_groups: int, in_a_row: int, limit: int) -> None:
     """A step that was not finite: nothing changed, nothing is published; its prompts are leased again."""
     log.warning("step %d skipped: its loss (%s) or gradient (norm %s) is not finite; the weights stay at version "
                 "%d, its %d groups are leased again (%d in a row, trainer.max_skipped_steps=%d)", step, stats["loss"],

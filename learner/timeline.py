@@ -8,25 +8,26 @@ A step is its phases, one after another, each a span on the learner's track and 
     record     the step's metrics record
     checkpoint when one is due
 
-and the step's own span (`step`) covers them all, so they add up to its wall time. The record also gets what the
-hub's thread spent since the last record (time/hub/<message>_s: decode, rollout, lease_request, ...) and what the
-generators' stages gained (gen/<stage>_s, summed over generators, from their heartbeats) since each one's first report
-after it registered: a generator counts its seconds from its own start, and the time it spent building its engine is
-no step's (it made a generator that joined look idle for tens of seconds in the step it joined).
+and the step's own span (`step`) covers them all, so they add up to its wall time. The record also gets, from the
+hub's figures (hub/trainer.py's HubStats), what the hub's thread spent since the last record (time/hub/<message>_s:
+decode, rollout, lease_request, ...) and what the generators' stages gained (gen/<stage>_s, summed over generators,
+from their heartbeats) since each one's first report after it registered: a generator counts its seconds from its own
+start, and the time it spent building its engine is no step's (it made a generator that joined look idle for tens of
+seconds in the step it joined).
 """
 
 from __future__ import annotations
 
 import time
 
+from hub.trainer import HubStats
 from pipeline import trace
 
 
 class StepTimes:
-    def __init__(self, hub) -> None:
-        """`hub`: rank 0's (its thread's busy seconds and its generators' stages), None on other ranks."""
-        self.hub = hub
-        self.hub_before: dict = dict(hub.server.busy) if hub is not None else {}
+    def __init__(self, hub: HubStats | None) -> None:
+        """`hub`: rank 0's hub's figures at the start (its thread's busy seconds), None on other ranks."""
+        self.hub_before: dict = dict(hub.busy) if hub is not None else {}
         self.gen_before: dict[str, dict] = {}
         self.begin()
 
@@ -43,17 +44,18 @@ class StepTimes:
         trace.complete("step (skipped)" if skipped else "step", "learner", self.start, time.time(), step=step)
         self.begin()
 
-    def record(self) -> dict:
-        """The step's phases so far, and the hub's and the generators' seconds since the last record."""
+    def record(self, hub: HubStats | None) -> dict:
+        """The step's phases so far, and from `hub` (rank 0's figures now; None: none) the hub's and the generators'
+        seconds since the last record."""
         s = self.sums
         out = {"time/wait_s": s.get("wait", 0.0), "time/step_s": s.get("train", 0.0),
                "time/publish_s": s.get("publish", 0.0)}
-        if self.hub is None:
+        if hub is None:
             return out
-        busy = dict(self.hub.server.busy)
+        busy = hub.busy
         out.update({f"time/hub/{k}_s": v for k, v in trace.gained(busy, self.hub_before).items()})
         self.hub_before = busy
-        stages = self.hub.generator_stages()
+        stages = hub.stages
         gained: dict[str, float] = {}
         for gen_id, now in stages.items():
             before = self.gen_before.get(gen_id)

@@ -73,6 +73,7 @@ class Sender:
     # set by the publisher: latest(fn, background=False) calls fn(version, named) with the newest version's CPU copy
     # (late joiners)
     latest: Callable[..., None] | None = None
+    device: torch.device | None = None  # where the publisher packs the buckets it hands over (None: anywhere)
 
     def __init__(self, cfg: Config, announcer: Announcer, run_id: str) -> None:
         self.announcer, self.run_id = announcer, run_id

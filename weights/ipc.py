@@ -92,7 +92,7 @@ class IpcSender(Sender):
             raise ValueError("weights.transport ipc: the learner has no CUDA device to share its buffers from "
                              "(use auto, shm or zmq)")
         super().__init__(cfg, announcer, run_id)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device: torch.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = cfg.weights.collective_timeout_s
         self.changed = threading.Condition()
         self.applied: dict[str, int] = {}  # generator id: the version it applied last (-1: none yet)

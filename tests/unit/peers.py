@@ -11,6 +11,7 @@ from pipeline import protocol as P
 from pipeline.config import config_from_dict
 from pipeline.security import ClientKeys, secure_client
 from pipeline.tasks import echo_rows
+from weights import senders
 
 VOCAB = 16  # the tiny model's
 
@@ -29,6 +30,7 @@ def new_hub(run_dir, rows=None, version: int = 0, state=None, eval_rows=None, **
         data[name] = {**data.get(name, {}), **values} if isinstance(values, dict) else values
     hub = Hub(config_from_dict(data), rows or echo_rows(16, 0), run_dir, "test", version, state, encode=encode,
               vocab_size=VOCAB, eval_rows=eval_rows)
+    hub.serve_weights(senders(hub.cfg, hub, "test"))  # as the learner does
     hub.start()
     return hub
 

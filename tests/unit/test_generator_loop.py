@@ -20,6 +20,7 @@ from pipeline.config import config_from_dict
 from pipeline.host import remove_receiver_dir
 from pipeline.tasks import echo_rows
 from tests.unit.peers import VOCAB, encode
+from weights import senders
 from weights.base import Receiver
 from weights.nccl import NcclReceiver
 from weights.plan import checksum, serialize
@@ -97,6 +98,7 @@ async def running(cfg, run_dir, engine, rows=None, version: int = 0, announce: b
     on this loop (with `gen_cfg`, a config of its own, as a separate process has); the generator leaves and the hub
     stops afterwards."""
     hub = Hub(cfg, rows or echo_rows(32, 0), run_dir, "unit", version, encode=encode, vocab_size=VOCAB)
+    hub.serve_weights(senders(cfg, hub, "unit"))
     hub.start()
     if announce:
         publish(hub, version)
@@ -308,6 +310,7 @@ async def test_failed_groups_are_leased_again_or_rejected_never_lost(tmp_path):
 def test_too_many_rejected_prompts_stop_the_run_with_the_reason(tmp_path):
     cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2}, "hub": {"max_rejected_prompts": 2}})
     hub = Hub(cfg, echo_rows(8, 0), tmp_path, "unit", encode=encode, vocab_size=VOCAB)
+    hub.serve_weights(senders(cfg, hub, "unit"))
     with hub.lock:  # a lone generator: its rejections are the run's (no other engine could try)
         gen = hub.registry.generators["g"] = GeneratorInfo("g", "h", "", 1, 0, "zmq", time.monotonic())
         lease = hub._on_lease_request(P.LeaseRequest("g", 4), gen)

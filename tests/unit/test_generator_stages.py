@@ -28,7 +28,7 @@ async def test_profiling_changes_no_number_a_generator_sends(tmp_path):
                 with hub.lock:
                     groups = {(g.epoch, g.prompt_id): [(s.token_ids, s.reward, s.rewards, s.first_version)
                                                        for s in g.samples] for g, *_ in hub.ledger.buffer}
-                await _until(lambda: hub.generator_stages().get(gen.id, {}).get("score", 0) > 0)
+                await _until(lambda: hub.step_stats().stages.get(gen.id, {}).get("score", 0) > 0)
                 sent.append(groups)
         finally:
             trace.TRACE.flush()

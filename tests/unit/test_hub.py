@@ -8,10 +8,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from hub.hub import HubStopped
+from hub.hub import Hub, HubStopped
 from pipeline import protocol as P
+from pipeline.config import config_from_dict
 from pipeline.status import render
-from tests.unit.peers import Peer, new_hub, wait_until
+from pipeline.tasks import echo_rows
+from tests.unit.peers import VOCAB, Peer, encode, new_hub, wait_until
 from weights.nccl import NcclSender
 from weights.nccl import Peer as NcclPeer
 
@@ -332,6 +334,15 @@ def test_explicit_transport_is_kept(make_hub):
     peer.close()
 
 
+def test_a_hub_started_without_the_learners_weight_senders_says_so_at_once(tmp_path):
+    """The senders are the learner's (Hub.serve_weights): without them every generator would be refused at
+    registration, so the hub refuses to start, naming what is missing."""
+    hub = Hub(config_from_dict({}), echo_rows(4, 0), tmp_path, "test", encode=encode, vocab_size=VOCAB)
+    with pytest.raises(RuntimeError, match="no weight senders.*serve_weights"):
+        hub.start()
+    hub.stop()
+
+
 def test_a_draining_generator_gets_no_more_broadcasts_but_keeps_its_leases(make_hub, tmp_path):
     hub = make_hub()
     hub.weights.senders["nccl"] = FakeNccl(hub)
@@ -587,12 +598,12 @@ def test_a_heartbeat_reports_its_stages_and_one_that_lies_is_refused_naming_the_
     peer = Peer(hub)
     peer.register()
     assert isinstance(peer.ask(P.Heartbeat("gen-t", 0, stage_s={"generating": 1.5, "score": 0.25})), P.HeartbeatReply)
-    assert hub.generator_stages() == {"gen-t": {"generating": 1.5, "score": 0.25}}
+    assert hub.step_stats().stages == {"gen-t": {"generating": 1.5, "score": 0.25}}
     for stages, named in (({"mining": 1.0}, "'mining' is not one of"), ({"score": -1.0}, "stage_s['score']: -1.0"),
                           ({"send": float("nan")}, "stage_s['send']: nan"), ({"idle": "1"}, "stage_s['idle']: '1'")):
         refused = hub.counters["refused"]
         reply = peer.ask(P.Heartbeat("gen-t", 0, stage_s=stages))
         assert isinstance(reply, P.Error) and named in reply.message, reply
         assert hub.counters["refused"] == refused + 1
-    assert hub.generator_stages() == {"gen-t": {"generating": 1.5, "score": 0.25}}  # the last true report stays
+    assert hub.step_stats().stages == {"gen-t": {"generating": 1.5, "score": 0.25}}  # the last true report stays
     peer.close()

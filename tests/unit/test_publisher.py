@@ -13,13 +13,12 @@ from weights.files import FileSender
 
 
 class Hub:  # records what the publisher's file sender announces
-    def __init__(self, cfg):
-        self.blobs, self.weights = {}, SimpleNamespace(last_ready=None)
-        self.weights.senders = {"zmq": FileSender(cfg, self, "run")}
+    def __init__(self):
+        self.blobs, self.last_ready = {}, None
 
     def announce(self, ready, blob, to=None, delta=None, transports=None):
         self.blobs[ready.version] = blob
-        self.weights.last_ready = ready
+        self.last_ready = ready
 
     def wants_blobs(self, transports):
         return True
@@ -28,7 +27,7 @@ class Hub:  # records what the publisher's file sender announces
         return False
 
     def last_file_version(self):
-        return self.weights.last_ready
+        return self.last_ready
 
 
 def test_each_version_blob_holds_that_version():
@@ -37,8 +36,8 @@ def test_each_version_blob_holds_that_version():
     engine = SimpleNamespace(module=module, device=torch.device("cpu"))
     cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0), weights=SimpleNamespace(transport="zmq", delta=False),
                           model=SimpleNamespace(lora=None))
-    hub = Hub(cfg)
-    pub = WeightPublisher(cfg, engine, hub, rank=0)
+    hub = Hub()
+    pub = WeightPublisher(cfg, engine, [FileSender(cfg, hub, "run")], rank=0)
     want = {}
     for version in (1, 2, 3):
         with torch.no_grad():
@@ -83,8 +82,7 @@ def test_a_version_whose_publishing_fails_still_ends_at_its_senders():
     module = torch.nn.Linear(8, 4)
     cfg = SimpleNamespace(trainer=SimpleNamespace(zero_stage=0), model=SimpleNamespace(lora=None))
     sender = FailingSender()
-    hub = SimpleNamespace(weights=SimpleNamespace(senders={"x": sender}))
-    pub = WeightPublisher(cfg, SimpleNamespace(module=module, device=torch.device("cpu")), hub, rank=0)
+    pub = WeightPublisher(cfg, SimpleNamespace(module=module, device=torch.device("cpu")), [sender], rank=0)
     with pytest.raises(RuntimeError, match="broadcast failed"):
         pub.publish(1)
     assert sender.lock.acquire(timeout=1)

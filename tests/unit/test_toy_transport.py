@@ -1,6 +1,7 @@
 """Adding a weight transport is one file and one line (issue 43): the toy of tests/unit/toy_transport.py, registered
-in pipeline/transports.py, is accepted by the config, built by the hub, picked at registration, and its versions
-reach the weights through the vLLM worker extension (generator.worker_ext.WeightLoader, composed with its mixin)."""
+in pipeline/transports.py, is accepted by the config, built with the learner's senders, picked at registration, and
+its versions reach the weights through the vLLM worker extension (generator.worker_ext.WeightLoader, composed with its
+mixin)."""
 
 from __future__ import annotations
 

@@ -265,17 +265,17 @@ def test_pipeline_status_gets_the_learners_latest_verdict(tmp_path):
 def test_a_generators_time_before_its_first_report_is_no_steps():
     """A generator that joins counts its seconds from its own start (its engine's build): the step it joins in must
     not read tens of idle seconds."""
+    from hub.trainer import HubStats
     from learner.timeline import StepTimes
 
-    hub = types.SimpleNamespace(server=types.SimpleNamespace(busy={}), stages={})
-    hub.generator_stages = lambda: {g: dict(s) for g, s in hub.stages.items()}
-    times = StepTimes(hub)
-    hub.stages["g"] = {}  # registered, no heartbeat yet
-    assert not [k for k in times.record() if k.startswith("gen/")]
-    hub.stages["g"] = {"idle": 40.0, "generating": 0.5}  # its first heartbeat: 40 s building its engine
-    assert not [k for k in times.record() if k.startswith("gen/")]
-    hub.stages["g"] = {"idle": 40.1, "generating": 1.4}
-    gained = times.record()
+    def seen(stages: dict) -> HubStats:
+        return HubStats(tokens=0, generators=len(stages), counters={}, busy={}, stages=stages)
+
+    times = StepTimes(seen({}))
+    assert not [k for k in times.record(seen({"g": {}})) if k.startswith("gen/")]  # registered, no heartbeat yet
+    first = {"g": {"idle": 40.0, "generating": 0.5}}  # its first heartbeat: 40 s building its engine
+    assert not [k for k in times.record(seen(first)) if k.startswith("gen/")]
+    gained = times.record(seen({"g": {"idle": 40.1, "generating": 1.4}}))
     assert gained["gen/idle_s"] == pytest.approx(0.1) and gained["gen/generating_s"] == pytest.approx(0.9)
 
 
@@ -283,6 +283,7 @@ def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_pat
     """The verdict is computed from the step's record once it is whole and only adds its own fields (verdict/...):
     the learner's record path replayed step for step (a fixed clock, the same hub and phases) writes every other
     field the same with verdicts on and off."""
+    from hub.trainer import HubStats
     from learner import service
     from pipeline import trace
     from pipeline.config import Config
@@ -299,10 +300,10 @@ def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_pat
         clock = types.SimpleNamespace(now=0.0)
         monkeypatch.setattr(service, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
         said: list[str] = []
-        hub = types.SimpleNamespace(counters={"tokens": 0}, registry=types.SimpleNamespace(generators={"g": 1}),
-                                    server=types.SimpleNamespace(busy=trace.Sums()), stages={"g": {}},
-                                    evaluations=list, set_verdict=said.append)
-        hub.generator_stages = lambda: copy.deepcopy(hub.stages)
+        hub = types.SimpleNamespace(counters={"tokens": 0}, busy=trace.Sums(), stages={"g": {}}, evaluations=list,
+                                    set_verdict=said.append)
+        hub.step_stats = lambda: HubStats(tokens=hub.counters["tokens"], generators=1, counters=dict(hub.counters),
+                                          busy=dict(hub.busy), stages=copy.deepcopy(hub.stages))
         publisher = types.SimpleNamespace(metrics=lambda: {"sync/broadcast_ms": 1.0})
         run_dir.mkdir()
         learner = service.Learner(Config(), None, None, hub=hub, publisher=publisher, metrics=MetricsWriter(run_dir),
@@ -312,7 +313,7 @@ def test_the_learner_writes_the_same_records_with_the_verdict_as_without(tmp_pat
             s = STAGE_RUNS[V.WINDOW] if step % 7 else LEARNER_BOUND  # a mixed run
             clock.now += s["wall"]
             hub.counters["tokens"] += 1000
-            hub.server.busy.add("rollout", 0.01)
+            hub.busy.add("rollout", 0.01)
             g = hub.stages["g"]
             hub.stages["g"] = {"generating": g.get("generating", 0.0) + s["generating"],
                                "idle": g.get("idle", 0.0) + s["wall"] - s["generating"],
