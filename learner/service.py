@@ -280,7 +280,6 @@ class Learner:
             self.metrics.close()
         self.publisher.flush()
         self.publisher.kind.save_final(self.engine, self.cfg, self.tokenizer, self.run_dir / "final", self.rank)
-        self.version = step
         return step
 
     def finish(self) -> None:

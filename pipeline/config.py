@@ -452,6 +452,10 @@ class RunConfig:
             self.learner_gpus = str(self.learner_gpus)
         self.generator_gpus = [str(g) for g in self.generator_gpus]
 
+    def gpus_of(self, i: int) -> str | None:
+        """Generator i's --gpus (entry i of generator_gpus, modulo its length); None: no restriction."""
+        return str(self.generator_gpus[i % len(self.generator_gpus)]) if self.generator_gpus else None
+
 
 @dataclass
 class Config:

@@ -233,7 +233,6 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         learner = Child("learner", argv, run_dir / "logs" / "learner.log")
         children.append(learner)
         print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
-        gpus = cfg.run.generator_gpus
         built: dict[str | None, list[Child]] = {}  # GPU set -> its generators building their engines or built
 
         def start(i: int, mine: str | None, held: bool) -> Child:
@@ -253,7 +252,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
         # (held)
         waiting = []
         for i in range(cfg.run.generators):
-            mine = str(gpus[i % len(gpus)]) if gpus else None  # a str already (RunConfig.__post_init__)
+            mine = cfg.run.gpus_of(i)
             if cfg.generator.kv_cache_gb or (mine is not None and mine not in built
                                              and not _shares_gpu(mine, cfg.run.learner_gpus)):
                 built.setdefault(mine, []).append(start(i, mine, held=False))

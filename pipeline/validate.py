@@ -10,6 +10,7 @@ import math
 import os
 import types
 import typing
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -250,12 +251,9 @@ def check_shared_gpus(cfg) -> None:
     """The generators `pipeline run` puts on one GPU (run.generator_gpus, in turn) each take
     generator.gpu_memory_utilization of it, and vLLM refuses an engine whose share exceeds the memory free at its
     start: a second engine would fail minutes into the run, once the first had built."""
-    gpus, share = cfg.run.generator_gpus, cfg.generator.gpu_memory_utilization
-    on: dict[str, int] = {}
-    for i in range(cfg.run.generators if gpus else 0):
-        for gpu in str(gpus[i % len(gpus)]).split(","):
-            on[gpu] = on.get(gpu, 0) + 1
-    gpu, n = max(on.items(), key=lambda kv: kv[1], default=("", 0))
+    share = cfg.generator.gpu_memory_utilization
+    on = Counter(gpu for i in range(cfg.run.generators) if (gpus := cfg.run.gpus_of(i)) for gpu in gpus.split(","))
+    gpu, n = on.most_common(1)[0] if on else ("", 0)
     if n > 1 and n * share > SHARED_GPU:
         most = math.floor(SHARED_GPU / n * 100) / 100
         raise ConfigError(f"generator.gpu_memory_utilization: {share:g} for each of the {n} generators that "
