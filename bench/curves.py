@@ -6,7 +6,9 @@ cell's summary of them (mean and 95 % t-interval) and its plot.
 Wall time of version v: when the learner logged the record of the step that made it (RUN_DIR/logs/learner.log,
 "step v-1 | ..."), from the launch the benchmark recorded (`launched_at`, unix seconds), so engine start and model
 load count as a user waits for them; `elapsed_s` is the learner's own clock (time/elapsed_s, from its first
-step's start). Version 0 is at the learner's first step's start.
+step's start). Version 0 is at the learner's first step's start. An evaluation round stands at the time of the
+newest weights that sampled it (eval/newest_version): at a large k a round labelled v takes turns with training
+leases and may be sampled by v + 9 ... v + 19, and its accuracy is theirs, known no earlier.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def step_stamps(run_dir: Path) -> dict[int, float]:
 def eval_curve(run_dir: Path, launched_at: float | None = None) -> list[dict]:
     """One point per evaluation round: version, eval/pass@1, eval/reward_mean, elapsed_s and wall_s (None where
     unknown), and the versions that sampled it (behaviour_version, newest_version: a round that took turns with
-    training leases at a large k may be sampled after its version's weights were gone, hub/evaluation.py)."""
+    training leases at a large k may be sampled after its version's weights were gone, hub/evaluation.py). Its
+    times are the newest version's: the accuracy is not reached before the weights that showed it existed."""
     run_dir = Path(run_dir)
     elapsed = {r["version"]: r["time/elapsed_s"] for r in read_jsonl(run_dir / "metrics.jsonl")}
     stamps = step_stamps(run_dir)
@@ -51,12 +54,12 @@ def eval_curve(run_dir: Path, launched_at: float | None = None) -> list[dict]:
     points = []
     for e in sorted(read_jsonl(run_dir / "eval.jsonl"), key=lambda e: e["version"]):
         v = e["version"]
-        at = start if v == 0 else stamps.get(v)
+        newest = max(v, e.get("eval/newest_version", v))  # the weights the round's accuracy belongs to, at the latest
+        at = start if newest == 0 else stamps.get(newest)
         points.append({"version": v, "pass@1": round(e["eval/pass@1"], 4),
                        "reward_mean": round(e["eval/reward_mean"], 4),
-                       "behaviour_version": e.get("eval/behaviour_version", v),
-                       "newest_version": e.get("eval/newest_version", v),
-                       "elapsed_s": 0.0 if v == 0 else _round(elapsed.get(v)),
+                       "behaviour_version": e.get("eval/behaviour_version", v), "newest_version": newest,
+                       "elapsed_s": 0.0 if newest == 0 else _round(elapsed.get(newest)),
                        "wall_s": _round(at - launched_at) if at is not None and launched_at else None})
     return points
 

@@ -1,0 +1,47 @@
+"""bench/curves.py places an evaluation round at the time of the newest weights that sampled it: at a large k the
+round labelled v0 takes turns with training leases and is sampled by later versions, so its accuracy is theirs and
+a time-to-accuracy must not count it from the learner's first step (a session once reported 0.10x of TRL so)."""
+
+import datetime
+import json
+
+from bench.curves import eval_curve, reach
+
+LAUNCH = 1_800_000_000.0
+
+
+def write_run(run, rounds):
+    """A run directory: the learner's step lines at LAUNCH + 20 + 2 v, its metrics (elapsed from its start at
+    LAUNCH + 18), and the given eval.jsonl records."""
+    (run / "logs").mkdir(parents=True)
+    lines, metrics = [], []
+    for step in range(30):
+        t = LAUNCH + 20 + 2 * (step + 1)  # the record of step N makes version N + 1
+        stamp = datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
+        lines.append(f"{stamp} INFO pipeline.metrics: step {step} | loss 0.1")
+        metrics.append({"version": step + 1, "time/elapsed_s": t - (LAUNCH + 18)})
+    (run / "logs" / "learner.log").write_text("\n".join(lines) + "\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+
+
+def round_(version, pass1, behaviour, newest):
+    return {"version": version, "eval/pass@1": pass1, "eval/reward_mean": pass1,
+            "eval/behaviour_version": behaviour, "eval/newest_version": newest}
+
+
+def test_a_round_sampled_by_later_weights_stands_at_the_newest_of_them(tmp_path):
+    write_run(tmp_path, [round_(0, 0.22, 9, 19), round_(10, 0.42, 10, 10)])
+    points = eval_curve(tmp_path, launched_at=LAUNCH)
+    assert [p["newest_version"] for p in points] == [19, 10]
+    assert points[0]["wall_s"] == 20 + 2 * 19  # version 19's step record, not the learner's start (18 s)
+    assert points[0]["elapsed_s"] == 2 + 2 * 19
+    assert points[1]["wall_s"] == 20 + 2 * 10
+    assert reach(points, 0.2)["wall_s"] == 58
+
+
+def test_a_round_of_its_own_version_stands_at_that_version(tmp_path):
+    write_run(tmp_path, [round_(0, 0.15, 0, 0), round_(10, 0.40, 10, 10)])
+    points = eval_curve(tmp_path, launched_at=LAUNCH)
+    assert points[0]["wall_s"] == 18 and points[0]["elapsed_s"] == 0.0  # version 0: the learner's start
+    assert points[1]["wall_s"] == 40
