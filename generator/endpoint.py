@@ -16,27 +16,21 @@ not know are refused (the tables CHAT and TEXT). A prompt of token ids outside t
 generator.max_model_len is refused before the engine; a body past `max_body` bytes is refused (413); a body past
 INLINE_BYTES is rendered and tokenized off the event loop, which also runs the generator's heartbeats.
 
-Exact tokens. A session keeps what its model saw and sampled as token ids. A prompt whose text begins with the text of
-that context (the chat template rendering the history the model wrote, with a tool's reply after it) is that context's
-token ids followed by the new text's: the sampled ids are never tokenized again. A prompt that does not (the history
-re-rendered differently, or edited) is tokenized whole and starts a new part of the trajectory (a split). Each call is
-recorded: its prompt's ids, the sampled ids, their behaviour log-probs and the weights versions that sampled them;
-`Session.parts` turns the calls into the trajectory's samples. (No `from __future__ import annotations` here: FastAPI
-reads the routes' annotations, and `Request` is imported where the app is made.)
+(No `from __future__ import annotations` here: FastAPI reads the routes' annotations, and `Request` is imported where
+the app is made.)
 """
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from generator.rollout import seed_of
+from generator.sessions import Part as Part  # generator/agent.py's import of it
+from generator.sessions import Refused, Session
+from generator.toolcalls import ToolCalls, turn_text
 from pipeline import protocol as P
 
 if TYPE_CHECKING:
@@ -48,160 +42,6 @@ ENDED = 4096  # ended sessions whose keys are remembered (their late calls told 
 # the context; unbounded, a 10 MB message took 12 s of the generator's CPU to tokenize)
 MAX_BODY, BODY_BYTES_PER_TOKEN = 2**20, 64
 INLINE_BYTES = 8192  # a body this small is rendered and tokenized on the loop (under 5 ms); a thread hop cost more
-
-
-@dataclass
-class Part:
-    """A stretch of a trajectory whose every call extended the one before: its context, then every token after it
-    (the model's, mask 1; the prompts' additions in between, a tool's reply, mask 0)."""
-
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turns: list[tuple[int, int]] = field(default_factory=list)  # (start in token_ids, version) of each call's tokens
-    first_version: int = 0
-    last_version: int = 0
-    finish_reason: str = ""
-    gen_ms: float = 0.0
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.token_ids
-
-
-class Refused(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class Session:
-    """One sample's calls. `sampling.max_tokens` bounds the tokens after each part's context; a part ends where a
-    prompt does not extend it, and a session makes at most P.MAX_PARTS of them."""
-
-    def __init__(self, key: str, engine, tokenizer, sampling: P.Sampling, max_model_len: int = 0,
-                 seed: int | None = None):
-        self.key, self.engine, self.tok, self.sampling = key, engine, tokenizer, sampling
-        self.seed = seed  # the sample's (generator/rollout.py seed_of); each call's is made from it
-        self.max_model_len = max_model_len  # 0: unchecked here (the engine's own check)
-        self.parts: list[Part] = []
-        self.extra: dict = {}  # what the rollout strategy keeps with the sample (an environment's instance)
-        self.calls = 0
-        self.open = True
-        self.lock = asyncio.Lock()  # one call at a time: each extends what the one before left
-
-    def extend(self, text: str) -> list[int]:
-        """Token ids of a prompt given as text: the current part's context followed by the new text's tokens where
-        the text begins with the context's, else the whole text tokenized."""
-        if self.parts:
-            context = self.parts[-1].context
-            done = self.tok.decode(context, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if text.startswith(done):
-                return context + self._ids(text[len(done):])
-        return self._ids(text)
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"]) if text else []
-
-    async def complete(self, prompt_ids: list[int], max_tokens: int | None):
-        """Sample one completion of `prompt_ids` and record it in the trajectory."""
-        async with self.lock:
-            return await self._complete(prompt_ids, max_tokens)
-
-    async def complete_text(self, text: Callable[[], str], max_tokens: int | None,
-                            inline: bool = False) -> tuple[list[int], Any]:
-        """(the prompt's ids, its completion) of a prompt given as text (`text` renders it), in the lock, so the text
-        extends the context as the call before left it. Rendered and tokenized off the event loop (a long text takes
-        seconds), or on it where the request is small (`inline`: a thread's hand-off costs more than the work)."""
-        async with self.lock:
-            ids = self.extend(text()) if inline else await asyncio.to_thread(lambda: self.extend(text()))
-            return ids, await self._complete(ids, max_tokens)
-
-    async def _complete(self, prompt_ids: list[int], max_tokens: int | None):
-        if self.max_model_len and len(prompt_ids) >= self.max_model_len:
-            raise Refused(400, f"the prompt is {len(prompt_ids)} tokens, and the context holds "
-                               f"generator.max_model_len={self.max_model_len}: no room for a completion")
-        part = self._part_for(prompt_ids)
-        left = self.sampling.max_tokens - (len(prompt_ids) - len(part.prompt_ids))
-        if left <= 0:
-            raise Refused(400, f"this sample's tokens after its prompt reached sampling.max_tokens "
-                               f"({self.sampling.max_tokens}): no room for another completion")
-        sampling = dataclasses.replace(self.sampling, max_tokens=min(left, max_tokens or left))
-        (out,) = await self.engine.generate(prompt_ids, 1, sampling, seed=seed_of(self.seed, self.calls))
-        if not self.open:
-            raise Refused(410, "the session ended while the call ran")
-        if not self.parts or part is not self.parts[-1]:  # a new part, kept once its call is (a refused one is not)
-            self.parts.append(part)
-        added = prompt_ids[len(part.context):]  # what the prompt put after the context: the environment's tokens
-        part.token_ids += added
-        part.logprobs += [0.0] * len(added)
-        part.mask += [0] * len(added)
-        part.first_version = min(part.first_version, out.first_version) if part.turns else out.first_version
-        part.last_version = max(part.last_version, out.last_version)
-        part.turns.append((len(part.token_ids), out.first_version))
-        part.token_ids += out.token_ids
-        part.logprobs += out.logprobs
-        part.mask += [1] * len(out.token_ids)
-        part.finish_reason, part.gen_ms = out.finish_reason, part.gen_ms + out.gen_ms
-        self.calls += 1
-        return out
-
-    def _part_for(self, prompt_ids: list[int]) -> Part:
-        """The part this prompt extends, else a new one (not yet in `parts`)."""
-        if self.parts:
-            context = self.parts[-1].context
-            if prompt_ids[:len(context)] == context:
-                return self.parts[-1]
-        if len(self.parts) >= P.MAX_PARTS:
-            raise Refused(400, f"this sample's history was re-rendered {len(self.parts)} times (a new part each, at "
-                               f"most {P.MAX_PARTS}); send the history as the model wrote it")
-        return Part(list(prompt_ids))
-
-
-class ToolCalls:
-    """The tool calls in a model's turn, read by vLLM's tool-call parser of that name (generator.tool_parser: vLLM's
-    --tool-call-parser names); a name vLLM does not have is refused when the strategy is made, at the start. `lazy`
-    (an agent worker's, whose generator checked the name): vLLM's parsers are imported at the first turn read, as
-    importing them imports vLLM (2.8 s on 2 cores, more on a fresh GPU host, in each of the workers started at once)."""
-
-    def __init__(self, name: str, lazy: bool = False):
-        self.name = name
-        self._parser: Any = None
-        if not lazy:
-            self.parser()  # the check at the start
-
-    def parser(self):
-        """vLLM's parser class of this name (imported at the first call)."""
-        if self._parser is None:
-            from vllm.tool_parsers import ToolParserManager
-
-            try:
-                self._parser = ToolParserManager.get_tool_parser(self.name)
-            except KeyError:
-                raise ValueError(f"generator.tool_parser: vLLM has no tool parser {self.name!r}; it has "
-                                 f"{', '.join(sorted(ToolParserManager.list_registered()))}") from None
-        return self._parser
-
-    def read(self, tok, text: str, tools: list[dict]) -> tuple[str | None, list]:
-        """(the text besides the calls, the calls: vLLM's ToolCall, OpenAI's shape); no calls: (text, [])."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        # a call the model wrote wrong is no call, not an error of the run; vLLM's parsers log each with its traceback
-        # (set here: vLLM's logging setup, when its engine starts, resets it)
-        parser = self.parser()
-        logging.getLogger(parser.__module__).setLevel(logging.CRITICAL)
-        request = ChatCompletionRequest.model_validate({"model": "policy", "messages": [], "tools": tools or None})
-        found = parser(tok).extract_tool_calls(text, request)
-        return (found.content, list(found.tool_calls)) if found.tools_called else (text, [])
-
-
-def turn_text(tok, ids: list[int]) -> str:
-    """A turn's text as a tool parser reads it: special tokens kept (some templates' tool-call tags are), the
-    end-of-turn token that ended it left out."""
-    if ids and ids[-1] in tok.all_special_ids:
-        ids = ids[:-1]
-    return tok.decode(ids, skip_special_tokens=False)
 
 
 class Endpoint:

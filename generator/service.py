@@ -40,9 +40,21 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from generator.leases import LeaseLoop
 from generator.rollout import AgentFailed, Context, encode_group, score_group, seed_of
+from generator.session import (
+    MAX_LOAD_FAILURES,
+    EngineDied,
+    LeavingNow,
+    LoadFailed,
+    NotRegistered,
+    Rebuild,
+    Refused,
+    Reregister,
+)
 from generator.spec import CannotServe, Spec
 from generator.stages import Stages
+from generator.weights_loop import WeightsLoop
 from pipeline import protocol as P
 from pipeline import trace
 from pipeline.client import HubClient
@@ -50,52 +62,16 @@ from pipeline.config import Config, env_flag
 from pipeline.host import host_identity, remove_receiver_dir, remove_stale
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt
-from weights import VersionGone, receiver
+from weights import receiver
 from weights.base import Receiver
 
 log = logging.getLogger(__name__)
 
 
-FIRST_WAVE_QUARTERS = 5  # the first wave, in quarters of a batch (`Generator.first_wave`)
 MAX_REFUSALS = 12  # registrations refused in a row (about 75 s with back-off) before the generator gives up
 
 
-class NotRegistered(P.PeerLost):
-    """The hub answered a registration with an error that may pass (its id still held by a connection the hub has
-    not dropped yet); MAX_REFUSALS in a row end the generator."""
-
-
-class Reregister(Exception):
-    """The hub does not know this generator (it restarted or dropped us): register again."""
-
-
-class LoadFailed(Reregister):
-    """A weights version could not be loaded (a broadcast that timed out, a transport's fault): register again and
-    take the version anew. MAX_LOAD_FAILURES in a row end the generator: a failure that comes back each time (an
-    engine that refuses the tensors) is not waited out."""
-
-
-MAX_LOAD_FAILURES = 5  # about 15 s with back-off
-
-
-class Refused(Exception):
-    """The hub refuses this generator or the run failed (Error.stop): leave and exit."""
-
-
-class LeavingNow(Exception):
-    """A second signal: whatever the session waited for was cancelled; it says Leave and the generator exits."""
-
-
-class EngineDied(Exception):
-    """The vLLM engine is dead: leave at once (the hub re-queues the leases) and exit."""
-
-
-class Rebuild(Exception):
-    """The run's config now needs another engine (more adapter slots for a raised trainer.max_staleness): leave,
-    returning the leases, build it, register again."""
-
-
-class Generator:
+class Generator(LeaseLoop, WeightsLoop):
     def __init__(self, cfg: Config, engines, address: str, gpus: str = "", explicit: frozenset | set = frozenset()):
         """`cfg`: its own config, where and how it runs; what it serves comes from the run (generator/spec.py), and
         what `cfg` sets of that explicitly (`explicit`, dotted keys) it claims. `engines`:
@@ -340,29 +316,6 @@ class Generator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
 
-    async def _pushed(self) -> None:
-        """Weight announcements: the hub pushes them on the control channel, in order with its replies."""
-        while True:
-            msg = await self.client.pushed.get()
-            if isinstance(msg, P.WeightsReady):
-                self.announced.put_nowait(msg)
-
-    async def _weights(self) -> None:
-        while True:
-            ready = await self.announced.get()
-            if not self.receiver.accepts(ready):
-                continue  # announcements of another kind of transport
-            if self.receiver.in_order:  # broadcasts: each must be received, in order (the learner is sending it)
-                if not self.draining.is_set():  # the hub closes a draining generator's group: no more broadcasts
-                    await self._apply(ready)
-                continue
-            while not self.announced.empty():  # files: skip to the newest announced version
-                newer = self.announced.get_nowait()
-                if self.receiver.accepts(newer) and newer.version > ready.version:
-                    ready = newer
-            if not self._holds(ready.version):
-                await self._apply(ready)
-
     async def _watch_engine(self) -> None:
         """A dead vLLM engine (its core process crashed or was killed) ends the generator within seconds, idle
         or not: every group would fail."""
@@ -381,146 +334,6 @@ class Generator:
         detail = self.engine.death() if self.engine is not None else ""
         return (f"its vLLM engine died ({type(e).__name__ + ': ' + str(e) if e else 'found dead'}){detail}; the "
                 "engine's traceback, if it printed one, is above in this log")
-
-    async def _apply(self, ready: P.WeightsReady) -> None:
-        with self.stages.span("weights", "weights", version=ready.version) as span:
-            await self._load(ready, span)
-
-    async def _load(self, ready: P.WeightsReady, span: dict) -> None:
-        start = time.perf_counter()
-        try:
-            stopped_ms = await self.receiver.apply(ready, self.engine)  # a file is verified before the engine stops
-        except VersionGone as e:  # a newer version replaced it before it was read: take that one, same session
-            log.warning("generator %s: weights v%d skipped: %s", self.id, ready.version, e)
-            return
-        except (P.ProtocolError, asyncio.CancelledError):
-            raise
-        except Exception as e:  # e.g. a broadcast that timed out: a new registration builds a new group
-            self._raise_if_dead(e)  # not a failed transfer: nothing to register again for
-            if self.receiver.in_order and self.draining.is_set():  # the hub aborted a draining generator's group
-                log.info("generator %s: weights v%d not received while draining (%s)", self.id, ready.version, e)
-                return
-            self.load_failures += 1
-            raise LoadFailed(f"weights v{ready.version} could not be loaded: {e}") from e
-        self.engine.run_id = self.welcome.run_id
-        self.load_failures = 0
-        total_ms = (time.perf_counter() - start) * 1000
-        swap = self.engine.last_swap_ms
-        span.update(stopped_ms=stopped_ms, **swap)
-        log.info("weights v%d applied: %.0f ms (%.0f ms stopped), %.0f ms after the optimizer step; %spausing took "
-                 "%.0f ms, the load call %.0f ms, of which %.0f ms in the workers", ready.version, total_ms, stopped_ms,
-                 (time.time() - ready.published_at) * 1000 if ready.published_at else 0,
-                 f"received in {swap['receive']:.0f} ms while generating; " if "receive" in swap else "",
-                 swap.get("pause", 0), swap.get("load", 0), swap.get("worker", 0))
-        async with self.version_changed:
-            self.version_changed.notify_all()
-        await self._ask(P.WeightsApplied(self.id, ready.version, total_ms, self.receiver.via))
-
-    async def _leases(self) -> None:
-        room = asyncio.Event()
-        ended = 0  # groups sent, failed or cancelled
-
-        def settled(task: asyncio.Task) -> None:  # a group ended: its lease may be done, and there is room
-            nonlocal ended
-            ended += 1
-            self._settled(self.groups.pop(task, None))
-            room.set()
-
-        cap = self.inflight_cap()
-        batch, first = self.first_wave(cap)
-        log.info("generator %s: up to %d groups in flight (%d until %d have ended)", self.id, cap, first, batch)
-        while not self.stopping:
-            limit = cap if ended >= batch else first
-            if len(self.groups) >= limit:
-                room.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(room.wait(), self.welcome.heartbeat_s)
-                if self.stopping:
-                    break
-            # as many as the engine has room for: the hub caps it by its generator.lease_size (a run-time knob).
-            # With no room it still asks, for none, every heartbeat period: the answer says whether the run is over,
-            # which it would otherwise hear only once a group finishes (minutes for long completions), while the
-            # learner waits 15 s for its generators to leave
-            asked = max(0, limit - len(self.groups))
-            with self.stages.span("lease", "leases", asked=asked) as span:
-                reply = await self._ask(P.LeaseRequest(self.id, asked))
-                span["granted"] = len(getattr(reply, "groups", ()))
-            if isinstance(reply, P.RunComplete):
-                log.info("generator %s: the run is complete at version %d", self.id, reply.version)
-                self.stopping = max(self.stopping, 1)
-                for t in list(self.groups):  # nothing generated now can be trained
-                    t.cancel()
-                await self._wait_version(reply.version, timeout=30.0)  # acknowledge the final weights
-                break
-            if isinstance(reply, P.Wait):  # asked again after retry_s, or as soon as the engine loads a new version:
-                # the step that published it made room in the window (the hub opens it as it publishes). With its
-                # engine full, a wider window would only queue more: that wait is the engine's (engine_full)
-                stage = "engine_full" if self.engine.full() else "wait_room"
-                with self.stages.span(stage, "leases", why=reply.reason):
-                    async with self.version_changed:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self.version_changed.wait(), reply.retry_s)
-                continue
-            if isinstance(reply, P.Error):
-                raise P.ProtocolError(f"lease refused: {reply.message}")
-            if not isinstance(reply, P.Lease):
-                raise P.ProtocolError(f"a lease request answered with {reply.tag}")
-            self.held[reply.lease_id] = len(reply.groups)  # reported from now on, while it waits for weights too
-            # k = 0: generate only on the newest weights; always on weights of this run. A lease that cannot start
-            # (the hub took it back, or a drain began: a draining nccl/ipc generator receives no more versions) is
-            # not started; a drain returns it with the Leave
-            with self.stages.span("wait_version", "leases", version=reply.min_version):
-                started = await self._wait_version(reply.min_version, reply.lease_id)
-            if not started or self.draining.is_set():
-                continue
-            for item in reply.groups:
-                task = asyncio.create_task(self._group(reply, item))
-                self.groups[task] = reply.lease_id
-                task.add_done_callback(settled)
-        while self.groups:  # draining: let the groups in flight finish
-            await asyncio.sleep(0.05)
-
-    def inflight_cap(self) -> int:
-        """generator.max_inflight_groups, or (0) what the engine runs at once in groups, plus one lease waiting."""
-        if self.cfg.generator.max_inflight_groups:
-            return self.cfg.generator.max_inflight_groups
-        seqs = self.engine.concurrent_sequences()
-        return -(-seqs // max(1, self.welcome.group_size)) + self.cfg.generator.lease_size
-
-    def first_wave(self, cap: int) -> tuple[int, int]:
-        """(a batch in groups, the first wave): until a batch's worth of its groups have ended, a generator keeps no
-        more than 5/4 of a batch in flight (FIRST_WAVE_QUARTERS). The learner's first step waits for one batch, and an
-        engine finishes a batch sooner among fewer sequences: on one H200 with configs/gpu-smollm2-math.yaml the first
-        batch came 1.8 s after registration with 40 groups in flight against 3.7-6.1 s with 132 (docs/figures.md,
-        "The first wave"). Once they have ended it fills its engine, long before the first step is trained."""
-        batch = max(1, self.cfg.trainer.batch_size)
-        return batch, min(cap, -(-batch * FIRST_WAVE_QUARTERS // 4))
-
-    def _settled(self, lease_id: int | None) -> None:
-        """A group of `lease_id` is done (sent, failed or cancelled): the lease is off the books once all are."""
-        if lease_id in self.held:
-            self.held[lease_id] -= 1
-            if self.held[lease_id] <= 0:
-                del self.held[lease_id]
-
-    async def _wait_version(self, version: int, lease_id: int | None = None, timeout: float | None = None) -> bool:
-        """Wait until the engine holds weights `version` of this run; returns whether it does. The wait ends without
-        them when a drain begins (no wait outlives the groups in flight), when the hub takes `lease_id` back, or
-        after `timeout` seconds."""
-        async def loaded() -> None:
-            async with self.version_changed:
-                await self.version_changed.wait_for(
-                    lambda: self._holds(version) or lease_id is not None and lease_id not in self.held)
-
-        waits = [asyncio.create_task(loaded()), asyncio.create_task(self.draining.wait())]
-        try:
-            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in waits:
-                t.cancel()
-        if not done:
-            log.warning("generator %s: weights v%d did not arrive within %s s", self.id, version, timeout)
-        return self._holds(version)
 
     # ---- one prompt group -----------------------------------------------------------------------
 

@@ -39,18 +39,20 @@ from typing import TYPE_CHECKING
 
 from hub.evaluation import Evaluation
 from hub.faults import Faults
+from hub.intake import Intake
 from hub.journal import Journal
 from hub.leases import LeaseDesk
-from hub.ledger import Key, PromptLedger
+from hub.ledger import PromptLedger
+from hub.membership import Membership
 from hub.operators import Operators
 from hub.prompts import Prompts
-from hub.registry import GENERATOR_ID, GeneratorInfo, Registry
+from hub.registry import GeneratorInfo, Registry
 from hub.server import Server
 from hub.serving import WeightServing
 from hub.trainer import HubStats
-from hub.validation import Expected, Rejected, RunShape, check_rollout, check_stages
-from pipeline import pinning, runspec
+from hub.validation import RunShape
 from pipeline import protocol as P
+from pipeline import runspec
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
 from weights.base import Sender
@@ -61,9 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-LEAVE_GRACE_S = 10.0  # how long a leaving generator's last rollouts are waited for
-
-
 class HubStopped(RuntimeError):
     """The hub was stopped while the learner waited on it, or the run cannot go on (the message says why)."""
 
@@ -72,7 +71,7 @@ class DatasetExhausted(HubStopped):
     """Every prompt of the last epoch (trainer.epochs) is trained or gone: the run ends early."""
 
 
-class Hub:
+class Hub(Membership, Intake):
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
                  state: dict | None = None, *, encode: Callable[[str | list], list[int]], vocab_size: int,
                  eval_rows: list[dict] | None = None, fingerprints: dict[str, str] | None = None,
@@ -212,64 +211,6 @@ class Hub:
 
     # ---- generators ---------------------------------------------------------------------------------
 
-    def _on_register(self, msg: P.Register, ident: bytes, user: str) -> P.Message:
-        refusal, forged = self.registry.refusal(msg, user)
-        if refusal:
-            return self._refuse(refusal) if forged else P.Error(refusal, stop=True)
-        if why := self._serves_another(msg.spec_digest, msg.fingerprints, msg.contents):
-            return self._refuse_spec(msg.generator_id, user, why)
-        if msg.loaded_run == self.run_id and (why := self._unpublished(msg.loaded_version, -1)):
-            return P.Error(f"registration refused: loaded_version {why}", stop=True)
-        old = self.registry.generators.get(msg.generator_id)
-        if old is not None:  # a reconnect under the same id, with its session
-            self.weights.leave(old.generator_id, again=True)
-            self._drop_generator(msg.generator_id, "re-registered")
-        try:
-            transport, collective = self.weights.join(msg, ident, self.version)
-        except ValueError as e:
-            return P.Error(str(e), fatal=True)
-        loaded = msg.loaded_version if msg.loaded_run == self.run_id else -1  # weights of another run: reloaded
-        gen = self.registry.add(msg, ident, user, transport, loaded)
-        last = self.weights.last_ready
-        self.journal.event("register", gen.principal, generator=gen.generator_id, host=gen.host, gpus=gen.gpus,
-                           transport=transport, key=user.split(":", 1)[-1], version=self.version,
-                           weights=self.version if collective is not None or last is None else last.version)
-        return P.Welcome(
-            run_id=self.run_id, generator_id=gen.generator_id, version=self.version,
-            rollouts_endpoint=self.rollouts_address, transport=transport, heartbeat_s=self.cfg.hub.heartbeat_s,
-            sampling=self.sampling(), group_size=self.cfg.trainer.group_size, index=gen.index,
-            collective=collective, session=gen.session)
-
-    def _on_spec_request(self, msg: P.SpecRequest, user: str) -> P.Message:
-        """The run's spec, unless the generator's claims, fingerprints or a problem it reports say it cannot serve
-        the run (refused and counted, naming the field)."""
-        if not GENERATOR_ID.fullmatch(msg.generator_id):
-            return self._refuse(f"SpecRequest: generator_id {msg.generator_id[:40]!r}")
-        if why := self.registry.quarantined(user or msg.generator_id):
-            return P.Error(f"registration refused: {why}", stop=True)
-        why = (runspec.conflict(msg.claims, self.cfg) or msg.problem
-               or (runspec.fingerprint_conflict(msg.fingerprints, self.fingerprints) if msg.fingerprints else ""))
-        if why:
-            return self._refuse_spec(msg.generator_id, user, why)
-        return P.RunSpec(self.run_id, runspec.spec_of(self.cfg), self.spec_digest, self.fingerprints, self.contents)
-
-    def _serves_another(self, digest: str, fingerprints: dict[str, str], contents: dict[str, str]) -> str:
-        """Why a registering generator does not serve this run's config ("" when it does): another config, other
-        model files, or other code or files under the names the config gives (a generator checks those itself when
-        it adopts the spec; this catches one that did not)."""
-        if digest != self.spec_digest:
-            return (f"it serves another config than the run's (spec digest {digest[:16] or 'none'}, the run's "
-                    f"{self.spec_digest[:16]}): a generator adopts the run's (SpecRequest) before it registers")
-        return (runspec.fingerprint_conflict(fingerprints, self.fingerprints)
-                or pinning.content_conflict(contents, self.contents, self.cfg))
-
-    def _refuse_spec(self, gen_id: str, user: str, why: str) -> P.Error:
-        """A generator that cannot serve this run's config: refused for good (it exits), counted, journaled."""
-        self.counters["refused_spec"] += 1
-        self.journal.event("spec_refused", user or gen_id, generator=gen_id, reason=why)
-        self.journal.warn("spec_refused", "hub: generator %s refused: %s", gen_id, why)
-        return P.Error(f"registration refused: {why}", stop=True)
-
     def sampling(self) -> P.Sampling:
         s = self.cfg.sampling
         return P.Sampling(s.max_tokens, s.temperature, s.top_p, s.ignore_eos)
@@ -279,176 +220,13 @@ class Hub:
         """The newest version announced: no engine can hold a newer one."""
         return max(self.version, self.weights.newest)
 
-    def _unpublished(self, version: int, lowest: int) -> str:
-        """Why a version a generator reports cannot be one it holds ("" when it can): below `lowest`, or never
-        published. A peer's number is checked before it is kept (status computes lags from it)."""
-        if lowest <= version <= self.published:
-            return ""
-        return f"{version} of this run was never published (the newest is {self.published})"
-
-    def _on_heartbeat(self, msg: P.Heartbeat, gen: GeneratorInfo) -> P.Message:
-        if why := self._unpublished(msg.version, -1):  # -1: it holds no weights of this run yet
-            return self._refuse(f"Heartbeat from {gen.generator_id}: version {why}")
-        if why := check_stages(msg.stage_s):
-            return self._refuse(f"Heartbeat from {gen.generator_id}: {why}")
-        gen.version, gen.tokens_per_s, gen.stage_s = msg.version, msg.tokens_per_s, msg.stage_s
-        if msg.generated != gen.generated:  # its engine generated tokens (or finished a group) since the last one
-            gen.generated = msg.generated
-            self.registry.progressed(gen)
-        if msg.draining and not gen.draining:  # no more broadcasts to it: its engine may already be stopping
-            self.registry.drains(gen)
-            self.weights.leave(msg.generator_id)
-            self.journal.event("drain", gen.principal, generator=msg.generator_id)
-        return P.HeartbeatReply(self.version, self.desk.reconcile(msg, gen), self.cfg.trainer.max_staleness)
-
-    def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
-        if why := self._unpublished(msg.version, 0):
-            return self._refuse(f"WeightsApplied from {gen.generator_id}: version {why}")
-        gen.version = msg.version
-        self.weights.applied(msg.generator_id, msg.version)
-        if msg.version != gen.applied:  # a repeat is acknowledged, not journaled again
-            gen.applied = msg.version
-            self.registry.progressed(gen)
-            self.journal.event("weights_applied", gen.principal, generator=msg.generator_id, version=msg.version,
-                               load_ms=msg.load_ms, via=msg.via)
-        return P.Ack()
-
     def _on_weights_fetch(self, msg: P.WeightsFetch, gen: GeneratorInfo) -> P.Message:
         return self.weights.chunk(msg, gen, self.version)
-
-    def _on_leave(self, msg: P.Leave, gen: GeneratorInfo) -> P.Message:
-        if msg.reason:
-            log.error("hub: generator %s leaves: %s", msg.generator_id, msg.reason)
-        if gen.received < msg.pushed:  # its last rollouts (a drain's) are still on their way on the rollouts socket
-            gen.leaving = (msg.pushed, time.monotonic() + LEAVE_GRACE_S, msg.reason)
-            return P.Ack()
-        self._drop_generator(msg.generator_id, "left", msg.reason)
-        return P.Ack()
-
-    def _left_when_in(self, gen: GeneratorInfo) -> None:
-        """A generator that said Leave before its last rollouts arrived goes once they are in (or LEAVE_GRACE_S on)."""
-        if gen.leaving and self.registry.generators.get(gen.generator_id) is gen and (
-                gen.received >= gen.leaving[0] or time.monotonic() > gen.leaving[1]):
-            self._drop_generator(gen.generator_id, "left", gen.leaving[2])
-
-    def _drop_generator(self, gen_id: str, why: str, detail: str = "") -> None:
-        """Forget a generator (it left, went silent, or re-registers): its leased prompts go back to the
-        front of the queue, its process group (nccl) is closed, waiters are woken."""
-        gen = self.registry.remove(gen_id)
-        if gen is not None:
-            self.server.forget(gen.ident)
-        self.weights.leave(gen_id)
-        n = self.ledger.take_back_all(gen_id) + self.evaluation.take_back(gen_id)
-        self.journal.event("requeue" if why != "left" else "leave", gen.principal if gen else gen_id, generator=gen_id,
-                           reason=detail or why, prompts=n)
-        self.lock.notify_all()
 
     # ---- leases (hub/leases.py) ------------------------------------------------------------------
 
     def _on_lease_request(self, msg: P.LeaseRequest, gen: GeneratorInfo) -> P.Message:
         return self.desk.request(msg, gen, self.version, self.complete)
-
-    # ---- rollouts and failed groups -----------------------------------------------------------------
-
-    def rollout(self, msg: P.RolloutGroup, user: str) -> None:
-        key = (msg.epoch, msg.prompt_id)
-        with self.lock:
-            gen, reason, detail = self.registry.sender(msg, user)
-            if gen is None:
-                self._reject(reason, detail, msg.generator_id)
-                return
-            gen.received += 1
-            try:
-                self._received(msg, gen, key)
-            finally:
-                self._left_when_in(gen)
-
-    def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key: Key) -> None:
-        """A rollout of a registered generator, under the lock: scored (evaluation), buffered, or refused."""
-        self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
-        if self.evaluation.owns(msg.lease_id):  # scored, not trained (hub/evaluation.py)
-            try:
-                self.evaluation.received(msg, gen.generator_id, self.published)
-            except Rejected as e:
-                self._reject(e.reason, e.detail, gen.generator_id)
-                self._count_against(gen, f"{e.reason}: {e.detail}")
-            self.lock.notify_all()
-            return
-        lease = self.ledger.leases.get(msg.lease_id)
-        if lease is None or key not in lease.items:
-            name = "duplicates" if self.ledger.done(key) or self.ledger.is_buffered(key) else "unknown_lease"
-            self.counters[name] += 1
-            self.journal.warn(name, "hub: dropped rollout for prompt %s of %s lease %d (%s)", key,
-                       "a known" if lease else "an unknown", msg.lease_id, name)
-            return
-        if lease.generator_id != gen.generator_id:
-            self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
-                                  "another generator", gen.generator_id)
-            self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
-            return
-        expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
-        self.ledger.settle(msg.lease_id, key)
-        try:
-            check_rollout(msg, expected, self.published, self.shape)
-        except Rejected as e:
-            self.ledger.requeue([key])  # its prompt is leased again
-            self._reject(e.reason, e.detail, gen.generator_id)
-            self._count_against(gen, f"{e.reason}: {e.detail}")
-            self.lock.notify_all()
-            return
-        for s in msg.samples:  # an agent that hung or raised: its sample scored as generator.agent_failure says
-            if s.finish_reason.startswith("agent_"):
-                self.counters[f"agent/{s.finish_reason}"] = self.counters.get(f"agent/{s.finish_reason}", 0) + 1
-                self.journal.event("agent_failed", gen.principal, generator=gen.generator_id, prompt_id=msg.prompt_id,
-                                   reason=s.finish_reason)
-        filtered = self.cfg.trainer.dynamic_sampling and len(set(P.trajectory_rewards(msg.samples))) == 1
-        if filtered:
-            self.ledger.filter(msg)  # no signal: done for its epoch, a fresh group takes its place
-        else:
-            self.ledger.buffered(msg)
-        tokens = sum(len(s.token_ids) // 4 for s in msg.samples)
-        self.counters["rollouts"] += 1
-        self.counters["tokens"] += tokens
-        gen.groups += 1
-        gen.tokens += tokens
-        if filtered or not self.ledger.leases or len(self.ledger.buffer) >= self.cfg.trainer.batch_size:
-            # the learner may have a batch now, or the dataset may have ended: woken for each group instead, it
-            # went through the whole buffer each time (with 1,024 generators, most of the hub's time)
-            self.lock.notify_all()
-
-    def _count_against(self, gen: GeneratorInfo, why: str) -> None:
-        """A rollout of `gen`'s own lease was invalid: past hub.max_rejected_rollouts it is quarantined."""
-        if self.faults.rejected_rollout(gen, why):
-            self._drop_generator(gen.generator_id, "quarantined", why)
-
-    def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
-        """A generator could not generate a leased prompt: hub/faults.py decides what it costs."""
-        key = (msg.epoch, msg.prompt_id)
-        if self.evaluation.owns(msg.lease_id):
-            return P.Ack(known=self.evaluation.failed(msg.lease_id, msg.prompt_id, msg.generator_id))
-        lease = self.ledger.leases.get(msg.lease_id)
-        if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
-            return P.Ack(known=False)
-        if msg.kind not in ("engine", "prompt", "reward", "agent"):
-            return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward or agent")
-        self.ledger.settle(msg.lease_id, key)
-        self.registry.progressed(gen)
-        self.faults.group_failed(msg, gen.principal)
-        self.lock.notify_all()
-        return P.Ack()
-
-    def _reject(self, reason: str, detail: str, gen_id: str) -> None:
-        """A rollout that is not trained: counted by reason, logged (rate limited), named in the detail."""
-        self.counters["rejected_rollouts"] += 1
-        self.counters[f"rejected/{reason}"] = self.counters.get(f"rejected/{reason}", 0) + 1
-        self.server.strike()
-        self.journal.warn(f"rejected/{reason}", "hub: rejected a rollout from %s (%s): %s", gen_id, reason, detail)
-
-    def _refuse(self, what: str) -> P.Error:
-        self.counters["refused"] += 1
-        self.server.strike()
-        self.journal.warn("refused", "hub: refused %s", what)
-        return P.Error(what)
 
     # ---- operators (hub/operators.py) ----------------------------------------------------------------
 

@@ -48,7 +48,7 @@ def test_a_leave_that_overtakes_the_last_rollouts_waits_for_them(make_hub, monke
     """A draining generator sends its last rollouts (rollouts socket) and then Leave (control socket): Leave can
     arrive first. It says how many rollouts it sent, and the hub drops it once they are in: the drained group is
     trained, not rejected as a stranger's. Rollouts that never come are waited for LEAVE_GRACE_S."""
-    from hub import hub as hub_module
+    from hub import membership
 
     hub = make_hub(max_staleness=1)
     peer, late = Peer(hub, "gen-a"), Peer(hub, "gen-b")
@@ -61,7 +61,7 @@ def test_a_leave_that_overtakes_the_last_rollouts_waits_for_them(make_hub, monke
     assert hub.counters["rollouts"] == 1 and len(hub.ledger.buffer) == 1  # trained, not rejected
     assert not any(hub.counters[k] for k in hub.counters if k.startswith("rejected"))
 
-    monkeypatch.setattr(hub_module, "LEAVE_GRACE_S", 0.2)
+    monkeypatch.setattr(membership, "LEAVE_GRACE_S", 0.2)
     other = late.lease(1)
     assert late.ask(P.Leave("gen-b", pushed=1)) == P.Ack()  # a rollout it says it sent, which never comes
     time.sleep(0.3)
