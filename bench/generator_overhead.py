@@ -49,11 +49,11 @@ async def _bare(engine, prompt_ids: list[list[int]], n: int, sampling: P.Samplin
     return await generate_bare(engine.llm, prompt_ids, params, tag)
 
 
-async def _ours(gen, prompts: list[str], sampling: P.Sampling, round_: int) -> int:
+async def _ours(gen, session, prompts: list[str], sampling: P.Sampling, round_: int) -> int:
     items = [P.PromptItem(prompt_id=i, epoch=round_, prompt=p, columns={"answer": "1"}) for i, p in enumerate(prompts)]
     lease = P.Lease(lease_id=round_, min_version=0, groups=items, sampling=sampling)
     before = gen.tokens
-    await asyncio.gather(*(gen._group(lease, item) for item in items))
+    await asyncio.gather(*(gen.group(session, lease, item) for item in items))
     return gen.tokens - before
 
 
@@ -64,8 +64,10 @@ async def main(args) -> dict:
     from generator.engine import Engine
     from generator.engines import Fixed
     from generator.service import Generator
+    from generator.session import Session
     from pipeline.config import config_from_dict
     from pipeline.tasks import encode_prompt
+    from weights.base import Receiver
 
     model_dir = model_from_args(args)
     model = str(model_dir)
@@ -79,14 +81,13 @@ async def main(args) -> dict:
     engine_start_s = time.perf_counter() - t0
     try:
         gen = Generator(cfg, Fixed(engine, tok), "tcp://127.0.0.1:1")
-        gen.welcome = SimpleNamespace(group_size=args.n)
-        gen.push = _Sink()
+        session = Session(None, SimpleNamespace(group_size=args.n, session=""), Receiver(), _Sink(), engine)
         prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
         prompt_ids = [encode_prompt(tok, cfg.data, p) for p in prompts]
         sampling = P.Sampling(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
         warm = dataclasses.replace(sampling, max_tokens=16)
         await _bare(engine, prompt_ids[:32], args.n, warm, "warm")
-        await _ours(gen, prompts[:32], warm, 10_000)
+        await _ours(gen, session, prompts[:32], warm, 10_000)
         rounds = []
         for r in range(args.rounds):  # alternating which goes first, so a drift over time favours neither
             timed = {}
@@ -95,7 +96,7 @@ async def main(args) -> dict:
                 if way == "bare":
                     tokens = await _bare(engine, prompt_ids, args.n, sampling, f"b{r}")
                 else:
-                    tokens = await _ours(gen, prompts, sampling, r)
+                    tokens = await _ours(gen, session, prompts, sampling, r)
                 timed[way] = (tokens, time.perf_counter() - t)
             (bare_tok, bare_s), (ours_tok, ours_s) = timed["bare"], timed["ours"]
             rounds.append({"bare_tokens": bare_tok, "bare_s": bare_s, "bare_tok_s": bare_tok / bare_s,
@@ -111,7 +112,7 @@ async def main(args) -> dict:
             "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "prompt_tokens": 32,
             "max_num_seqs": args.max_num_seqs, "enforce_eager": bool(args.enforce_eager),
             "engine_start_s": engine_start_s, "rounds": rounds,
-            "rollout_bytes_per_round": gen.push.bytes // max(1, args.rounds + 1)}
+            "rollout_bytes_per_round": session.push.bytes // max(1, args.rounds + 1)}
 
 
 def cli() -> None:

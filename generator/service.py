@@ -2,12 +2,15 @@
 
     spec     -> RunSpec (the run's config for what a generator serves: adopted, the engine built for it; again before
                 each registration: a config its engine cannot serve builds the engine again; generator/spec.py)
-    register -> Welcome (run id, version, transport, endpoints, session)
+    register -> Welcome (run id, version, transport, endpoints, session) -> a Session (generator/session.py): the
+                registration's client, weights receiver, rollouts socket and what its tasks share
     tasks:   heartbeat   every heartbeat_s, listing every lease held; the reply lists leases the hub took back
              weights     WeightsReady, pushed by the hub on the control channel (the one route a version takes;
                          the current one right after the Welcome) -> fetch -> engine.load -> WeightsApplied
-             leases      LeaseRequest while there is room in the engine -> one task per prompt group; with no
-                         room, one for none every heartbeat_s (RunComplete reaches a busy generator too)
+                         (generator/weights_loop.py)
+             leases      LeaseRequest while there is room in the engine -> one task per prompt group (`group`); with
+                         no room, one for none every heartbeat_s (RunComplete reaches a busy generator too)
+                         (generator/leases.py)
              engine      watches the vLLM engine: a dead one ends the generator (below)
 Nothing is generated before the engine holds weights of this run (the run id and version of the Welcome):
 a generator that reconnects to a restarted learner, or to another run on the same port, loads them first.
@@ -51,6 +54,8 @@ from generator.session import (
     Rebuild,
     Refused,
     Reregister,
+    Session,
+    ask,
 )
 from generator.spec import CannotServe, Spec
 from generator.stages import Stages
@@ -63,7 +68,6 @@ from pipeline.host import host_identity, remove_receiver_dir, remove_stale
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt
 from weights import receiver
-from weights.base import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,11 @@ log = logging.getLogger(__name__)
 MAX_REFUSALS = 12  # registrations refused in a row (about 75 s with back-off) before the generator gives up
 
 
-class Generator(LeaseLoop, WeightsLoop):
+class Generator:
+    """The coordinator: a Session for each registration, in which it runs the lease loop (generator/leases.py), the
+    weights loop (generator/weights_loop.py), the heartbeats and the engine's watch, and generates the groups the
+    lease loop starts (`group`)."""
+
     def __init__(self, cfg: Config, engines, address: str, gpus: str = "", explicit: frozenset | set = frozenset()):
         """`cfg`: its own config, where and how it runs; what it serves comes from the run (generator/spec.py), and
         what `cfg` sets of that explicitly (`explicit`, dotted keys) it claims. `engines`:
@@ -90,11 +98,8 @@ class Generator(LeaseLoop, WeightsLoop):
         self.draining = asyncio.Event()  # a signal started the drain: the hub is told at once (no more broadcasts)
         self.leave_now = asyncio.Event()  # a second signal: stop waiting for anything, Leave, exit
         self.welcomed = False  # the current session registered
-        self.receiver = Receiver()  # the session's weights receiver (weights/base.py); this one accepts nothing
-        self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
-        self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
-        self.session = ""  # of the last registration: shown when registering again under the same id
-        self.pushed = 0  # rollouts sent in this session (heartbeats report it)
+        self.session: Session | None = None  # the current registration's (generator/session.py)
+        self.session_id = ""  # of the last registration: shown when registering again under the same id
         self.exit_code = 0
         self.tokens = 0
         self.started = time.monotonic()
@@ -171,66 +176,66 @@ class Generator(LeaseLoop, WeightsLoop):
                  "leaving now")
         if self.stopping >= 2:  # whatever the session waits for (a version, nccl setup, groups) ends now: Leave
             self.leave_now.set()
-            for t in list(self.groups):
-                t.cancel()
+            if self.session is not None:
+                self.session.cancel_groups()
 
     async def _session(self) -> None:
         client = HubClient(self.address, timeout=max(10.0, 3 * self.cfg.hub.heartbeat_s), keys=self.keys)
         self.client = client
+        session = None
         try:
             if why := await self._unless_leaving(self.spec.adopt(self._ask)):
                 raise NotRegistered(f"the run's spec refused: {why}")
             welcome = await self._unless_leaving(self._ask(P.Register(
                 self.id, self.host, self.boot_id, self.gpus, os.getpid(), self.engine.version,
-                self.cfg.generator.tensor_parallel_size, self.session, self.engine.run_id,
+                self.cfg.generator.tensor_parallel_size, self.session_id, self.engine.run_id,
                 self.spec.digest, self.spec.fingerprints, self.spec.adapter_slots, self.spec.contents), timeout=10.0))
             if not isinstance(welcome, P.Welcome):
                 raise NotRegistered(f"registration refused: {getattr(welcome, 'message', welcome)}")
             self.refusals, self.welcomed = 0, True
             log.info("generator %s registered (run %s, learner version %d, transport %s)", self.id, welcome.run_id,
                      welcome.version, welcome.transport)
-            self.welcome, self.session, self.pushed = welcome, welcome.session, 0
-            self.receiver = receiver(welcome.transport, client, self.cfg.weights.chunk_mb, self.id)
-            self.push = self.ctx.socket(zmq.PUSH)
-            self.push.setsockopt(zmq.SNDHWM, 1000)
-            self.push.setsockopt(zmq.LINGER, 5000)  # ms: flush queued rollouts on the way out
-            secure_client(self.push, self.keys)
-            self.push.connect(_on_host_of(welcome.rollouts_endpoint, self.address))
-            self.announced: asyncio.Queue = asyncio.Queue()
-            self.version_changed = asyncio.Condition()
+            self.session_id = welcome.session
+            session = self.session = Session(client, welcome, receiver(welcome.transport, client,
+                                                                       self.cfg.weights.chunk_mb, self.id),
+                                             self._rollouts_socket(welcome), self.engine)
             try:
                 try:  # nccl: meet the learner in this generator's process group; a drain has no use for it
-                    await self._unless_leaving(self.receiver.start(self.engine, _host_of(self.address), welcome),
+                    await self._unless_leaving(session.receiver.start(self.engine, _host_of(self.address), welcome),
                                                self.draining)
                 except LeavingNow:
                     raise
                 except Exception as e:  # the hub hears of it at re-registration (auto: a file transport then)
-                    self._raise_if_dead(e)
+                    session.raise_if_dead(e)
                     raise Reregister(f"weights transport {welcome.transport} not started: {e}") from e
-                await self._unless_leaving(self._run_tasks())
+                await self._unless_leaving(self._run_tasks(session))
             except LeavingNow:  # a second signal (or a drain before any lease): Leave now; the hub re-queues the leases
                 pass
             except Rebuild:  # its leases go back to the queue; the engine is built again before it registers again
                 with contextlib.suppress(P.PeerLost):
-                    await client.request(P.Leave(self.id, sorted(self.held), pushed=self.pushed), timeout=5.0)
+                    await client.request(P.Leave(self.id, sorted(session.held), pushed=session.pushed), timeout=5.0)
                 raise
             except EngineDied as e:  # leave at once: the hub re-queues the leases and records why
                 with contextlib.suppress(P.PeerLost):
-                    await client.request(P.Leave(self.id, sorted(self.held), str(e)[:16000], self.pushed),
+                    await client.request(P.Leave(self.id, sorted(session.held), str(e)[:16000], session.pushed),
                                          timeout=5.0)
                 raise
-            await client.request(P.Leave(self.id, sorted(self.held), pushed=self.pushed), timeout=5.0)
+            await client.request(P.Leave(self.id, sorted(session.held), pushed=session.pushed), timeout=5.0)
             log.info("generator %s left", self.id)
         finally:
-            for t in list(self.groups):
-                t.cancel()
-            self.groups.clear()
-            self.held.clear()
-            self.receiver.close()  # its transport's hold ends with the registration (nccl's staging)
-            self.receiver = Receiver()
+            if session is not None:  # its groups, its receiver's hold (nccl's staging) and its socket end with it
+                session.close()
+            self.session = None
             client.close()
-            if hasattr(self, "push"):
-                self.push.close(linger=2000)
+
+    def _rollouts_socket(self, welcome: P.Welcome) -> zmq.asyncio.Socket:
+        """A PUSH socket connected to the hub's rollouts endpoint."""
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 1000)
+        push.setsockopt(zmq.LINGER, 5000)  # ms: flush queued rollouts on the way out
+        secure_client(push, self.keys)
+        push.connect(_on_host_of(welcome.rollouts_endpoint, self.address))
+        return push
 
     async def _unless_leaving(self, aw, until: asyncio.Event | None = None):
         """Await `aw`, unless `until` is set first (default leave_now: a second signal): then it is cancelled and
@@ -251,26 +256,15 @@ class Generator(LeaseLoop, WeightsLoop):
         return task.result()
 
     async def _ask(self, msg: P.Message, timeout: float | None = None) -> P.Message:
-        """A request whose Error reply ends the session: `stop` (refused, or the run failed) or `fatal`
-        (register again); other replies, other errors included, go to the caller."""
-        reply = await self.client.request(msg, timeout)
-        if isinstance(reply, P.Error) and reply.stop:
-            raise Refused(f"the hub refused it: {reply.message}")
-        if isinstance(reply, P.Error) and reply.fatal:
-            raise Reregister(reply.message)
-        return reply
+        """Before the Welcome: generator/session.py's `ask` on this registration's client."""
+        return await ask(self.client, msg, timeout)
 
-    def _holds(self, version: int, exactly: bool = False) -> bool:
-        """The engine holds weights of this run at `version` (or newer)."""
-        if self.engine.run_id != self.welcome.run_id:
-            return False
-        return self.engine.version == version if exactly else self.engine.version >= version
-
-    async def _run_tasks(self) -> None:
+    async def _run_tasks(self, session: Session) -> None:
         """Run until the lease loop ends (drained or run complete); a failing background task ends it too."""
-        leases = asyncio.create_task(self._leases())
-        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(), self._weights(), self._pushed(),
-                                                              self._watch_engine())]
+        leases = asyncio.create_task(LeaseLoop(self, session).run())
+        weights = WeightsLoop(self, session)
+        tasks = [leases] + [asyncio.create_task(c) for c in (self._heartbeats(session), weights.run(),
+                                                              weights.announcements(), self._watch_engine(session))]
         if trace.on():
             tasks.append(asyncio.create_task(self.stages.loop_lag()))
         try:
@@ -278,7 +272,7 @@ class Generator(LeaseLoop, WeightsLoop):
             for t in done:
                 t.result()  # surfaces PeerLost / Reregister
                 if t is not leases:
-                    raise RuntimeError(f"background task {getattr(t.get_coro(), '__name__', t.get_name())} ended "
+                    raise RuntimeError(f"background task {getattr(t.get_coro(), '__qualname__', t.get_name())} ended "
                                        "unexpectedly")
         finally:
             for t in tasks:
@@ -287,15 +281,15 @@ class Generator(LeaseLoop, WeightsLoop):
 
     # ---- background tasks -----------------------------------------------------------------------
 
-    async def _heartbeats(self) -> None:
+    async def _heartbeats(self, session: Session) -> None:
         while True:
             draining = self.draining.is_set()
-            reply = await self._ask(P.Heartbeat(
-                self.id, self.engine.version if self._holds(0) else -1,
-                self.tokens / max(1e-6, time.monotonic() - self.started), len(self.groups), sorted(self.held),
-                draining, self.pushed,
+            reply = await session.ask(P.Heartbeat(
+                self.id, session.engine.version if session.holds(0) else -1,
+                self.tokens / max(1e-6, time.monotonic() - self.started), len(session.groups), sorted(session.held),
+                draining, session.pushed,
                 # progress, which the hub watches (a count that stops moving while it holds leases: a hung engine)
-                self.tokens + self.engine.tokens_in_flight(), self.stages.report()))
+                self.tokens + session.engine.tokens_in_flight(), self.stages.report()))
             if isinstance(reply, P.Error):
                 log.warning("heartbeat: %s", reply.message)
             elif isinstance(reply, P.HeartbeatReply):
@@ -303,94 +297,83 @@ class Generator(LeaseLoop, WeightsLoop):
                     raise Rebuild(why)
                 dead = set(reply.dead_leases)
                 for lease_id in dead:
-                    self.held.pop(lease_id, None)
-                for t, lease_id in list(self.groups.items()):
+                    session.held.pop(lease_id, None)
+                for t, lease_id in list(session.groups.items()):
                     if lease_id in dead:
                         t.cancel()
                 if dead:  # a lease that waits for its weights is not waited for any more
-                    async with self.version_changed:
-                        self.version_changed.notify_all()
+                    await session.version_changes()
             if draining:
-                await asyncio.sleep(self.welcome.heartbeat_s)
+                await asyncio.sleep(session.welcome.heartbeat_s)
             else:  # a drain is reported at once
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.draining.wait(), self.welcome.heartbeat_s)
+                    await asyncio.wait_for(self.draining.wait(), session.welcome.heartbeat_s)
 
-    async def _watch_engine(self) -> None:
+    async def _watch_engine(self, session: Session) -> None:
         """A dead vLLM engine (its core process crashed or was killed) ends the generator within seconds, idle
         or not: every group would fail."""
-        while not self.engine_dead():
+        while not session.engine_dead():
             await asyncio.sleep(1.0)
-        raise EngineDied(self._engine_error())
-
-    def _raise_if_dead(self, e: Exception) -> None:
-        if self.engine_dead():
-            raise EngineDied(self._engine_error(e)) from e
-
-    def engine_dead(self) -> bool:
-        return self.engine is not None and self.engine.dead()
-
-    def _engine_error(self, e: BaseException | None = None) -> str:
-        detail = self.engine.death() if self.engine is not None else ""
-        return (f"its vLLM engine died ({type(e).__name__ + ': ' + str(e) if e else 'found dead'}){detail}; the "
-                "engine's traceback, if it printed one, is above in this log")
+        raise EngineDied(session.engine_error())
 
     # ---- one prompt group -----------------------------------------------------------------------
 
-    async def _group(self, lease: P.Lease, item: P.PromptItem) -> None:
+    async def group(self, session: Session, lease: P.Lease, item: P.PromptItem) -> None:
+        """One prompt group of `lease`: generated, scored and sent to the hub, or reported as failed."""
         with self.stages.lane() as lane:  # its track of the timeline
-            await self._generate(lease, item, lane)
+            await self._generate(session, lease, item, lane)
 
-    async def _generate(self, lease: P.Lease, item: P.PromptItem, lane: str) -> None:
+    async def _generate(self, session: Session, lease: P.Lease, item: P.PromptItem, lane: str) -> None:
         try:
             prompt_ids = (P.unpack_ints(item.prompt_ids).tolist() if item.prompt_ids
                           else encode_prompt(self.tok, self.cfg.data, item.messages or item.prompt))
             if not prompt_ids:
                 raise ValueError("the prompt is empty after tokenising")
-            ctx = Context(lease.group_size or self.welcome.group_size, lease.sampling, self.tok, item,
+            ctx = Context(lease.group_size or session.welcome.group_size, lease.sampling, self.tok, item,
                           seed_of(self.cfg.sampling.seed, item.epoch, item.prompt_id))
             self.stages.rollouts(+1)
             try:
                 with trace.span("generate", lane, prompt=item.prompt_id) as span:
-                    outs = await self.rollout(self.engine, prompt_ids, ctx)  # generator/rollout.py
+                    outs = await self.rollout(session.engine, prompt_ids, ctx)  # generator/rollout.py
                     span["tokens"] = sum(len(o.token_ids) for o in outs)
             finally:
                 self.stages.rollouts(-1)
             # score and encode off the event loop, which keeps feeding the engine meanwhile
-            data, stamps = await asyncio.to_thread(self._score_and_encode, outs, ctx, lease, prompt_ids)
+            data, stamps = await asyncio.to_thread(self._score_and_encode, outs, ctx, lease, prompt_ids,
+                                                   session.welcome.session)
             for name, start, end in stamps:
                 self.stages.add(name, start, end, lane)
             self.tokens += sum(sum(o.mask) for o in outs)
             with self.stages.span("send", lane):
-                await self.push.send(data, copy=False)
-            self.pushed += 1
+                await session.push.send(data, copy=False)
+            session.pushed += 1
         except asyncio.CancelledError:
             raise
         except AgentFailed as e:  # generator.agent_failure requeue: the prompt is leased again
-            await self._report(lease, item, "agent", str(e))
+            await self._report(session, lease, item, "agent", str(e))
         except RewardError as e:  # the user's function: an error of the run, reported with its traceback
             log.error("group for prompt %d: %s", item.prompt_id, e)
-            await self._report(lease, item, "reward", str(e))
+            await self._report(session, lease, item, "reward", str(e))
         except Exception as e:
-            if self.engine_dead():
+            if session.engine_dead():
                 return  # _watch_engine ends the session and leaves; the hub re-queues the lease
             kind = "prompt" if _prompt_at_fault(e) else "engine"
             log.log(logging.WARNING if kind == "prompt" else logging.ERROR, "group for prompt %d failed (%s: %s); "
                     "reported to the hub (%s)", item.prompt_id, type(e).__name__, e, kind, exc_info=kind == "engine")
-            await self._report(lease, item, kind, f"{type(e).__name__}: {e}")
+            await self._report(session, lease, item, kind, f"{type(e).__name__}: {e}")
 
-    def _score_and_encode(self, outs, ctx: Context, lease: P.Lease, prompt_ids: list[int]):
+    def _score_and_encode(self, outs, ctx: Context, lease: P.Lease, prompt_ids: list[int], session_id: str):
         """In a thread: the group's rewards and its RolloutGroup message, with when each began and ended."""
         t0 = time.time()
         scores = score_group(outs, ctx, self.rewards, self.cfg.trainer.total_steps)
         t1 = time.time()
-        data = encode_group(outs, ctx, lease, prompt_ids, scores, self.id, self.session)
+        data = encode_group(outs, ctx, lease, prompt_ids, scores, self.id, session_id)
         return data, [("score", t0, t1), ("encode", t1, time.time())]
 
-    async def _report(self, lease: P.Lease, item: P.PromptItem, kind: str, reason: str) -> None:
+    async def _report(self, session: Session, lease: P.Lease, item: P.PromptItem, kind: str, reason: str) -> None:
         try:
-            await self.client.request(P.GroupFailed(self.id, lease.lease_id, item.epoch, item.prompt_id,
-                                                    reason[:16000], kind))
+            await session.client.request(P.GroupFailed(self.id, lease.lease_id, item.epoch, item.prompt_id,
+                                                       reason[:16000], kind))
         except P.PeerLost:  # the hub re-queues the lease when it drops this generator
             pass
 

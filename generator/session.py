@@ -1,6 +1,27 @@
+"""One registration with the hub (`Session`), and the exceptions that end one.
+
+The generator (generator/service.py) opens a Session once the hub welcomes it and closes it when the registration
+ends, however it ends; the next registration starts with a new one. A session holds:
+
+    client      the control channel it registered on (pipeline/client.py); its requests go through `ask`
+    welcome     the hub's Welcome: run id, weights transport, heartbeat period, group size, session id
+    receiver    the weights receiver the Welcome's transport names (weights/base.py)
+    push        the PUSH socket to the hub's rollouts endpoint
+    engine      the engine it serves with (the spec's, which only a new registration replaces)
+
+and what the session's tasks share: the versions announced (the weights loop, generator/weights_loop.py), the
+engine's version changing, the groups in flight and the leases held (the lease loop, generator/leases.py; the
+heartbeats report them).
+"""
+
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from pipeline import protocol as P
+from pipeline.client import HubClient
+from weights.base import Receiver
 
 
 class NotRegistered(P.PeerLost):
@@ -36,3 +57,61 @@ class EngineDied(Exception):
 class Rebuild(Exception):
     """The run's config now needs another engine (more adapter slots for a raised trainer.max_staleness): leave,
     returning the leases, build it, register again."""
+
+
+async def ask(client: HubClient, msg: P.Message, timeout: float | None = None) -> P.Message:
+    """A request whose Error reply ends the session: `stop` (refused, or the run failed) or `fatal`
+    (register again); other replies, other errors included, go to the caller."""
+    reply = await client.request(msg, timeout)
+    if isinstance(reply, P.Error) and reply.stop:
+        raise Refused(f"the hub refused it: {reply.message}")
+    if isinstance(reply, P.Error) and reply.fatal:
+        raise Reregister(reply.message)
+    return reply
+
+
+class Session:
+    def __init__(self, client: HubClient, welcome: P.Welcome, receiver: Receiver, push: Any, engine: Any):
+        """`push`: a connected zmq PUSH socket (anything with `send` and `close`); `engine`: generator/engine.py's."""
+        self.client, self.welcome, self.receiver, self.push, self.engine = client, welcome, receiver, push, engine
+        self.announced: asyncio.Queue[P.WeightsReady] = asyncio.Queue()  # by the hub, on the control channel
+        self.version_changed = asyncio.Condition()  # a version loaded, or leases the hub took back
+        self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
+        self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
+        self.pushed = 0  # rollouts sent (heartbeats and the Leave report it)
+
+    async def ask(self, msg: P.Message, timeout: float | None = None) -> P.Message:
+        return await ask(self.client, msg, timeout)
+
+    def holds(self, version: int) -> bool:
+        """The engine holds weights of this run at `version` or newer."""
+        return self.engine.run_id == self.welcome.run_id and self.engine.version >= version
+
+    async def version_changes(self) -> None:
+        """Wake whatever waits for a version (`version_changed`)."""
+        async with self.version_changed:
+            self.version_changed.notify_all()
+
+    def cancel_groups(self) -> None:
+        for t in list(self.groups):
+            t.cancel()
+
+    def engine_dead(self) -> bool:
+        return self.engine is not None and self.engine.dead()
+
+    def engine_error(self, e: BaseException | None = None) -> str:
+        detail = self.engine.death() if self.engine is not None else ""
+        return (f"its vLLM engine died ({type(e).__name__ + ': ' + str(e) if e else 'found dead'}){detail}; the "
+                "engine's traceback, if it printed one, is above in this log")
+
+    def raise_if_dead(self, e: Exception) -> None:
+        if self.engine_dead():
+            raise EngineDied(self.engine_error(e)) from e
+
+    def close(self) -> None:
+        """Cancel its groups, end its receiver's hold (nccl's staging) and close the rollouts socket."""
+        self.cancel_groups()
+        self.groups.clear()
+        self.held.clear()
+        self.receiver.close()
+        self.push.close(linger=2000)

@@ -3,10 +3,10 @@ it uses. pipeline/transports.py names each transport's three; weights/__init__.p
 
 Sender: the learner's side (learner/publisher.py drives it; rank 0 only). Built with the run's config, an
 `Announcer` (what it may ask of the hub: the hub is one) and the run id.
-Receiver: the generator's side (generator/service.py drives it), one per registration: it meets the learner at
-`start`, takes each version the hub announces (`apply`) into the engine through the engine's one swap method,
-`engine.swap(version, method, args)`, which calls `method` of every vLLM worker between two engine steps (and
-`engine.rpc(method, args)` outside swaps), and releases what it holds at `close`.
+Receiver: the generator's side, one per registration (generator/session.py; generator/weights_loop.py drives it): it
+meets the learner at `start`, takes each version the hub announces (`apply`) into the engine through the engine's one
+swap method, `engine.swap(version, method, args)`, which calls `method` of every vLLM worker between two engine steps
+(and `engine.rpc(method, args)` outside swaps), and releases what it holds at `close`.
 Worker: a mixin of the vLLM worker extension (generator/worker_ext.py composes one of each transport's): the
 methods `swap` and `rpc` name, run inside every worker. They may use the extension's core: `_load_named(named)`
 loads (name, tensor) pairs (merging an adapter version first), `_in_step_gap(fn)` runs `fn` between two engine

@@ -62,7 +62,7 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache, monkeypatc
             # each look walks the objects made since the freeze only, not the whole process: in a long test session
             # a walk of every object took so long that the request ended after two looks
             # and the engine says it is full while it runs its 16 sequences (a generator refused a lease then records
-            # `engine_full`, not `wait_room`: generator/service.py)
+            # `engine_full`, not `wait_room`: generator/leases.py)
             assert not engine.full()
             gc.freeze()
             try:

@@ -55,8 +55,10 @@ def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(engine_loop):
     from generator.calculator import answer
     from generator.engines import Fixed
     from generator.service import Generator
+    from generator.session import Session
     from hub.validation import Expected, RunShape, check_rollout
     from learner.batching import build_rows, collate
+    from weights.base import Receiver
 
     engine, runner = engine_loop
     cfg = config_from_dict({"generator": {"rollout": "builtin:calculator", "max_num_seqs": 32},
@@ -68,12 +70,12 @@ def test_a_tools_reply_is_in_the_context_and_out_of_the_loss(engine_loop):
 
     async def scenario():
         gen = Generator(cfg, Fixed(engine, tok), "tcp://127.0.0.1:1")
-        gen.welcome, gen.push = SimpleNamespace(group_size=8), Sink()
+        session = Session(None, SimpleNamespace(group_size=8, session=""), Receiver(), Sink(), engine)
         items = [P.PromptItem(i, 0, p, {"target": "1"}, P.pack_ints(tok(p, add_special_tokens=False)["input_ids"]))
                  for i, p in enumerate(prompts)]
         lease = P.Lease(1, 0, items, P.Sampling(12, 1.0))
-        await asyncio.gather(*(gen._group(lease, it) for it in items))
-        return gen.push.sent, items
+        await asyncio.gather(*(gen.group(session, lease, it) for it in items))
+        return session.push.sent, items
 
     groups, items = runner.run(scenario())
     assert len(groups) == len(prompts)
@@ -116,8 +118,10 @@ def test_reward_functions_from_trls_documentation_run_unchanged_on_both_formats(
 
     from generator.engines import Fixed
     from generator.service import Generator
+    from generator.session import Session
     from hub.prompts import Prompts
     from pipeline.tasks import encode_prompt
+    from weights.base import Receiver
 
     engine, runner = engine_loop
     cfg = load_config(None, ["sampling.max_tokens=6"])
@@ -136,10 +140,10 @@ def test_reward_functions_from_trls_documentation_run_unchanged_on_both_formats(
     async def rollout(rewards: list[str], it: P.PromptItem):
         gen_cfg = config_from_dict({"sampling": {"max_tokens": 6}, "rewards": [{"fn": r} for r in rewards]})
         gen = Generator(gen_cfg, Fixed(engine, tok), "tcp://127.0.0.1:1")
-        gen.welcome, gen.push, gen.client = SimpleNamespace(group_size=4), Sink(), Hub()
-        await gen._group(P.Lease(1, 0, [it], P.Sampling(6, 1.0)), it)
-        assert gen.client.reports == [], gen.client.reports  # no reward function failed
-        (group,) = gen.push.sent
+        session = Session(Hub(), SimpleNamespace(group_size=4, session=""), Receiver(), Sink(), engine)
+        await gen.group(session, P.Lease(1, 0, [it], P.Sampling(6, 1.0)), it)
+        assert session.client.reports == [], session.client.reports  # no reward function failed
+        (group,) = session.push.sent
         texts = [tok.decode(P.unpack_ints(s.token_ids).tolist(), skip_special_tokens=True) for s in group.samples]
         return group, texts
 

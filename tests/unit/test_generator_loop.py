@@ -12,6 +12,7 @@ import torch
 
 from generator.engine import Completion
 from generator.engines import Fixed
+from generator.leases import inflight_cap
 from generator.service import Generator
 from hub.hub import Hub, HubStopped
 from hub.registry import GeneratorInfo
@@ -72,6 +73,11 @@ class FakeTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(i - 4) for i in ids)
+
+
+def _groups(gen) -> dict:
+    """The groups in flight of its session (none between sessions)."""
+    return gen.session.groups if gen.session is not None else {}
 
 
 async def _until(pred, timeout=10.0):
@@ -173,11 +179,11 @@ async def test_a_drain_is_reported_at_once_and_takes_no_more_broadcasts(tmp_path
 
     engine.generate, engine.swap = generate, swap
     async with running(cfg, tmp_path, engine) as (hub, gen):
-        await _until(lambda: gen.groups)
-        gen.receiver = NcclReceiver()  # as an nccl generator
+        await _until(lambda: _groups(gen))
+        gen.session.receiver = NcclReceiver()  # as an nccl generator
         gen._on_signal()
         await _until(lambda: hub.registry.generators.get(gen.id) is None or hub.registry.generators[gen.id].draining)
-        gen.announced.put_nowait(P.WeightsReady(7, manifest=[["w", "float32", [4]]]))
+        gen.session.announced.put_nowait(P.WeightsReady(7, manifest=[["w", "float32", [4]]]))
         await _until(lambda: gen.id not in hub.registry.generators)  # it finished its groups and left
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     mine = [e["event"] for e in events if e.get("generator") == gen.id and e["event"] in ("drain", "leave")]
@@ -208,9 +214,9 @@ async def test_groups_in_flight_are_sized_from_what_the_engine_runs_at_once(tmp_
                             "generator": {"lease_size": 3}, "hub": {"heartbeat_s": 0.2}})
     engine = HoldingEngine(seqs=7)
     async with running(cfg, tmp_path, engine) as (hub, gen):
-        await _until(lambda: len(gen.groups) >= 7)
+        await _until(lambda: len(_groups(gen)) >= 7)
         await asyncio.sleep(0.5)  # room for more leases, if it asked for them
-        assert len(gen.groups) == 7 == gen.inflight_cap()  # ceil(7 / 2) + 3
+        assert len(_groups(gen)) == 7 == inflight_cap(gen.cfg, engine, 2)  # ceil(7 / 2) + 3
         engine.release.set()
         await _until(lambda: len(hub.ledger.buffer) >= 32)  # released: the whole window fills
         assert len(hub.ledger.buffer) == 32
@@ -256,16 +262,16 @@ async def test_the_first_wave_is_a_batch_and_a_quarter_then_the_engine_fills(tmp
                             "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})
     engine = GatedEngine(seqs=64)  # 32 groups at once, plus a lease: 34
     async with running(cfg, tmp_path, engine) as (hub, gen):
-        await _until(lambda: len(gen.groups) >= 10)
+        await _until(lambda: len(_groups(gen)) >= 10)
         await asyncio.sleep(0.5)  # room for more leases, if it asked for them
-        assert len(gen.groups) == 10 and gen.inflight_cap() == 34  # ceil(8 * 5 / 4) of 34
+        assert len(_groups(gen)) == 10 and inflight_cap(gen.cfg, engine, 2) == 34  # ceil(8 * 5 / 4) of 34
         engine.let(7)  # seven ended: still the first wave
         await _until(lambda: len(hub.ledger.buffer) >= 7)
         await asyncio.sleep(0.5)
-        assert len(gen.groups) == 10
+        assert len(_groups(gen)) == 10
         engine.let(1)  # a batch's worth ended: the engine fills
-        await _until(lambda: len(gen.groups) >= 34)
-        assert len(gen.groups) == 34
+        await _until(lambda: len(_groups(gen)) >= 34)
+        assert len(_groups(gen)) == 34
         engine.let(1000)
 
 
@@ -438,10 +444,10 @@ async def test_a_generator_holding_the_previous_version_fetches_only_the_delta(t
             weights[version * 1000:version * 1000 + 10] += 1.0  # a step that changed ten elements
             hub.finish_step(version)
             sender.send(version, [("w", weights)], 0.0)
-            before = gen.receiver.fetched
+            before = gen.session.receiver.fetched
             await _until(lambda v=version: engine.version == v)
-            assert gen.receiver.via == "zmq-delta" and sender.sizes[1] < 20_000 < 4_000_000 < sender.sizes[0]
-            assert gen.receiver.fetched - before == sender.sizes[1]  # the delta, not the blob
+            assert gen.session.receiver.via == "zmq-delta" and sender.sizes[1] < 20_000 < 4_000_000 < sender.sizes[0]
+            assert gen.session.receiver.fetched - before == sender.sizes[1]  # the delta, not the blob
             assert engine.loaded[-1] == (version, checksum(serialize([("w", weights)])))
 
 
@@ -490,7 +496,8 @@ async def test_a_draining_generator_waiting_for_a_version_returns_its_lease_and_
                             "weights": {"transport": "zmq"}, "hub": {"heartbeat_s": 0.2}})
     engine = FakeEngine(version=3, run_id="an-older-run")  # never holds this run's weights: nothing is announced
     async with running(cfg, tmp_path, engine, version=3, announce=False) as (hub, gen):
-        await _until(lambda: hub.ledger.leases and gen.held)  # a lease taken, waiting for its weights
+        # a lease taken, waiting for its weights
+        await _until(lambda: hub.ledger.leases and gen.session is not None and gen.session.held)
         leased = sum(len(lease.items) for lease in hub.ledger.leases.values())
         gen._on_signal()
         assert await asyncio.wait_for(gen.task, 10) == 0
@@ -521,7 +528,7 @@ async def test_a_second_signal_leaves_at_once_whatever_is_still_running(tmp_path
     engine = StubbornEngine()
     try:
         async with running(cfg, tmp_path, engine) as (hub, gen):
-            await _until(lambda: gen.groups)
+            await _until(lambda: _groups(gen))
             gen._on_signal()
             gen._on_signal()
             assert await asyncio.wait_for(gen.task, 10) == 0  # not held by groups that do not end when cancelled
@@ -643,7 +650,7 @@ async def test_the_runs_end_reaches_a_generator_with_no_room_for_more(tmp_path):
                             "generator": {"lease_size": 2}, "hub": {"heartbeat_s": 0.2}})
     engine = HoldingEngine(seqs=4)  # never finishes a request
     async with running(cfg, tmp_path, engine) as (hub, gen):
-        await _until(lambda: len(gen.groups) >= 4)  # ceil(4 / 2) + 2: full
+        await _until(lambda: len(_groups(gen)) >= 4)  # ceil(4 / 2) + 2: full
         hub.finish_run()
         assert await asyncio.wait_for(gen.task, 10) == 0
         assert gen.id not in hub.registry.generators

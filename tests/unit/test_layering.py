@@ -95,6 +95,15 @@ def test_no_package_imports_one_above_it_and_no_module_imports_itself_back():
     assert cycles(edges) == []
 
 
+def test_only_the_entry_point_imports_the_generators_coordinator():
+    """generator/service.py wires its parts (session.py, leases.py, weights_loop.py) and hands each what it uses: no
+    part imports it back, and neither does anything else but `pipeline generator`."""
+    edges = graph(modules())
+    assert {"generator.session", "generator.leases", "generator.weights_loop"} <= edges["generator.service"]
+    assert sorted(m for m, targets in edges.items() if "generator.service" in targets) == [
+        "pipeline.entrypoints.generator"]
+
+
 def test_the_walk_finds_an_upward_import_and_a_cycle(tmp_path):
     """The checks themselves: a weights module that imports the hub, and two pipeline modules that import each
     other (as pipeline/launcher.py and weights/files.py did before pipeline/host.py)."""

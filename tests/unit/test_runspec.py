@@ -29,7 +29,7 @@ def test_a_generator_adopts_what_the_run_serves_and_keeps_where_and_how_it_runs(
     served = runspec.adopt(own, runspec.spec_of(run), explicit)
     assert served.model.quantization == "4bit" and served.model.lora.alpha == 16 and served.model.path == "/mnt/x"
     assert served.rewards[0].fn == "builtin:reverse_reward" and served.trainer.group_size == 4
-    assert served.trainer.batch_size == 48  # what its first wave is sized from (generator/service.py)
+    assert served.trainer.batch_size == 48  # what its first wave is sized from (generator/leases.py)
     assert served.sampling.max_tokens == 12 and served.generator.lora_mode == "adapter"
     assert (served.generator.max_num_seqs, served.generator.gpu_memory_utilization) == (7, 0.3)
     assert served.trainer.lr != run.trainer.lr  # the learner's own business, not served
