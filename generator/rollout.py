@@ -1,8 +1,11 @@
 """A rollout: what a generator does with one leased prompt to make its group of samples.
 
-The generator calls the function named by `generator.rollout` (`module:function`) once per leased prompt:
+The generator calls the strategy `generator.rollout` names once per leased prompt; every strategy is a `Rollout`,
+built once per run config (generator/spec.py `load_rollout`): a function (`module:function`) as a `FunctionRollout`,
 
     async def rollout(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]   # ctx.n of them
+
+or a class of this project's that runs more (`agent`'s endpoint), which `aclose` stops.
 
 A trajectory is every token after the prompt, with the behaviour log-prob of each and a loss mask: 1 for a token
 the model sampled (trained), 0 for a token the environment put into the context (a tool's reply: the model reads
@@ -18,8 +21,9 @@ sampled, its trajectory is split into several `Trajectory` objects (`trajectory`
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline import protocol as P
 from pipeline.tasks import TrainerState, score
@@ -63,6 +67,30 @@ class Trajectory:
     prompt_ids: list[int] | None = None  # the context these tokens were sampled from, where it is not the prompt's
     trajectory: int = -1  # which of the group's n trajectories this is part of; -1: its index in the list
     turns: list[tuple[int, int]] = field(default_factory=list)  # (start in token_ids, version) of each model turn
+
+
+class Rollout(Protocol):
+    """A rollout strategy: the generator calls it once per leased prompt and closes it when the run's config
+    replaces it, or at its exit."""
+
+    async def __call__(self, engine: Any, prompt_ids: list[int], ctx: Context) -> list[Trajectory]: ...
+
+    async def aclose(self) -> None:
+        """Stop what it runs (an agent's endpoint and worker processes)."""
+        ...
+
+
+class FunctionRollout:
+    """A rollout function as a Rollout: it runs nothing of its own to close."""
+
+    def __init__(self, fn: Callable[[Any, list[int], Context], Awaitable[list[Trajectory]]]):
+        self.fn = fn
+
+    async def __call__(self, engine: Any, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:
+        return await self.fn(engine, prompt_ids, ctx)
+
+    async def aclose(self) -> None:
+        pass
 
 
 async def single_turn(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]:

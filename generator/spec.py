@@ -24,6 +24,7 @@ import logging
 
 from generator.engine import adapter_slots
 from generator.engines import rebuild
+from generator.rollout import FunctionRollout, Rollout
 from pipeline import pinning, runspec
 from pipeline import protocol as P
 from pipeline.config import Config
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 EARLY_S = 5.0  # seconds: no answer from the hub this long, and its own config names a model: build that meanwhile
 
 
-def load_rollout(cfg: Config):
+def load_rollout(cfg: Config) -> Rollout:
     """generator.rollout's strategy: `agent` (generator/agent.py, with its endpoint), `environment`
     (generator/environment.py), else the function it names."""
     if cfg.generator.rollout == "agent":
@@ -45,7 +46,7 @@ def load_rollout(cfg: Config):
         from generator.environment import EnvironmentRollout
 
         return EnvironmentRollout(cfg)
-    return load_callable(cfg.generator.rollout, "generator.rollout")
+    return FunctionRollout(load_callable(cfg.generator.rollout, "generator.rollout"))
 
 
 class CannotServe(Exception):
@@ -66,7 +67,7 @@ class Spec:
         self.contents: dict[str, str] = {}  # of the code and files the adopted config names, on this host
         self.digest = ""
         self.rewards = load_reward_fns(own.rewards) if self.engine is not None else []
-        self.rollout = load_rollout(own) if self.engine is not None else None
+        self.rollout: Rollout | None = load_rollout(own) if self.engine is not None else None
 
     @property
     def adapter_slots(self) -> int:
@@ -75,7 +76,7 @@ class Spec:
 
     async def close(self) -> None:
         """Stop what the rollout strategy runs (an agent's endpoint)."""
-        if self.rollout is not None and hasattr(self.rollout, "aclose"):
+        if self.rollout is not None:
             await self.rollout.aclose()
 
     async def adopt(self, ask) -> str:
