@@ -2,9 +2,9 @@
 over HTTP, against the same calls made on the engine directly.
 
 One engine (generator/engine.py's `Engine`, the service's engine args). The endpoint way is the rollout strategy as a
-run uses it (`generator.rollout: agent`, generator/agent.py): --prompts prompts x --n samples at once, each an agent
-of three chat calls of exactly --call-tokens tokens (ignore_eos) with a tool's reply between them. Each call's prompt
-ids and length are read back from the trajectories (`replays`); the direct way makes those calls with
+run uses it (`generator.rollout: builtin:agent`, generator/agent.py): --prompts prompts x --n samples at once, each an
+agent of three chat calls of exactly --call-tokens tokens (ignore_eos) with a tool's reply between them. Each call's
+prompt ids and length are read back from the trajectories (`replays`); the direct way makes those calls with
 `Engine.generate`, each sample's in order and the samples at once: the same tokens from the same contexts, without
 HTTP, the chat template, tokenizing and the session's bookkeeping. Rounds alternate which goes first.
 Target: endpoint / direct >= 0.95. --agent-workers N runs the agents in N processes of their own
@@ -70,8 +70,9 @@ async def main(args) -> list[dict]:
     cfg = config_from_dict({
         "model": {"path": model, "dtype": "bfloat16" if args.gpus else "float32"},
         "sampling": {"max_tokens": budget, "ignore_eos": True},
-        "generator": {"rollout": "agent", "agent": "bench.agent_overhead:three_calls", "max_model_len": budget + 128,
-                      "max_num_seqs": args.max_num_seqs, "enforce_eager": bool(args.enforce_eager),
+        "generator": {"rollout": "builtin:agent", "agent": "bench.agent_overhead:three_calls",
+                      "max_model_len": budget + 128, "max_num_seqs": args.max_num_seqs,
+                      "enforce_eager": bool(args.enforce_eager),
                       "gpu_memory_utilization": args.gpu_memory_utilization}})
     tok = AutoTokenizer.from_pretrained(model)
     engine = Engine(cfg, model, seed=0, eos_id=tok.eos_token_id)

@@ -1,4 +1,4 @@
-"""`generator.rollout: agent`: the user's agent program, unchanged, as the rollout of each leased prompt.
+"""`generator.rollout: builtin:agent`: the user's agent program, unchanged, as the rollout of each leased prompt.
 
 Each of a group's n samples is a session of the generator's OpenAI-compatible endpoint (generator/endpoint.py) and
 one run of the agent, in one of two forms:

@@ -1,4 +1,4 @@
-"""`generator.agent_workers: N`: rollout `agent`'s agents run in N processes of their own, off the generator's loop.
+"""`generator.agent_workers: N`: `builtin:agent`'s agents run in N processes of their own, off the generator's loop.
 
 Why: an agent and its openai client are Python on the generator's one event loop, where vLLM's output handler, the
 heartbeats and the endpoint's routes also run. On a GPU that loop was the bound of a tool-calling run: of its time,

@@ -1,7 +1,7 @@
-"""An example agent (`generator.rollout: agent`, configs/gpu-smollm2-agent.yaml): an ordinary `openai` program with a
-calculator tool, for builtin:arith. The model answers; the calculator works out every "a + b" or "a - b" the answer
-wrote and says what each comes to; the model then gives its final answer, which the reward functions score. Two calls
-a sample, the calculator's reply between them (out of the loss: generator/agent.py)."""
+"""An example agent (`generator.rollout: builtin:agent`, configs/gpu-smollm2-agent.yaml): an ordinary `openai` program
+with a calculator tool, for builtin:arith. The model answers; the calculator works out every "a + b" or "a - b" the
+answer wrote and says what each comes to; the model then gives its final answer, which the reward functions score. Two
+calls a sample, the calculator's reply between them (out of the loss: generator/agent.py)."""
 
 import re
 

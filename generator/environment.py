@@ -1,4 +1,5 @@
-"""`generator.rollout: environment`: a TRL environment_factory class, unchanged, as the rollout of each leased prompt.
+"""`generator.rollout: builtin:environment`: a TRL environment_factory class, unchanged, as the rollout of each leased
+prompt.
 
     generator.environment: my_module:MyEnv      one instance per sample
     generator.tool_parser: hermes               vLLM's parser of the model's tool calls
@@ -208,7 +209,7 @@ def get_reward(environments=None, **kwargs) -> list[float | None]:
     """A reward function: each sample's environment's own get_reward() (TRL adds it as a reward source by itself;
     here list it in `rewards`). A sample that failed (generator.agent_timeout_s) is scored 0 whatever this says."""
     if environments is None:
-        raise ValueError("builtin:environment_reward scores the instances of generator.rollout environment; "
+        raise ValueError("builtin:environment_reward scores the instances of generator.rollout builtin:environment; "
                          "this run has none")
     out = []
     for env in environments:

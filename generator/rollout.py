@@ -5,15 +5,15 @@ built once per run config (generator/spec.py `load_rollout`): a function (`modul
 
     async def rollout(engine, prompt_ids: list[int], ctx: Context) -> list[Trajectory]   # ctx.n of them
 
-or a class of this project's that runs more (`agent`'s endpoint), which `aclose` stops.
+or a class of this project's that runs more (builtin:agent's endpoint), which `aclose` stops.
 
 A trajectory is every token after the prompt, with the behaviour log-prob of each and a loss mask: 1 for a token
 the model sampled (trained), 0 for a token the environment put into the context (a tool's reply: the model reads
 it, the loss leaves it out; its log-prob is 0). The learner trains on the mask (learner/batching.py). The
 default, `single_turn`, is one completion per sample; generator/calculator.py is a two-turn example with a tool.
 Rewards are computed afterwards from each trajectory's text (`text`, else its tokens decoded), by the reward
-functions of the config, as TRL calls them (pipeline/tasks.py). `agent` (generator/agent.py) runs the user's agent
-program against the generator's OpenAI-compatible endpoint; where an agent's history stopped extending what was
+functions of the config, as TRL calls them (pipeline/tasks.py). `builtin:agent` (generator/agent.py) runs the user's
+agent program against the generator's OpenAI-compatible endpoint; where an agent's history stopped extending what was
 sampled, its trajectory is split into several `Trajectory` objects (`trajectory`: which one of the n they belong to,
 `prompt_ids`: the context each was sampled from), which share the trajectory's reward.
 """
@@ -108,7 +108,7 @@ def score_group(outs: list[Trajectory], ctx: Context, rewards, total_steps: int)
     heads = [outs[first[t]] for t in sorted(first)]
     texts = [o.text if o.text is not None else tok.decode(o.token_ids, skip_special_tokens=True) for o in heads]
     state = TrainerState(min(o.first_version for o in outs), total_steps, item.epoch)
-    envs = [o.extra.get("environment") for o in heads]  # rollout environment's instances (generator/environment.py)
+    envs = [o.extra.get("environment") for o in heads]  # builtin:environment's instances (generator/environment.py)
     totals, per_fn = score(rewards, item.messages or item.prompt, texts, [o.token_ids for o in heads], item.columns,
                            state, {"environments": envs} if any(e is not None for e in envs) else None)
     for k, o in enumerate(heads):  # an agent that failed (generator/agent.py, agent_failure zero): reward 0

@@ -25,7 +25,7 @@ import logging
 from generator.engine import adapter_slots
 from generator.engines import rebuild
 from generator.rollout import FunctionRollout, Rollout
-from pipeline import pinning, runspec
+from pipeline import builtin, pinning, runspec
 from pipeline import protocol as P
 from pipeline.config import Config
 from pipeline.tasks import load_callable, load_reward_fns
@@ -36,17 +36,10 @@ EARLY_S = 5.0  # seconds: no answer from the hub this long, and its own config n
 
 
 def load_rollout(cfg: Config) -> Rollout:
-    """generator.rollout's strategy: `agent` (generator/agent.py, with its endpoint), `environment`
-    (generator/environment.py), else the function it names."""
-    if cfg.generator.rollout == "agent":
-        from generator.agent import AgentRollout
-
-        return AgentRollout(cfg)
-    if cfg.generator.rollout == "environment":
-        from generator.environment import EnvironmentRollout
-
-        return EnvironmentRollout(cfg)
-    return FunctionRollout(load_callable(cfg.generator.rollout, "generator.rollout"))
+    """generator.rollout's strategy: a class built with `cfg` (builtin:agent, generator/agent.py, with its endpoint;
+    builtin:environment, generator/environment.py), else the function it names."""
+    made = load_callable(cfg.generator.rollout, "generator.rollout")
+    return made(cfg) if cfg.generator.rollout in builtin.STRATEGIES else FunctionRollout(made)
 
 
 class CannotServe(Exception):

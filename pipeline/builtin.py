@@ -14,9 +14,13 @@ FUNCTIONS = {  # name: the module:function it loads
     "builtin:environment_reward": "generator.environment:get_reward",  # rewards: each environment's get_reward()
     "builtin:single_turn": "generator.rollout:single_turn",       # generator.rollout: one completion per sample
     "builtin:calculator": "generator.calculator:rollout",         # generator.rollout: one calculator call allowed
+    "builtin:agent": "generator.agent:AgentRollout",              # generator.rollout: generator.agent's program
+    "builtin:environment": "generator.environment:EnvironmentRollout",  # generator.rollout: a TRL environment class
     "builtin:calculator_agent": "generator.calculator_agent:agent",  # generator.agent: an openai-client agent
 }
 OLD = {path: name for name, path in FUNCTIONS.items()}
+# generator.rollout's strategies that are classes, built with the run's config (generator/spec.py), not functions
+STRATEGIES = ("builtin:agent", "builtin:environment")
 # data.path's builtin tasks (pipeline/tasks.py BUILTIN makes their rows), named here for the config's check
 DATASETS = ("builtin:echo", "builtin:reverse", "builtin:arith", "builtin:reasoning_gym")
 REASONING_GYM_DEFAULT = "letter_counting"  # data.name of builtin:reasoning_gym when none is given

@@ -243,23 +243,23 @@ class GeneratorConfig:
     rollout: str = "builtin:single_turn"
     """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py), or a shipped
     one: `builtin:single_turn` (one completion), `builtin:calculator` (a model that may call a calculator once; the
-    tool's reply is out of the loss). `agent`: your agent program, unchanged, talking to this generator's
-    OpenAI-compatible endpoint (generator/agent.py, generator.agent or generator.agent_command). `environment`: a
-    TRL environment_factory class, unchanged: its methods are the model's tools (generator/environment.py,
-    generator.environment)."""
+    tool's reply is out of the loss). `builtin:agent`: your agent program, unchanged, talking to this generator's
+    OpenAI-compatible endpoint (generator/agent.py, generator.agent or generator.agent_command).
+    `builtin:environment`: a TRL environment_factory class, unchanged: its methods are the model's tools
+    (generator/environment.py, generator.environment)."""
     agent: str = ""
-    """With rollout `agent`: `module:function` of `async def agent(client, item) -> str` (or
+    """With `builtin:agent`: `module:function` of `async def agent(client, item) -> str` (or
     `builtin:calculator_agent`), called once per sample with an `openai.AsyncOpenAI` client bound to the sample's
     session and the prompt (item.messages or item.prompt, and item.columns); it returns the answer the reward
     functions score."""
     agent_command: list[str] = field(default_factory=list)
-    """With rollout `agent`: a command run once per sample, with OPENAI_BASE_URL and OPENAI_API_KEY set to its session
+    """With `builtin:agent`: a command run once per sample, with OPENAI_BASE_URL and OPENAI_API_KEY set to its session
     and the prompt as JSON on stdin ({"prompt" or "messages", "columns"}); what it prints is the answer."""
     agent_timeout_s: float = 300.0
     """An agent (callable or command) still running after this many seconds is stopped: its sample fails. The
     seconds are the agent's own: the endpoint's start and the openai client's import come before them."""
     agent_workers: int = 0
-    """With rollout `agent`: run the agents, their openai clients and their endpoint sessions in this many processes of
+    """With `builtin:agent`: run the agents, their openai clients and their endpoint sessions in this many processes of
     their own (generator/agent_workers.py), which ask this generator's engine for each completion by token ids. 0:
     on the generator's own event loop, which then does every agent's Python besides vLLM's output handling and the
     heartbeats (on a GPU it was the bound of a tool-calling run of a small model: docs/figures.md)."""
@@ -268,21 +268,21 @@ class GeneratorConfig:
     tokens it generated before it failed are kept), `requeue` leases the prompt again. Either way it is counted
     (agent/agent_timeout, agent/agent_error) and named in events.jsonl."""
     environment: str = ""
-    """With rollout `environment`: `module:factory` of TRL's environment_factory contract: a class (or zero-argument
+    """With `builtin:environment`: `module:factory` of TRL's environment_factory contract: a class (or zero-argument
     callable) whose instance has `reset(**row) -> str | None` (a string is appended to the last user message) and
     public methods with docstrings and type hints, which are the model's tools; one instance per sample. An
     OpenEnv environment is used through such a class, as TRL's docs do. Score it with reward functions that take
     `environments` (TRL's), or list `builtin:environment_reward` to train on the instance's get_reward()."""
     tool_parser: str = "hermes"
-    """vLLM's tool-call parser that reads the model's tool calls, in rollout `environment` and in the agent
+    """vLLM's tool-call parser that reads the model's tool calls, in `builtin:environment` and in the agent
     endpoint's replies to requests that offer `tools` (vLLM's --tool-call-parser names: hermes for Qwen2.5 and
     Hermes-format templates, llama3_json, mistral, ...)."""
     chat_template: str = ""
     """A Jinja chat template file used in place of the model's own where the generator renders messages itself (the
-    agent endpoint, rollout `environment`), as vLLM's --chat-template; for a model whose template cannot render
+    agent endpoint, `builtin:environment`), as vLLM's --chat-template; for a model whose template cannot render
     tools (configs/templates/smollm2-tools.jinja: SmolLM2's ChatML with Hermes-format tools)."""
     max_tool_calls: int = 8
-    """With rollout `environment`: model turns that call tools, at most, per sample (TRL's
+    """With `builtin:environment`: model turns that call tools, at most, per sample (TRL's
     max_tool_calling_iterations); the turn after the last one is the model's answer."""
     max_inflight_groups: int = 0
     """Groups a generator keeps in its engine at once. 0: what its engine runs at once (`max_num_seqs`, fewer when

@@ -17,7 +17,6 @@ What is digested, per field (sha256 of the bytes, 32 hex characters, as the mode
         `builtin:NAME`: the same, for the module of this project that defines it (pipeline/builtin.py). Not the
         project's version string: an edited checkout keeps its version, while the source of the function's module
         catches both another release and a local edit, and two releases whose function is the same still agree.
-        generator.rollout `agent` or `environment`: the strategy's module (generator/agent.py, environment.py).
     generator.chat_template
         the template file's bytes. (data.chat_template is a switch for the tokenizer's own template, which the
         tokenizer's fingerprint covers.)
@@ -37,16 +36,13 @@ from pathlib import Path
 from pipeline import builtin
 from pipeline.config import Config, ConfigError
 
-STRATEGIES = {"agent": "generator.agent", "environment": "generator.environment"}  # generator.rollout's named ones
-
 
 def content_digests(cfg: Config) -> dict[str, str]:
     """{dotted field: sha256} of the code and files `cfg` names, as found on this host. ConfigError, naming the field,
     where one is not found here: the learner pins what every generator must run, so it needs them too."""
     g = cfg.generator
     named = [(f"rewards[{i}].fn", r.fn) for i, r in enumerate(cfg.rewards)]
-    named += [("generator.rollout", STRATEGIES.get(g.rollout, g.rollout)), ("generator.agent", g.agent),
-              ("generator.environment", g.environment)]
+    named += [("generator.rollout", g.rollout), ("generator.agent", g.agent), ("generator.environment", g.environment)]
     out = {key: _module_digest(key, spec) for key, spec in named if spec}
     if g.chat_template:
         out["generator.chat_template"] = _file_digest("generator.chat_template", g.chat_template)
@@ -122,12 +118,12 @@ def _what(cfg: Config, key: str) -> str:
     if key == "generator.chat_template" or (key.startswith("generator.agent_command[")
                                             and (i == 0 or cfg.generator.agent_command[i - 1] != "-m")):
         return f"the file {named}"
-    return f"the source of module {builtin.module_path(STRATEGIES.get(named, named)).partition(':')[0]}"
+    return f"the source of module {builtin.module_path(named).partition(':')[0]}"
 
 
 def _fix(cfg: Config, key: str) -> str:
     named = _named(cfg, key)
-    if named.startswith("builtin:") or (key == "generator.rollout" and named in STRATEGIES):
+    if named.startswith("builtin:"):
         return "a checkout of this project whose builtin functions differ: run the same release, unedited, on both"
     return "deploy the same file on both hosts"
 

@@ -208,21 +208,24 @@ def check_config(cfg) -> None:
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
     g = cfg.generator
-    if ":" not in g.rollout and g.rollout not in ("agent", "environment"):
-        raise ConfigError(f"generator.rollout: expected 'module:function', agent or environment, got {g.rollout!r}")
-    if g.rollout == "agent" and bool(g.agent) == bool(g.agent_command):
-        raise ConfigError("generator.rollout agent: set one of generator.agent ('module:function' of an async "
+    if g.rollout in ("agent", "environment"):  # their names before the other shipped strategies' builtin: ones
+        raise ConfigError(f"generator.rollout: {g.rollout!r} is now named 'builtin:{g.rollout}', as the other shipped "
+                          f"strategies are; write generator.rollout: builtin:{g.rollout}")
+    if ":" not in g.rollout:
+        raise ConfigError(f"generator.rollout: expected 'module:function' or 'builtin:NAME', got {g.rollout!r}")
+    if g.rollout == "builtin:agent" and bool(g.agent) == bool(g.agent_command):
+        raise ConfigError("generator.rollout builtin:agent: set one of generator.agent ('module:function' of an async "
                           "agent(client, item)) and generator.agent_command (a command line), not "
                           + ("both" if g.agent else "neither"))
-    if (g.agent or g.agent_command) and g.rollout != "agent":
+    if (g.agent or g.agent_command) and g.rollout != "builtin:agent":
         raise ConfigError(f"generator.agent / agent_command: set, but generator.rollout is {g.rollout!r}; use "
-                          "generator.rollout: agent")
+                          "generator.rollout: builtin:agent")
     if g.agent_workers < 0:
         raise ConfigError(f"generator.agent_workers: {g.agent_workers} is below 0; 0 runs the agents on the "
                           "generator's loop, N in N processes")
-    if g.agent_workers and g.rollout != "agent":
+    if g.agent_workers and g.rollout != "builtin:agent":
         raise ConfigError(f"generator.agent_workers: {g.agent_workers}, but generator.rollout is {g.rollout!r}: only "
-                          "rollout agent runs its agents in worker processes; leave it out")
+                          "rollout builtin:agent runs its agents in worker processes; leave it out")
     if g.agent and ":" not in g.agent:
         raise ConfigError(f"generator.agent: expected 'module:function', got {g.agent!r}")
     check_environment(g)
@@ -272,13 +275,13 @@ def check_loss(t) -> None:
 
 
 def check_environment(g) -> None:
-    """generator.rollout environment's fields: its factory named, the tool parser one vLLM has, the template a file."""
-    if g.rollout == "environment" and ":" not in g.environment:
-        raise ConfigError(f"generator.environment: rollout environment needs the 'module:factory' of a TRL "
+    """builtin:environment's fields: its factory named, the tool parser one vLLM has, the template a file."""
+    if g.rollout == "builtin:environment" and ":" not in g.environment:
+        raise ConfigError(f"generator.environment: rollout builtin:environment needs the 'module:factory' of a TRL "
                           f"environment_factory class, got {g.environment!r}")
-    if g.environment and g.rollout != "environment":
+    if g.environment and g.rollout != "builtin:environment":
         raise ConfigError(f"generator.environment: set, but generator.rollout is {g.rollout!r}; use "
-                          "generator.rollout: environment")
+                          "generator.rollout: builtin:environment")
     if g.chat_template and not os.path.isfile(g.chat_template):
         raise ConfigError(f"generator.chat_template: {g.chat_template!r} is not a file (a Jinja chat template, as "
                           "vLLM's --chat-template)")

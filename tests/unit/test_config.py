@@ -70,11 +70,17 @@ def test_file_then_overrides(tmp_path):
     ({"data": {"path": "builtin:arithmetic"}}, [], "data.path: 'builtin:arithmetic' is not a builtin dataset (did "
                                                     "you mean builtin:arith?)"),
     ({}, ["eval.data={path: 'builtin:gsm8k'}"], "eval.data.path: 'builtin:gsm8k' is not a builtin dataset"),
-    ({}, ["generator.rollout=agent"], "generator.rollout agent: set one of generator.agent"),
-    ({"generator": {"rollout": "agent", "agent": "a:b", "agent_command": ["x"]}}, [], "not both"),
+    ({}, ["generator.rollout=agent", "generator.agent=a:b"],
+     "generator.rollout: 'agent' is now named 'builtin:agent', as the other shipped strategies are; write "
+     "generator.rollout: builtin:agent"),
+    ({}, ["generator.rollout=environment"], "generator.rollout: 'environment' is now named 'builtin:environment'"),
+    ({}, ["generator.rollout=single_turn"], "generator.rollout: expected 'module:function' or 'builtin:NAME'"),
+    ({}, ["generator.rollout=builtin:agent"], "generator.rollout builtin:agent: set one of generator.agent"),
+    ({"generator": {"rollout": "builtin:agent", "agent": "a:b", "agent_command": ["x"]}}, [], "not both"),
     ({}, ["generator.agent=a:b"], "generator.agent / agent_command: set, but generator.rollout is"),
-    ({}, ["generator.rollout=agent", "generator.agent=my_agent"], "generator.agent: expected 'module:function'"),
-    ({}, ["generator.rollout=agent", "generator.agent=a:b", "generator.agent_timeout_s=0"],
+    ({}, ["generator.rollout=builtin:agent", "generator.agent=my_agent"],
+     "generator.agent: expected 'module:function'"),
+    ({}, ["generator.rollout=builtin:agent", "generator.agent=a:b", "generator.agent_timeout_s=0"],
      "generator.agent_timeout_s: must be"),
     ({}, ["generator.agent_failure=retry"], "generator.agent_failure"),
     ({}, ["generator.lora_mode=adapter", "model.lora={modules_to_save: [lm_head]}"],
@@ -298,7 +304,7 @@ def test_shipped_functions_have_builtin_names_and_their_old_paths_load_with_a_wa
                                           r"builtin:echo_reward, .*builtin:math_answer"):
         config_from_dict({"rewards": [{"fn": "builtin:echo_reward"}, {"fn": "builtin:math"}]})
     with pytest.raises(ConfigError, match="generator.agent: 'builtin:nope' is not a builtin"):
-        config_from_dict({"generator": {"rollout": "agent", "agent": "builtin:nope"}})
+        config_from_dict({"generator": {"rollout": "builtin:agent", "agent": "builtin:nope"}})
 
 
 def test_sampling_seed_is_none_or_a_non_negative_integer():

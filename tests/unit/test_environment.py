@@ -76,7 +76,7 @@ def trl_reward(environments, **kwargs):
 def _cfg(**generator):
     return config_from_dict({"sampling": {"max_tokens": 256},
                              "rewards": [{"fn": "builtin:environment_reward"}, {"fn": f"{__name__}:trl_reward"}],
-                             "generator": {"rollout": "environment", "environment": f"{__name__}:Calculator",
+                             "generator": {"rollout": "builtin:environment", "environment": f"{__name__}:Calculator",
                                            "chat_template": TEMPLATE, "max_model_len": 2048, **generator}})
 
 
@@ -212,12 +212,12 @@ async def test_a_factory_without_reset_or_an_unknown_parser_is_refused_at_start(
         EnvironmentRollout(_cfg(tool_parser="hermez"))
     with pytest.raises(TypeError, match="object has no reset method"):
         EnvironmentRollout(_cfg(environment="builtins:object"))
-    with pytest.raises(ConfigError, match="generator.environment: rollout environment needs"):
+    with pytest.raises(ConfigError, match="generator.environment: rollout builtin:environment needs"):
         check_config(_cfg(environment=""))
     with pytest.raises(ConfigError, match="generator.chat_template: 'nope.jinja' is not a file"):
         check_config(_cfg(chat_template="nope.jinja"))
-    with pytest.raises(ConfigError, match="generator.environment: set, but generator.rollout is 'agent'"):
-        check_config(_cfg(rollout="agent", agent=f"{__name__}:trl_reward"))
+    with pytest.raises(ConfigError, match="generator.environment: set, but generator.rollout is 'builtin:agent'"):
+        check_config(_cfg(rollout="builtin:agent", agent=f"{__name__}:trl_reward"))
 
 
 RELEASE = threading.Event()

@@ -378,7 +378,8 @@ def test_builtins_and_an_agent_commands_script_are_pinned_by_their_source(tmp_pa
                    "generator.rollout": sha(REPO / "generator" / "calculator.py")}
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_agent.py").write_text("print('4')\n")
-    cfg = config_from_dict({"generator": {"rollout": "agent", "agent_command": ["python", "my_agent.py", "-v"]}})
+    cfg = config_from_dict({"generator": {"rollout": "builtin:agent",
+                                          "agent_command": ["python", "my_agent.py", "-v"]}})
     got = content_digests(cfg)
     assert got["generator.agent_command[1]"] == sha(tmp_path / "my_agent.py")
     assert got["generator.rollout"] == sha(REPO / "generator" / "agent.py")
