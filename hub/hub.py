@@ -98,7 +98,7 @@ class Hub(Membership, Intake):
                               len(cfg.rewards))
         # a rollout holds group_size x max_tokens x 8 bytes of arrays, plus rewards, strings and the prompt
         # (an agent's trajectory may be split into P.MAX_PARTS samples, each with its context: generator/agent.py)
-        parts = P.MAX_PARTS if cfg.generator.rollout == "agent" else 1
+        parts = P.MAX_PARTS if cfg.generator.rollout == "builtin:agent" else 1
         sample = 8 * cfg.sampling.max_tokens + 64 * len(cfg.rewards) + 512
         sample += 4 * cfg.generator.max_model_len if parts > 1 else 0
         limits = P.Limits(bytes=min(cfg.hub.max_message_mb * 2**20, 2 * t.group_size * parts * sample
