@@ -1,6 +1,8 @@
-"""The hub: the learner's front door for generators, on rank 0. What each message does; its parts:
+"""The hub: the learner's front door for generators, on rank 0. Which part each message goes to; the parts:
 
     hub/server.py          sockets, the hub thread, decoding, dispatch, muting of sources that send garbage
+    hub/membership.py      the run's spec, registration, heartbeats, weights applied, leaving, dropping a generator
+    hub/intake.py          rollouts and failed groups: checked, then buffered, scored or rejected
     hub/registry.py        generators, bound to their connection, key and session
     hub/ledger.py          where every prompt is (pending, leased, buffered, in the step, trained)
     pipeline/staleness.py  admission, lease minimum versions, the stale filter (the trainer's rules too)
@@ -52,7 +54,6 @@ from hub.serving import WeightServing
 from hub.trainer import HubStats
 from hub.validation import RunShape
 from pipeline import protocol as P
-from pipeline import runspec
 from pipeline.config import Config, runtime_values
 from pipeline.security import ServerAuth, has_role
 from weights.base import Sender
@@ -71,7 +72,7 @@ class DatasetExhausted(HubStopped):
     """Every prompt of the last epoch (trainer.epochs) is trained or gone: the run ends early."""
 
 
-class Hub(Membership, Intake):
+class Hub:
     def __init__(self, cfg: Config, rows: list[dict], run_dir: Path, run_id: str, version: int = 0,
                  state: dict | None = None, *, encode: Callable[[str | list], list[int]], vocab_size: int,
                  eval_rows: list[dict] | None = None, fingerprints: dict[str, str] | None = None,
@@ -79,9 +80,6 @@ class Hub(Membership, Intake):
         """`fingerprints`: of the learner's model files (pipeline/fingerprint.py); `contents`: the digests of the code
         and files its config names (pipeline/pinning.py). Every generator's must be these."""
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
-        self.fingerprints = dict(fingerprints or {})
-        self.contents = dict(contents or {})
-        self.spec_digest = runspec.digest(cfg)  # what every generator serves: the run-time knobs aside, fixed
         self.prompts = Prompts(rows, cfg.data.prompt_column, encode, vocab_size, cfg.generator.max_model_len)
         self.version = version  # trained
         self.complete = False  # the learner is done: generators hear RunComplete
@@ -120,6 +118,11 @@ class Hub(Membership, Intake):
                               self.counters, self.lock, self.sampling)
         self.operators = Operators(cfg, self.ledger, self.registry, self.journal, self.counters, run_dir, run_id,
                                    self.auth is not None)
+        self.membership = Membership(cfg, run_id, dict(fingerprints or {}), dict(contents or {}), self.rollouts_address,
+                                     self.registry, self.weights, self.ledger, self.evaluation, self.desk, self.server,
+                                     self.journal, self.counters, self.lock, self.sampling)
+        self.intake = Intake(cfg, self.shape, self.registry, self.ledger, self.evaluation, self.faults, self.membership,
+                             self.server, self.journal, self.counters, self.lock)
         if cfg.hub.host not in ("127.0.0.1", "localhost", "::1") and self.auth is None:
             log.warning("hub binds %s without auth.keys (hub.allow_insecure): anyone who reaches it can register, "
                         "send rollouts and change the run", cfg.hub.host)
@@ -165,10 +168,10 @@ class Hub(Membership, Intake):
         with self.lock:
             if isinstance(msg, (P.StatusRequest, P.SetRequest)):
                 if self.auth is not None and not has_role(user, "operator"):
-                    return self._refuse(f"{type(msg).__name__}: needs an operator key (auth.keys/operators)")
+                    return self.membership.refuse(f"{type(msg).__name__}: needs an operator key (auth.keys/operators)")
                 return handler(msg)
             if self.auth is not None and not has_role(user, "generator"):
-                return self._refuse(f"{type(msg).__name__}: needs a generator key (auth.keys/generators)")
+                return self.membership.refuse(f"{type(msg).__name__}: needs a generator key (auth.keys/generators)")
             if self.failure:
                 return P.Error(f"the run failed: {self.failure}", stop=True)
             if isinstance(msg, P.Register):
@@ -179,12 +182,12 @@ class Hub(Membership, Intake):
             gen, error = self.registry.speaker(msg.generator_id, ident, user)  # type: ignore[attr-defined]
             if gen is None:
                 assert error is not None  # speaker says why it has no generator
-                return error if error.fatal else self._refuse(f"{type(msg).__name__} for {error.message}")
+                return error if error.fatal else self.membership.refuse(f"{type(msg).__name__} for {error.message}")
             return handler(msg, gen)
 
     def malformed(self, what: str, rollout: bool) -> None:
         if rollout:
-            self._reject("malformed", what, "?")
+            self.intake.reject("malformed", what, "?")
             return
         self.counters["bad_messages"] += 1
         self.server.strike()
@@ -204,24 +207,41 @@ class Hub(Membership, Intake):
             for gen in self.registry.silent(self.cfg.hub.heartbeat_timeout_s):
                 log.warning("hub: generator %s silent for %.1f s: dropped, its leases re-queued", gen.generator_id,
                             now - gen.last_seen)
-                self._drop_generator(gen.generator_id, "heartbeat timeout")
+                self.membership.drop(gen.generator_id, "heartbeat timeout")
             for gen in [g for g in self.registry.generators.values() if g.leaving]:
-                self._left_when_in(gen)
+                self.membership.left_when_in(gen)
             self.desk.expire_old(now)
 
-    # ---- generators ---------------------------------------------------------------------------------
+    def rollout(self, msg: P.RolloutGroup, user: str) -> None:
+        with self.lock:
+            self.intake.rollout(msg, user, self.weights.published(self.version))
+
+    # ---- generators (hub/membership.py) and their failed groups (hub/intake.py) ----------------------------
 
     def sampling(self) -> P.Sampling:
         s = self.cfg.sampling
         return P.Sampling(s.max_tokens, s.temperature, s.top_p, s.ignore_eos)
 
-    @property
-    def published(self) -> int:
-        """The newest version announced: no engine can hold a newer one."""
-        return max(self.version, self.weights.newest)
+    def _on_register(self, msg: P.Register, ident: bytes, user: str) -> P.Message:
+        return self.membership.register(msg, ident, user, self.version)
+
+    def _on_spec_request(self, msg: P.SpecRequest, user: str) -> P.Message:
+        return self.membership.spec_request(msg, user)
+
+    def _on_heartbeat(self, msg: P.Heartbeat, gen: GeneratorInfo) -> P.Message:
+        return self.membership.heartbeat(msg, gen, self.version)
+
+    def _on_weights_applied(self, msg: P.WeightsApplied, gen: GeneratorInfo) -> P.Message:
+        return self.membership.weights_applied(msg, gen, self.version)
 
     def _on_weights_fetch(self, msg: P.WeightsFetch, gen: GeneratorInfo) -> P.Message:
         return self.weights.chunk(msg, gen, self.version)
+
+    def _on_leave(self, msg: P.Leave, gen: GeneratorInfo) -> P.Message:
+        return self.membership.leave(msg, gen)
+
+    def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
+        return self.intake.group_failed(msg, gen)
 
     # ---- leases (hub/leases.py) ------------------------------------------------------------------
 
@@ -342,7 +362,7 @@ class Hub(Membership, Intake):
         """Forget a generator (any thread; e.g. a weight sender gave up on it): its prompts are leased again, and its
         next request is told to register again."""
         with self.lock:
-            self._drop_generator(generator_id, "dropped", reason)
+            self.membership.drop(generator_id, "dropped", reason)
 
     def wants_blobs(self, transports: set[str]) -> bool:
         """Some generator uses one of the transports (a file of each version is needed), or none is registered."""

@@ -8,42 +8,53 @@ round's is scored (hub/evaluation.py). A failed group (GroupFailed) costs the ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
 
-from hub.ledger import Key
-from hub.registry import GeneratorInfo
-from hub.validation import Expected, Rejected, check_rollout
+from hub.evaluation import Evaluation
+from hub.faults import Faults
+from hub.journal import Journal
+from hub.ledger import Key, PromptLedger
+from hub.membership import Membership
+from hub.registry import GeneratorInfo, Registry
+from hub.server import Server
+from hub.validation import Expected, Rejected, RunShape, check_rollout
 from pipeline import protocol as P
+from pipeline.config import Config
 
 
 class Intake:
-    """The hub's handlers of rollouts and failed groups (a part of Hub)."""
+    """Built by the hub over its parts, called under its lock; the newest version published comes with each rollout.
+    A generator whose rollouts are rejected too often is dropped through `membership`."""
 
-    if TYPE_CHECKING:  # the hub's parts and state, which Hub holds
+    def __init__(self, cfg: Config, shape: RunShape, registry: Registry, ledger: PromptLedger, evaluation: Evaluation,
+                 faults: Faults, membership: Membership, server: Server, journal: Journal, counters: dict[str, int],
+                 lock: threading.Condition) -> None:
+        self.cfg, self.shape, self.registry, self.ledger, self.evaluation = cfg, shape, registry, ledger, evaluation
+        self.faults, self.membership, self.server, self.journal = faults, membership, server, journal
+        self.counters, self.lock = counters, lock
 
-        def __getattr__(self, name: str) -> Any: ...
-
-    def rollout(self, msg: P.RolloutGroup, user: str) -> None:
+    def rollout(self, msg: P.RolloutGroup, user: str, published: int) -> None:
+        """A group as the server hands it over (hub/server.py, Handler.rollout); `published`: the newest version
+        announced, which no engine can be past."""
         key = (msg.epoch, msg.prompt_id)
-        with self.lock:
-            gen, reason, detail = self.registry.sender(msg, user)
-            if gen is None:
-                self._reject(reason, detail, msg.generator_id)
-                return
-            gen.received += 1
-            try:
-                self._received(msg, gen, key)
-            finally:
-                self._left_when_in(gen)
+        gen, reason, detail = self.registry.sender(msg, user)
+        if gen is None:
+            self.reject(reason, detail, msg.generator_id)
+            return
+        gen.received += 1
+        try:
+            self._received(msg, gen, key, published)
+        finally:
+            self.membership.left_when_in(gen)
 
-    def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key: Key) -> None:
+    def _received(self, msg: P.RolloutGroup, gen: GeneratorInfo, key: Key, published: int) -> None:
         """A rollout of a registered generator, under the lock: scored (evaluation), buffered, or refused."""
         self.registry.progressed(gen)  # a group came back (valid or not): its engine runs
         if self.evaluation.owns(msg.lease_id):  # scored, not trained (hub/evaluation.py)
             try:
-                self.evaluation.received(msg, gen.generator_id, self.published)
+                self.evaluation.received(msg, gen.generator_id, published)
             except Rejected as e:
-                self._reject(e.reason, e.detail, gen.generator_id)
+                self.reject(e.reason, e.detail, gen.generator_id)
                 self._count_against(gen, f"{e.reason}: {e.detail}")
             self.lock.notify_all()
             return
@@ -55,17 +66,17 @@ class Intake:
                        "a known" if lease else "an unknown", msg.lease_id, name)
             return
         if lease.generator_id != gen.generator_id:
-            self._reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
+            self.reject("lease", f"rollout for prompt {key} of lease {msg.lease_id}, which is leased to "
                                   "another generator", gen.generator_id)
             self._count_against(gen, f"lease: a rollout for lease {msg.lease_id} of another generator")
             return
         expected = Expected(lease.items[key].prompt_ids, lease.temperature, lease.min_version)
         self.ledger.settle(msg.lease_id, key)
         try:
-            check_rollout(msg, expected, self.published, self.shape)
+            check_rollout(msg, expected, published, self.shape)
         except Rejected as e:
             self.ledger.requeue([key])  # its prompt is leased again
-            self._reject(e.reason, e.detail, gen.generator_id)
+            self.reject(e.reason, e.detail, gen.generator_id)
             self._count_against(gen, f"{e.reason}: {e.detail}")
             self.lock.notify_all()
             return
@@ -92,9 +103,9 @@ class Intake:
     def _count_against(self, gen: GeneratorInfo, why: str) -> None:
         """A rollout of `gen`'s own lease was invalid: past hub.max_rejected_rollouts it is quarantined."""
         if self.faults.rejected_rollout(gen, why):
-            self._drop_generator(gen.generator_id, "quarantined", why)
+            self.membership.drop(gen.generator_id, "quarantined", why)
 
-    def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
+    def group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
         """A generator could not generate a leased prompt: hub/faults.py decides what it costs."""
         key = (msg.epoch, msg.prompt_id)
         if self.evaluation.owns(msg.lease_id):
@@ -110,7 +121,7 @@ class Intake:
         self.lock.notify_all()
         return P.Ack()
 
-    def _reject(self, reason: str, detail: str, gen_id: str) -> None:
+    def reject(self, reason: str, detail: str, gen_id: str) -> None:
         """A rollout that is not trained: counted by reason, logged (rate limited), named in the detail."""
         self.counters["rejected_rollouts"] += 1
         self.counters[f"rejected/{reason}"] = self.counters.get(f"rejected/{reason}", 0) + 1

@@ -34,6 +34,10 @@ class WeightServing:
         self.senders: dict[str, Sender] = {}  # by transport: the learner's (Hub.serve_weights)
         self._host = host_identity()[1]  # boot id, network namespace, /dev/shm: which generators share a host
 
+    def published(self, version: int) -> int:
+        """The newest version announced, or trained (`version`, the hub's): no engine can hold a newer one."""
+        return max(version, self.newest)
+
     def join(self, msg: P.Register, ident: bytes, version: int) -> tuple[str, P.CollectiveSetup | None]:
         """A generator registers: (its transport, its setup from the sender). ValueError: no sender for it here."""
         visible = env_flag("CUDA_VISIBLE_DEVICES")  # rank 0's device is the one in the nccl groups

@@ -150,7 +150,7 @@ async def test_generator_reregisters_when_the_hub_forgets_it(tmp_path):
     async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
         await _until(lambda: gen.id in hub.registry.generators)
         with hub.lock:  # as after a heartbeat timeout: the hub drops it and re-queues its leases
-            hub._drop_generator(gen.id, "heartbeat timeout")
+            hub.membership.drop(gen.id, "heartbeat timeout")
         await _until(lambda: gen.id in hub.registry.generators)  # told "register again", it did
         registers = [line for line in (tmp_path / "events.jsonl").read_text().splitlines() if '"register"' in line]
         assert len(registers) == 2
@@ -570,7 +570,7 @@ async def test_a_registration_resets_the_reconnect_back_off(tmp_path, caplog):
         for incident in range(3):
             await _until(lambda: gen.id in hub.registry.generators and gen.welcomed)
             with hub.lock:  # as after a heartbeat timeout: told "register again", it reconnects
-                hub._drop_generator(gen.id, "heartbeat timeout")
+                hub.membership.drop(gen.id, "heartbeat timeout")
             await _until(lambda n=incident: len([r for r in caplog.records if "reconnecting in" in r.message]) > n)
         await _until(lambda: gen.id in hub.registry.generators)
     delays = [r.message.split("reconnecting in ")[1].split(" s")[0] for r in caplog.records
@@ -637,7 +637,7 @@ async def test_a_generator_reconnecting_when_the_learner_ends_gives_up_with_the_
     async with running(cfg, tmp_path, FakeEngine()) as (hub, gen):
         await _until(lambda: gen.id in hub.registry.generators)
         with hub.lock:
-            hub._drop_generator(gen.id, "heartbeat timeout")
+            hub.membership.drop(gen.id, "heartbeat timeout")
         hub.stop()  # the learner is done and gone
         assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 2 s: quick_requests)
     assert any("no answer from the hub" in r.message for r in caplog.records)

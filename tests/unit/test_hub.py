@@ -296,8 +296,8 @@ def test_auto_transport_picks_nccl_for_other_gpus_and_a_file_otherwise(make_hub,
 
     def register(gen_id, gpus, boot=here, loaded=-1):
         peer.id = gen_id
-        w = peer.ask(P.Register(gen_id, "h", boot, gpus, 1, loaded, tensor_parallel=2,
-                                session=sessions.get(gen_id, ""), loaded_run="test", spec_digest=hub.spec_digest))
+        w = peer.ask(P.Register(gen_id, "h", boot, gpus, 1, loaded, tensor_parallel=2, session=sessions.get(gen_id, ""),
+                                loaded_run="test", spec_digest=hub.membership.spec_digest))
         sessions[gen_id] = w.session
         return w
 
@@ -330,7 +330,8 @@ def test_explicit_transport_is_kept(make_hub):
     hub.cfg.weights.transport = "zmq"
     hub.weights.senders["nccl"] = FakeNccl(hub)
     peer = Peer(hub)
-    assert peer.ask(P.Register("x", "h", hub.weights._host, "1", spec_digest=hub.spec_digest)).transport == "zmq"
+    digest = hub.membership.spec_digest
+    assert peer.ask(P.Register("x", "h", hub.weights._host, "1", spec_digest=digest)).transport == "zmq"
     peer.close()
 
 
@@ -404,7 +405,7 @@ def test_an_evaluation_round_takes_the_room_training_leaves_is_scored_and_not_tr
         assert peer.ask(P.Heartbeat(peer.id, 0, 0.0, 0, [first.lease_id])).dead_leases == []
         peer.close()
         with hub.lock:
-            hub._drop_generator(peer.id, "left")  # its leases go back: the eval one to its round
+            hub.membership.drop(peer.id, "left")  # its leases go back: the eval one to its round
         peer = Peer(hub, "gen-u")
         peer.register()
         assert not peer.lease(4).eval
@@ -513,7 +514,7 @@ def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_h
     def register(gen_id, gpus, boot=here, tp=1):
         peer.id = gen_id
         return peer.ask(P.Register(gen_id, "h", boot, gpus, 1, -1, tensor_parallel=tp, loaded_run="test",
-                                   spec_digest=hub.spec_digest)).transport
+                                   spec_digest=hub.membership.spec_digest)).transport
 
     assert register("a", "3") == "ipc"  # rank 0's GPU (the first visible one), same host
     assert "a" in ipc.applied

@@ -221,7 +221,7 @@ def test_weights_are_served_to_registered_generators_only_and_a_few_chunks_at_a_
     sock.setsockopt(zmq.RCVHWM, 1)
     sock.setsockopt(zmq.RCVBUF, 4096)
     sock.connect(hub.address)
-    sock.send(P.encode(P.Register("greedy", spec_digest=hub.spec_digest), 1))
+    sock.send(P.encode(P.Register("greedy", spec_digest=hub.membership.spec_digest), 1))
     assert sock.poll(5000)
     P.decode(sock.recv(), limits=P.FROM_HUB)
     for i in range(40):
@@ -528,9 +528,9 @@ def test_no_value_a_peer_sends_makes_a_handler_fail_or_status_unanswered(hubs):
                  P.GroupFailed("edge", v, v, v, "x"), P.GroupFailed("edge", lease.lease_id, item.epoch, v, "x"),
                  P.WeightsFetch(v, v, v, "edge"), P.WeightsFetch(0, 0, v, "edge"),
                  P.Register("edge", loaded_version=v, loaded_run="test", session=peer.session,
-                            spec_digest=hub.spec_digest),
-                 P.Register("edge", pid=v, tensor_parallel=v, session=peer.session, spec_digest=hub.spec_digest,
-                            adapter_slots=v),
+                            spec_digest=hub.membership.spec_digest),
+                 P.Register("edge", pid=v, tensor_parallel=v, session=peer.session,
+                            spec_digest=hub.membership.spec_digest, adapter_slots=v),
                  P.SpecRequest("edge", {"trainer.group_size": v, "model.lora.r": [v]}, {"model.path": str(v)}),
                  P.SetRequest("trainer.max_staleness", v), P.SetRequest("generator.lease_size", [v])]
     sent += [P.Heartbeat("edge", 0, tokens_per_s=f) for f in FLOATS]

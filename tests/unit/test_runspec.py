@@ -76,11 +76,11 @@ def test_what_a_generators_own_config_says_otherwise_is_refused_naming_the_field
 def test_a_register_must_show_the_runs_spec_and_model_files(tmp_path):
     prints = {"model.path": "a" * 32, "model.tokenizer": "b" * 32}
     hub = new_hub(tmp_path)
-    hub.fingerprints = prints
+    hub.membership.fingerprints = prints
     peer = Peer(hub, "gen-b")
     try:
         spec = peer.ask(P.SpecRequest("gen-b"))
-        assert isinstance(spec, P.RunSpec) and spec.fingerprints == prints and spec.digest == hub.spec_digest
+        assert isinstance(spec, P.RunSpec) and spec.fingerprints == prints and spec.digest == hub.membership.spec_digest
         other = {**prints, "model.path": "c" * 32}
         reply = peer.ask(P.SpecRequest("gen-b", {}, other))
         assert isinstance(reply, P.Error) and reply.stop and "model.path" in reply.message
@@ -296,7 +296,7 @@ def test_two_hosts_with_other_reward_source_under_one_name_differ_in_content_and
         "deploy the same file on both hosts" in why, why
     assert content_conflict(seen["a-copy"], seen["a"], cfg) == ""
     hub = new_hub(tmp_path, rewards=[{"fn": "my_rewards:score"}])
-    hub.contents = seen["a"]  # the learner's host
+    hub.membership.contents = seen["a"]  # the learner's host
     peer = Peer(hub, "gen-b")
     try:
         spec = peer.ask(P.SpecRequest("gen-b"))
@@ -319,7 +319,7 @@ async def test_a_generator_refuses_a_run_whose_reward_source_differs_on_its_host
 
     hosts("a")
     hub = new_hub(tmp_path, rewards=[{"fn": "my_rewards:score"}])
-    hub.contents = content_digests(hub.cfg)
+    hub.membership.contents = content_digests(hub.cfg)
     peer = Peer(hub, "gen-b")
     try:
         hosts("b")
@@ -329,7 +329,7 @@ async def test_a_generator_refuses_a_run_whose_reward_source_differs_on_its_host
         assert hub.counters["refused_spec"] == 1 and "my_rewards" not in sys.modules  # refused before the import
         hosts("a-copy")
         spec = Spec(own, CountingEngines(), set(), "gen-b")
-        assert await spec.adopt(_ask_with(peer)) == "" and spec.contents == hub.contents
+        assert await spec.adopt(_ask_with(peer)) == "" and spec.contents == hub.membership.contents
         assert isinstance(peer.register(spec_digest=spec.digest, contents=spec.contents), P.Welcome)
     finally:
         peer.close()
@@ -352,7 +352,7 @@ def test_a_chat_template_is_pinned_by_its_bytes(tmp_path):
     why = content_conflict(generator, learner, cfg)
     assert why.startswith(f"generator.chat_template ({template}): the file {template} differs"), why
     hub = new_hub(tmp_path, generator={"chat_template": str(template)})
-    hub.contents = learner
+    hub.membership.contents = learner
     peer = Peer(hub, "gen-t")
     try:
         reply = peer.register(contents=generator)
