@@ -16,6 +16,8 @@ not know are refused (the tables CHAT and TEXT). A prompt of token ids outside t
 generator.max_model_len is refused before the engine; a body past `max_body` bytes is refused (413); a body past
 INLINE_BYTES is rendered and tokenized off the event loop, which also runs the generator's heartbeats.
 
+What a session records, its exact tokens and parts: generator/sessions.py. A turn's tool calls: generator/toolcalls.py.
+
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations, and `Request` is imported where
 the app is made.)
 """
