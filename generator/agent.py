@@ -31,9 +31,11 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from generator.agent_sessions import Part, Session
 from generator.agent_workers import AgentWorkers, Ran
-from generator.endpoint import Endpoint, Part, Session, ToolCalls, in_process_http
+from generator.endpoint import Endpoint, in_process_http
 from generator.rollout import AgentFailed, Context, Trajectory, seed_of
+from generator.toolcalls import ToolCalls
 from pipeline.tasks import load_callable
 
 log = logging.getLogger(__name__)

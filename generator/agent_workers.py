@@ -44,8 +44,8 @@ from typing import Any
 
 import msgpack
 
+from generator.agent_sessions import Part
 from generator.rollout import AgentFailed, Context
-from generator.sessions import Part
 from pipeline import protocol as P
 
 log = logging.getLogger(__name__)

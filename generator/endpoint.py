@@ -16,7 +16,8 @@ not know are refused (the tables CHAT and TEXT). A prompt of token ids outside t
 generator.max_model_len is refused before the engine; a body past `max_body` bytes is refused (413); a body past
 INLINE_BYTES is rendered and tokenized off the event loop, which also runs the generator's heartbeats.
 
-What a session records, its exact tokens and parts: generator/sessions.py. A turn's tool calls: generator/toolcalls.py.
+What a session records, its exact tokens and parts: generator/agent_sessions.py.
+A turn's tool calls: generator/toolcalls.py.
 
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations, and `Request` is imported where
 the app is made.)
@@ -30,8 +31,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from generator.sessions import Part as Part  # generator/agent.py's import of it
-from generator.sessions import Refused, Session
+from generator.agent_sessions import Refused, Session
 from generator.toolcalls import ToolCalls, turn_text
 from pipeline import protocol as P
 

@@ -34,8 +34,9 @@ import threading
 from typing import Any
 
 from generator.agent import AgentRollout
-from generator.endpoint import Session, turn_text
+from generator.agent_sessions import Session
 from generator.rollout import Context
+from generator.toolcalls import turn_text
 from pipeline.tasks import load_callable
 
 log = logging.getLogger(__name__)
