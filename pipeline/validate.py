@@ -44,47 +44,17 @@ class Range:
         return f"must be in {'[' if self.lo_closed else '('}{self.lo}, {self.hi}{']' if self.hi_closed else ')'}{why}"
 
 
+# A field's range is declared beside it (pipeline/config.py, `knob`) and checked at load and on `pipeline set`; every
+# float must also be finite. The run-time knobs have upper bounds too: a value past them cannot be meant, and
+# `pipeline set` must not wreck a running run.
 POSITIVE, NON_NEGATIVE, FRACTION = Range(0, lo_closed=False), Range(0), Range(0, 1, lo_closed=False)
-# Every numeric field is range-checked at load and on `pipeline set`; every float must also be finite. The run-time
-# knobs have upper bounds too: a value past them cannot be meant, and `pipeline set` must not wreck a running run.
 TEMPERATURE = Range(0, 10, lo_closed=False, why="past 10 sampling is close to uniform over the vocabulary")
-RANGES = {
-    "trainer.total_steps": POSITIVE, "trainer.batch_size": POSITIVE, "trainer.group_size": Range(2),
-    "trainer.micro_batch_tokens": NON_NEGATIVE,
-    "trainer.lr": Range(0, 1, lo_closed=False, why="AdamW moves every weight by about lr per step"),
-    "trainer.max_staleness": Range(0, 10**6, why="a bound of trainer.total_steps or more is no bound"),
-    "trainer.epochs": NON_NEGATIVE, "trainer.checkpoint_every": NON_NEGATIVE, "trainer.weight_decay": NON_NEGATIVE,
-    "trainer.grad_clip": NON_NEGATIVE, "trainer.clip_eps": FRACTION, "trainer.is_cap": POSITIVE,
-    "trainer.m2po_tau": POSITIVE,
-    "trainer.zero_stage": Range(0, 3), "trainer.ranks": NON_NEGATIVE, "trainer.seed": NON_NEGATIVE,
-    "trainer.keep_checkpoints": Range(1), "trainer.minibatches": POSITIVE, "trainer.overlong_buffer": NON_NEGATIVE,
-    "trainer.overlong_penalty": NON_NEGATIVE, "trainer.kl_coef": NON_NEGATIVE, "trainer.max_skipped_steps": POSITIVE,
-    "trainer.rank_timeout_s": Range(30), "trainer.gpu_memory_gb": NON_NEGATIVE,
-    "sampling.max_tokens": POSITIVE, "sampling.temperature": TEMPERATURE, "sampling.top_p": FRACTION,
-    "sampling.seed": NON_NEGATIVE,
-    "generator.lease_size": Range(1, 4096, why="prompt groups per lease; a generator asks for what its engine runs"),
-    "generator.max_inflight_groups": NON_NEGATIVE,
-    "generator.max_num_seqs": NON_NEGATIVE,
-    "generator.max_model_len": Range(2), "generator.tensor_parallel_size": POSITIVE,
-    "generator.gpu_memory_utilization": FRACTION, "generator.kv_cache_gb": NON_NEGATIVE,
-    "generator.cpu_kvcache_gb": POSITIVE, "generator.seed": NON_NEGATIVE,
-    "hub.port": Range(0, 65535), "hub.heartbeat_s": POSITIVE, "hub.heartbeat_timeout_s": POSITIVE,
-    "hub.max_message_mb": Range(1, 2047), "hub.max_rejected_prompts": POSITIVE, "hub.max_reward_errors": POSITIVE,
-    "hub.lease_timeout_s": POSITIVE, "hub.max_generators": POSITIVE, "hub.max_rejected_rollouts": POSITIVE,
-    "hub.quarantine_s": NON_NEGATIVE,
-    "weights.chunk_mb": Range(1, 1024), "weights.collective_timeout_s": POSITIVE,
-    "data.size": POSITIVE, "eval.every": NON_NEGATIVE, "eval.samples": POSITIVE, "eval.temperature": TEMPERATURE,
-    "eval.max_prompts": POSITIVE, "data.seed": NON_NEGATIVE, "run.generators": POSITIVE,
-    "hub.progress_timeout_s": POSITIVE, "hub.max_generators_per_key": POSITIVE, "hub.journal_kib_per_minute": POSITIVE,
-    "generator.hub_lost_s": POSITIVE, "generator.agent_timeout_s": POSITIVE,
-    "model.lora.r": Range(1, 1024), "model.lora.alpha": POSITIVE, "model.lora.dropout": Range(0, 1, hi_closed=False),
-}
 
 
-def check_range(name: str, value: Any) -> None:
+def check_range(name: str, value: Any, rng: Range | None) -> None:
+    """`value` of field `name` finite and within its declared range `rng` (None: any)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name}: must be a finite number, got {value!r}")
-    rng = RANGES.get(name)
     if rng is not None and not rng.holds(value):
         raise ConfigError(f"{name}: {rng}, got {value!r}")
 
@@ -161,7 +131,7 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
     for f in dataclasses.fields(cls):
         value = getattr(obj, f.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            check_range(f"{prefix}.{f.name}" if prefix else f.name, value)
+            check_range(f"{prefix}.{f.name}" if prefix else f.name, value, f.metadata.get("range"))
     return obj
 
 

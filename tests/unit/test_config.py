@@ -70,6 +70,7 @@ def test_file_then_overrides(tmp_path):
     ({"data": {"path": "builtin:arithmetic"}}, [], "data.path: 'builtin:arithmetic' is not a builtin dataset (did "
                                                     "you mean builtin:arith?)"),
     ({}, ["eval.data={path: 'builtin:gsm8k'}"], "eval.data.path: 'builtin:gsm8k' is not a builtin dataset"),
+    ({}, ["eval.data={path: 'builtin:echo', size: 0}"], "eval.data.size: must be > 0"),  # data.size's range
     ({}, ["generator.rollout=agent", "generator.agent=a:b"],
      "generator.rollout: 'agent' is now named 'builtin:agent', as the other shipped strategies are; write "
      "generator.rollout: builtin:agent"),
