@@ -143,7 +143,7 @@ class TrainerConfig:
     """Optimizer steps to run; each one publishes a new weights version."""
     epochs: int = knob(0, NON_NEGATIVE, resumable=True)
     """Stop after this many passes over the dataset (0: no limit, total_steps decides)."""
-    batch_size: int = knob(16, POSITIVE, generator="served")  # it sizes a generator's first wave (generator/service.py)
+    batch_size: int = knob(16, POSITIVE, generator="served")  # it sizes a generator's first wave (generator/leases.py)
     """Prompt groups per step."""
     group_size: int = knob(8, Range(2), generator="served")
     """Samples per prompt (GRPO group)."""
