@@ -332,9 +332,10 @@ run_part() {
     shape15b
     # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards)
     for k in ${KS:-2 3}; do
+      # EXTRA: more KEY=VALUE;... for both ranks' run (e.g. EXTRA="generator.max_num_seqs=256"), named by TAG
       step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
-        --skip 2 --timeout 235 --name "gpubound_two_k$k" \
-        --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k;trainer.gradient_checkpointing=false"
+        --skip 2 --timeout 235 --name "gpubound_two_k$k${TAG:+_$TAG}" \
+        --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k;trainer.gradient_checkpointing=false${EXTRA:+;$EXTRA}"
       pack
     done
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
