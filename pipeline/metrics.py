@@ -116,10 +116,12 @@ def plot(run_dir: Path) -> Path | None:
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(steps, [r["reward/mean"] for r in records], marker=".", label="mean reward")
-    evals = read_jsonl(Path(run_dir) / "eval.jsonl")  # eval.every: held-out reward at version v (after step v - 1)
+    # eval.every: a round's held-out reward at the newest version that sampled it (after that version's step): at a
+    # large k the round labelled v is sampled by later weights while training goes on (hub/evaluation.py)
+    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
     if evals:
-        ax1.plot([e["version"] - 1 for e in evals], [e["eval/reward_mean"] for e in evals], marker="s",
-                 label="held-out reward (eval)")
+        ax1.plot([max(e["version"], e.get("eval/newest_version", 0)) - 1 for e in evals],
+                 [e["eval/reward_mean"] for e in evals], marker="s", label="held-out reward (eval)")
     ax1.set_ylabel("reward")
     ax1.grid(alpha=0.3)
     ax1.legend()
