@@ -4,7 +4,7 @@ One AsyncLLM engine, built by our `Engine` wrapper (same engine args as the serv
 driving it, alternated round by round (which goes first alternates too) with the same prompts, n and
 fixed output lengths (ignore_eos):
   bare  `llm.generate` directly with the same SamplingParams, prompts pre-tokenised;
-  ours  the service's per-group path, `Generator._group`: tokenise, `Engine.generate` (version gate and
+  ours  the service's per-group path, `Generator.group`: tokenise, `Engine.generate` (version gate and
         bookkeeping), decode, reward functions in a thread, pack a RolloutGroup and encode it (the
         push socket is replaced by a sink that counts bytes).
 Target: ours / bare >= 0.95.

@@ -64,7 +64,7 @@ async def test_a_toy_transport_is_one_file_and_one_line(tmp_path, registered):
     toy_transport.SHELF[0] = _named(0)  # the learner's version 0, there before any generator
     async with running(cfg, tmp_path, engine, announce=False) as (hub, gen):
         await _until(lambda: engine.run_id == "unit")  # v0 came right after the Welcome, by the toy
-        assert hub.registry.generators[gen.id].transport == "toy" and gen.receiver.via == "toy"
+        assert hub.registry.generators[gen.id].transport == "toy" and gen.session.receiver.via == "toy"
         await _until(lambda: len(hub.ledger.buffer) >= 2)
         hub.finish_step(1)
         sender = hub.weights.senders["toy"]

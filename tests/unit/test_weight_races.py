@@ -121,7 +121,7 @@ async def test_an_shm_file_removed_while_the_generator_loads_it_is_loaded_withou
             hub.finish_step(1)
             sender.send(1, [("w", weights + 1)], 0.0)
             await _until(lambda: engine.version == 3, WAIT_S)
-            assert [v for v, _ in engine.loaded] == [0, 1, 3] and gen.receiver.via == "shm"
+            assert [v for v, _ in engine.loaded] == [0, 1, 3] and gen.session.receiver.via == "shm"
             assert engine.loaded[1] == (1, checksum(serialize([("w", weights + 1)])))
             assert _registrations(tmp_path) == 1
     finally:
