@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from pipeline.metrics import read_jsonl
-from pipeline.netutil import reserved_port
+from pipeline.netutil import port_free, reserved_port
 from tests.conftest import REPO, Proc, running, wait_for
 from tests.integration.helpers import descendants, start_generator
 
@@ -34,6 +34,15 @@ def _agent(run_dir, node: int, rdzv: int, hub_port: int, log, resume: bool = Fal
                  "--set", f"trainer.batch_size={BATCH}", "--set", "trainer.checkpoint_every=2"], log)
 
 
+def _nodes(run_dir, rdzv: int, hub_port: int, logs: list, resume: bool = False) -> list[Proc]:
+    """Node 0's agent first, node 1's once node 0 hosts the rendezvous store, as on a cluster whose rendezvous
+    endpoint is node 0: started together either agent could host it, and killing node 1 then took the store with it
+    (node 0's agent ended on a broken pipe before its rank could name rank 1 gone)."""
+    first = _agent(run_dir, 0, rdzv, hub_port, logs[0], resume)
+    wait_for(lambda: not port_free("127.0.0.1", rdzv), 120, "node 0's rendezvous store", [first])
+    return [first, _agent(run_dir, 1, rdzv, hub_port, logs[1], resume)]
+
+
 def _steps(run_dir) -> int:
     return len(read_jsonl(run_dir / "metrics.jsonl"))
 
@@ -43,7 +52,7 @@ def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_train
     run_dir, hub_port = tmp_path / "run", reserved_port()
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     rdzv = reserved_port()
-    agents = [_agent(run_dir, node, rdzv, hub_port, logs[node]) for node in (0, 1)]
+    agents = _nodes(run_dir, rdzv, hub_port, logs)
     try:
         hub = wait_for(lambda: (run_dir / "hub.json").exists() and json.loads((run_dir / "hub.json").read_text()),
                        600, "rank 0's hub.json", agents)
@@ -67,7 +76,7 @@ def test_two_torchrun_nodes_train_lose_a_node_and_resume_with_every_prompt_train
     assert "learner rank 0 of 2" in said and "learner rank 1 of 2" in logs[1].read_text()  # a rank on each node
 
     rdzv = reserved_port()  # the same commands, with --resume; the generator reconnects to the same address
-    resumed = [_agent(run_dir, node, rdzv, hub_port, tmp_path / f"resumed{node}.log", resume=True) for node in (0, 1)]
+    resumed = _nodes(run_dir, rdzv, hub_port, [tmp_path / f"resumed{node}.log" for node in (0, 1)], resume=True)
     try:
         for agent in resumed:
             assert agent.wait(600) == 0, agent.tail()
