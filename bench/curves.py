@@ -18,7 +18,7 @@ import math
 import statistics
 from pathlib import Path
 
-from pipeline.metrics import read_jsonl
+from pipeline.metrics import eval_version, read_jsonl
 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # two-sided, by dof
 
@@ -54,7 +54,7 @@ def eval_curve(run_dir: Path, launched_at: float | None = None) -> list[dict]:
     points = []
     for e in sorted(read_jsonl(run_dir / "eval.jsonl"), key=lambda e: e["version"]):
         v = e["version"]
-        newest = max(v, e.get("eval/newest_version", v))  # the weights the round's accuracy belongs to, at the latest
+        newest = eval_version(e)  # the weights the round's accuracy belongs to, at the latest
         at = start if newest == 0 else stamps.get(newest)
         points.append({"version": v, "pass@1": round(e["eval/pass@1"], 4),
                        "reward_mean": round(e["eval/reward_mean"], 4),

@@ -539,8 +539,8 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
-    """Return (section object, field name) of a knob `pipeline set` may change, else raise ConfigError; a misspelt
+def runtime_field(cfg: Config, key: str) -> tuple[Any, dataclasses.Field]:
+    """Return (section object, its field) of a knob `pipeline set` may change, else raise ConfigError; a misspelt
     name gets the "did you mean" a config file's does (pipeline/validate.py, `build`)."""
     parts = key.split(".")
     sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
@@ -553,7 +553,7 @@ def runtime_field(cfg: Config, key: str) -> tuple[Any, str]:
     if not fields[parts[1]].metadata.get("runtime"):
         allowed = ", ".join(runtime_keys())
         raise ConfigError(f"{key}: cannot change while a run goes on (run-time knobs: {allowed})")
-    return section, parts[1]
+    return section, fields[parts[1]]
 
 
 def runtime_keys() -> list[str]:
@@ -579,11 +579,10 @@ def runtime_values(cfg: Config) -> dict[str, Any]:
 
 def apply_runtime_change(cfg: Config, key: str, value: Any) -> Any:
     """Validate and apply one run-time change in place; returns the coerced value."""
-    section, name = runtime_field(cfg, key)
-    tp = typing.get_type_hints(type(section))[name]
-    new = validate.check_value(key, tp, value)
-    validate.check_range(key, new, {f.name: f for f in dataclasses.fields(section)}[name].metadata.get("range"))
-    setattr(section, name, new)
+    section, f = runtime_field(cfg, key)
+    new = validate.check_value(key, typing.get_type_hints(type(section))[f.name], value)
+    validate.check_range(key, new, f.metadata.get("range"))
+    setattr(section, f.name, new)
     return new
 
 

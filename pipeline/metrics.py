@@ -103,6 +103,13 @@ def truncate_metrics(run_dir: Path, version: int) -> int:
     return len(gone)
 
 
+def eval_version(record: dict) -> int:
+    """The version an evaluation round's accuracy belongs to, at the latest: the newest that sampled it. At a large k
+    the round labelled v takes the engines' room that training leaves and is sampled by later weights
+    (hub/evaluation.py: eval/newest_version)."""
+    return max(record["version"], record.get("eval/newest_version", record["version"]))
+
+
 def plot(run_dir: Path) -> Path | None:
     """reward.png: mean reward (and the held-out reward of eval.every) and staleness (max/mean lag) against step."""
     records = read_metrics(run_dir)
@@ -116,11 +123,9 @@ def plot(run_dir: Path) -> Path | None:
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(steps, [r["reward/mean"] for r in records], marker=".", label="mean reward")
-    # eval.every: a round's held-out reward at the newest version that sampled it (after that version's step): at a
-    # large k the round labelled v is sampled by later weights while training goes on (hub/evaluation.py)
-    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
+    evals = read_jsonl(Path(run_dir) / "eval.jsonl")  # eval.every: held-out reward, after its version's step
     if evals:
-        ax1.plot([max(e["version"], e.get("eval/newest_version", 0)) - 1 for e in evals],
+        ax1.plot([eval_version(e) - 1 for e in evals],
                  [e["eval/reward_mean"] for e in evals], marker="s", label="held-out reward (eval)")
     ax1.set_ylabel("reward")
     ax1.grid(alpha=0.3)

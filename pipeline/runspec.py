@@ -59,12 +59,11 @@ def field_facts(cls: type = Config, prefix: str = "", held: dict[str, Any] | Non
 def _table(has: Callable[[dict[str, Any]], Any]) -> tuple[str, ...]:
     """The keys whose facts satisfy `has`, in the config's order; a section's name stands for its fields where all of
     them do (a prefix covers its subtree)."""
-    facts = field_facts()
     whole: dict[str, bool] = {}  # {prefix: whether every field under it satisfies `has`}
-    for key, declared in facts.items():
+    for key, declared in FACTS.items():
         for prefix in _prefixes(key):
             whole[prefix] = whole.get(prefix, True) and bool(has(declared))
-    return tuple(dict.fromkeys(next(p for p in _prefixes(key) if whole[p]) for key in facts if whole[key]))
+    return tuple(dict.fromkeys(next(p for p in _prefixes(key) if whole[p]) for key in FACTS if whole[key]))
 
 
 def _prefixes(key: str) -> list[str]:
@@ -73,6 +72,7 @@ def _prefixes(key: str) -> list[str]:
     return [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
 
 
+FACTS = field_facts()  # every field's, walked once for the tables below
 # what a generator serves and scores: the learner's, adopted by every generator (a prefix covers its subtree)
 SERVED = _table(lambda facts: facts.get("generator") in ("served", "refused"))
 REFUSED = _table(lambda facts: facts.get("generator") == "refused")  # a generator claiming otherwise is refused
