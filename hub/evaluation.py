@@ -1,11 +1,12 @@
 """Evaluation during training (eval.every > 0): the held-out prompts, sampled by the generators at a version.
 
 When the step that makes version v ends with v a multiple of eval.every, a round starts: each held-out prompt
-is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission, in the
-time the engines have no training to do (hub/leases.py): a generator gets a round's prompts when the staleness
-window has no room for it, at most generator.lease_size of them in flight at once while training goes on, so they
-share its engine with a batch only that much (a round of 128 prompts x 4 samples of 256 tokens beside the first batch
-made it take 3.7 s where 1.4 s was the engine's own time: docs/figures.md, "Every GPU busy"). A round that is
+is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission
+(hub/leases.py): first while a batch is buffered beyond the one in training (the learner's next step is fed), else
+in the time the engines have no training to do: a generator gets a round's prompts when the staleness window has no
+room for it, at most generator.lease_size of them in flight at once while training goes on, so they share its engine
+with a batch the learner waits for only that much (a round of 128 prompts x 4 samples of 256 tokens beside the first
+batch made it take 3.7 s where 1.4 s was the engine's own time: docs/figures.md, "Every GPU busy"). A round that is
 overdue (the next round has started) takes turns with training instead, so none falls behind for good. What comes back
 is checked like a training rollout, then scored here, not trained:
 

@@ -5,7 +5,8 @@ Training's prompts come first: up to `room` prompts of the training ledger (pipe
 lease's minimum version), each tokenised here (hub/prompts.py: a prompt no engine can take is rejected without
 asking one). No principal (a key, or an id without keys) may take the room that every other registered one needs for
 a lease of its own (`share`), so one peer cannot hold the whole window. An evaluation round's prompts
-(hub/evaluation.py: outside admission) go to a generator when training has none for it, at most
+(hub/evaluation.py: outside admission) go first while the learner's next batch is already buffered (its engine
+time costs the learner nothing then), else to a generator when training has none for it, at most
 generator.lease_size in flight per generator while training goes on; an overdue round takes turns with training,
 training first. A lease goes back to the queue when it is not returned within hub.lease_timeout_s, when its
 generator shows no progress for hub.progress_timeout_s (no tokens, no groups: a hung engine behind a live
@@ -53,8 +54,10 @@ class LeaseDesk:
         self.lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
 
     def request(self, msg: P.LeaseRequest, gen: GeneratorInfo, version: int, complete: bool) -> P.Message:
-        """Training's prompts first; an evaluation round's in the time the window leaves (`evaluation_lease`). An
-        overdue round takes turns with training, training first."""
+        """Training's prompts first, unless a batch is buffered beyond the one in training: then an evaluation
+        round's first, so a round at a large k is sampled by weights near its version (at k = 8 a round labelled v10
+        was sampled by versions 20-40 when it only took the window's gaps: docs/figures.md). Otherwise a round's in
+        the time the window leaves (`evaluation_lease`); an overdue round takes turns with training, training first."""
         if complete:
             return P.RunComplete(version)
         n = min(msg.max_groups, self.cfg.generator.lease_size)
@@ -62,7 +65,9 @@ class LeaseDesk:
             n = min(n, 1)
         evaluation = self.evaluation
         overdue = evaluation.overdue(version)
-        if overdue and evaluation.turn and (lease := self.evaluation_lease(gen, n, overdue, version)) is not None:
+        ahead = len(self.ledger.buffer) >= self.cfg.trainer.batch_size
+        if (ahead or overdue and evaluation.turn) and (
+                lease := self.evaluation_lease(gen, n, ahead or overdue, version)) is not None:
             evaluation.turn = False
             return lease
         reply = self._training(gen, n, version)
@@ -71,11 +76,12 @@ class LeaseDesk:
             return reply
         return self.evaluation_lease(gen, n, overdue, version) or reply
 
-    def evaluation_lease(self, gen: GeneratorInfo, n: int, overdue: bool, version: int) -> P.Lease | None:
-        """Up to n prompts of the oldest round; while training goes on and the round is not overdue, no more than
-        generator.lease_size in flight for `gen`, so a round shares an engine with a batch only that much."""
+    def evaluation_lease(self, gen: GeneratorInfo, n: int, uncapped: bool, version: int) -> P.Lease | None:
+        """Up to n prompts of the oldest round; while training goes on, unless `uncapped` (the round is overdue, or
+        the learner's next batch is in), no more than generator.lease_size in flight for `gen`, so a round shares an
+        engine with a batch the learner waits for only that much."""
         evaluation = self.evaluation
-        if not overdue and version < self.cfg.trainer.total_steps:
+        if not uncapped and version < self.cfg.trainer.total_steps:
             n = min(n, self.cfg.generator.lease_size - evaluation.held(gen.generator_id))
         return evaluation.lease(next(self.lease_ids), gen.generator_id, n)
 
