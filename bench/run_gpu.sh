@@ -52,7 +52,9 @@
 #   vs-trl-server  TRL 1.16 GRPOTrainer with `trl vllm-serve` on builtin:arith, $STEPS steps (default 50) (2 GPUs)
 #   vs-trl-async  TRL 1.16 AsyncGRPOTrainer against vLLM's server (nccl weights) on builtin:arith, $STEPS (30) (2 GPUs)
 #   rg-arith-easy  issue 53 item 6: reasoning-gym's basic_arithmetic with two one-digit terms (data.options), k = 0
-#                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min)
+#                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min). reasoning-gym
+#                is not in the GPU kit: `bash scripts/rg-wheels.sh .whl/rg` here, then carry .whl/rg and install its
+#                wheels into the kit's site as the kit's own (a run without them is refused at start, naming it)
 #   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml colocated on
 #                GPU 0: a machine's first run (caches cold); the second start, the engine's alone under cProfile
 #                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
@@ -69,6 +71,9 @@
 #   qlora-smollm2  issue 54, setup 1 on the real model: SmolLM2 with QLoRA (r 16, NF4), learner GPU 0 + generator GPU 1,
 #                then both on GPU 0, $STEPS (150) steps each, at lr $LR (the config's, 1e-5, unless set; 1e-4 is a LoRA
 #                rate), held-out pass@1 (2 GPUs; bitsandbytes; about 9 min)
+#   qlora-compile  issue 54: the same SmolLM2 QLoRA run colocated, $STEPS (60) steps, without trainer.compile on GPU 0
+#                and with it on GPU 1 (TORCH_LOGS=recompiles,graph_breaks: the learner's log in the part's archive)
+#                (2 GPUs; bitsandbytes; about 4 min)
 #   setups-4gpu  issue 58, setup 1, full weights: tests/gpu/test_gpu_7b_24gb.py's run of configs/7b-4x24gb.yaml on the
 #                7B shape (random weights, built into /tmp/bench-models first if missing: about 1 min), a ZeRO-3 learner
 #                on GPUs 0-2 with the optimizer offloaded to the CPU and a generator on GPU 3, each GPU held to 24 GB;
@@ -92,7 +97,7 @@ if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
 PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
-PARTS="$PARTS qlora-smollm2 setups-4gpu setups-4gpu-lora"
+PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
   echo "usage: bash bench/run_gpu.sh [--site DIR] PART, PART one of: $PARTS all" >&2
@@ -104,7 +109,7 @@ export TORCH_CUDA_ARCH_LIST=9.0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "${OUT:-bench/out}" /tmp/bench-logs
 OUT=$(cd "${OUT:-bench/out}" && pwd)
-export BENCH_PGIDS=/tmp/bench-pgids.txt BENCH_RESULTS=${BENCH_RESULTS:-$OUT/results}
+export BENCH_PGIDS=${BENCH_PGIDS:-/tmp/bench-pgids.txt} BENCH_RESULTS=${BENCH_RESULTS:-$OUT/results}
 T0=$(date +%s)
 ALONE="generator.gpu_memory_utilization=0.85"  # one generator with a GPU to itself (gpu-qwen-math.yaml runs two, 0.42)
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -229,16 +234,18 @@ run_part() {
     smollm2
     gpu=0
     for spec in ${LOSSES:-m2po tis}; do  # side by side, each loss on a GPU of its own (not `step`: its cleanup
-      # would stop the other's runs); LOSS:N takes N minibatches (optimizer steps per batch), else $MINIBATCHES
+      # would stop the other's runs); LOSS:N takes N minibatches (optimizer steps per batch), else $MINIBATCHES;
+      # LOSS@S (or LOSS:N@S) seed S, else $SEED: "decoupled:4@1 decoupled:4@2" runs two seeds side by side
+      seed=${SEED:-0}; [[ $spec == *@* ]] && seed=${spec#*@}; spec=${spec%@*}
       loss=${spec%%:*}; mb=${MINIBATCHES:-1}; [ "$spec" != "$loss" ] && mb=${spec#*:}
       tag=$([ "$mb" = 1 ] || echo "_mb$mb")
       CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 560 python3 -m bench.learning_curves --task arith \
         --model builtin:smollm2 --config configs/gpu-smollm2-math.yaml --gpus --gpus-per-run 1 --gpu-memory 0.06 \
         --enforce-eager 0 --stagger 20 --minibatches "$mb" --ks "${KS:-0,1,2,4,8}" --losses "$loss" \
-        --seeds 1 --first-seed "${SEED:-0}" --steps "${STEPS:-150}" --parallel 5 --timeout 470 \
-        ${ONLY:+--only "$ONLY"} --runs-dir "/tmp/bench-runs/grid-$loss$tag-s${SEED:-0}" \
-        --name "learning_curves_arith_smollm2_shipped${tag}_${loss}_s${SEED:-0}_$(machine)" \
-        >"/tmp/bench-logs/arith_grid_$loss$tag.log" 2>&1 &
+        --seeds 1 --first-seed "$seed" --steps "${STEPS:-150}" --parallel 5 --timeout 470 \
+        ${ONLY:+--only "$ONLY"} --runs-dir "/tmp/bench-runs/grid-$loss$tag-s$seed" \
+        --name "learning_curves_arith_smollm2_shipped${tag}_${loss}_s${seed}_$(machine)" \
+        >"/tmp/bench-logs/arith_grid_$loss${tag}_s$seed.log" 2>&1 &
       gpu=$((gpu + 1)); sleep 10
     done
     wait; tail -n 5 /tmp/bench-logs/arith_grid_*.log; cleanup; pack
@@ -358,6 +365,17 @@ run_part() {
       --set "run.learner_gpus='0'" --set 'run.generator_gpus=["1"]' --timeout 260 --name qlora_smollm2_split; pack
     step qlora_colocated 280 python3 -m bench.vs_trl --task arith --sides ours --steps "${STEPS:-150}" "${Q[@]}" \
       --timeout 260 --name qlora_smollm2_colocated; pack
+    ;;
+  qlora-compile)  # what trainer.compile costs and gives a QLoRA run: 2026-11-30, 60 steps colocated, compiled 164 s
+    # (the first step after about 100 s), not compiled 102 s; its recompilations in the learner's log (TORCH_LOGS)
+    smollm2
+    Q=(--task arith --sides ours --steps "${STEPS:-60}" --set "model.lora={r: 16, alpha: 32}" --set model.quantization=4bit
+       --set trainer.lr=1e-4 --timeout 220)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 240 python3 -m bench.vs_trl "${Q[@]}" --set trainer.compile=false \
+      --name qlora_smollm2_nocompile >/tmp/bench-logs/qlora_nocompile.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 TORCH_LOGS=recompiles,graph_breaks timeout -k 10 240 python3 -m bench.vs_trl "${Q[@]}" \
+      --name qlora_smollm2_compile >/tmp/bench-logs/qlora_compile.log 2>&1 &
+    wait; cleanup; pack
     ;;
   setups-4gpu)  # pytest's temporary folders under /tmp/bench-runs: pack takes the runs' logs and records
     step gpu_7b_full 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/7b-full \
