@@ -2,7 +2,8 @@
 
 When the step that makes version v ends with v a multiple of eval.every, a round starts: each held-out prompt
 is leased once (eval.samples samples at eval.temperature, min_version v), outside the staleness admission
-(hub/leases.py): first while a batch is buffered beyond the one in training (the learner's next step is fed), else
+(hub/leases.py): first while the groups buffered beyond the learner's next batch hold as many samples as the round
+has left to sample (the learner is fed while the round takes its engine time), else
 in the time the engines have no training to do: a generator gets a round's prompts when the staleness window has no
 room for it, at most generator.lease_size of them in flight at once while training goes on, so they share its engine
 with a batch the learner waits for only that much (a round of 128 prompts x 4 samples of 256 tokens beside the first
@@ -85,6 +86,11 @@ class Evaluation:
         """Whether the oldest round with prompts left is eval.every versions old or more (the next one has started)."""
         rnd = self._oldest()
         return rnd is not None and version - rnd.version >= self.cfg.every
+
+    def owed(self) -> int:
+        """Samples of the oldest round with prompts left that no lease holds yet."""
+        rnd = self._oldest()
+        return len(rnd.pending) * self.cfg.samples if rnd is not None else 0
 
     def held(self, generator_id: str) -> int:
         """Prompts of evaluation leases `generator_id` holds."""

@@ -2,14 +2,14 @@
 take now, and for how long.
 
 Training's prompts come first: up to `room` prompts of the training ledger (pipeline/staleness.py: admission and the
-lease's minimum version), each tokenised here (hub/prompts.py: a prompt no engine can take is rejected without
-asking one). No principal (a key, or an id without keys) may take the room that every other registered one needs for
-a lease of its own (`share`), so one peer cannot hold the whole window. An evaluation round's prompts
-(hub/evaluation.py: outside admission) go first while the learner's next batch is already buffered (its engine
-time costs the learner nothing then), else to a generator when training has none for it, at most
-generator.lease_size in flight per generator while training goes on; an overdue round takes turns with training,
-training first. A lease goes back to the queue when it is not returned within hub.lease_timeout_s, when its
-generator shows no progress for hub.progress_timeout_s (no tokens, no groups: a hung engine behind a live
+lease's minimum version), each tokenised here (hub/prompts.py: a prompt no engine can take is rejected without asking
+one). No principal (a key, or an id without keys) may take the room that every other registered one needs for a lease
+of its own (`share`), so one peer cannot hold the whole window. An evaluation round's prompts (hub/evaluation.py:
+outside admission) go first while the groups buffered beyond the learner's next batch hold as many samples as the
+round has left (its engine time costs the learner nothing then: `ahead`), else to a generator when training has none
+for it, at most generator.lease_size in flight per generator while training goes on; an overdue round takes turns
+with training, training first. A lease goes back to the queue when it is not returned within hub.lease_timeout_s,
+when its generator shows no progress for hub.progress_timeout_s (no tokens, no groups: a hung engine behind a live
 heartbeat), or when its generator leaves it out of two heartbeats in a row (a lease the generator holds but the hub
 does not is named in the reply, and dropped there); its late rollouts are dropped as unknown.
 """
@@ -54,8 +54,8 @@ class LeaseDesk:
         self.lease_ids = itertools.count(random.SystemRandom().randrange(1, 2**40) * 1000)
 
     def request(self, msg: P.LeaseRequest, gen: GeneratorInfo, version: int, complete: bool) -> P.Message:
-        """Training's prompts first, unless a batch is buffered beyond the one in training: then an evaluation
-        round's first, so a round at a large k is sampled by weights near its version (at k = 8 a round labelled v10
+        """Training's prompts first, unless the buffer feeds the learner through an evaluation round (`ahead`): then
+        the round's first, so a round at a large k is sampled by weights near its version (at k = 8 a round labelled v10
         was sampled by versions 20-40 when it only took the window's gaps: docs/figures.md). Otherwise a round's in
         the time the window leaves (`evaluation_lease`); an overdue round takes turns with training, training first."""
         if complete:
@@ -65,7 +65,7 @@ class LeaseDesk:
             n = min(n, 1)
         evaluation = self.evaluation
         overdue = evaluation.overdue(version)
-        ahead = len(self.ledger.buffer) >= self.cfg.trainer.batch_size
+        ahead = self.ahead()
         if (ahead or overdue and evaluation.turn) and (
                 lease := self.evaluation_lease(gen, n, ahead or overdue, version)) is not None:
             evaluation.turn = False
@@ -76,9 +76,16 @@ class LeaseDesk:
             return reply
         return self.evaluation_lease(gen, n, overdue, version) or reply
 
+    def ahead(self) -> bool:
+        """Whether the groups buffered beyond the learner's next batch hold as many samples as the oldest round has
+        left to lease: its engine time then costs the learner no wait (a round of 128 prompts x 4 samples beside a
+        batch made it take 3.7 s where 1.4 s was the engine's own: docs/figures.md, "Every GPU busy")."""
+        owed, t = self.evaluation.owed(), self.cfg.trainer
+        return owed > 0 and (len(self.ledger.buffer) - t.batch_size) * t.group_size >= owed
+
     def evaluation_lease(self, gen: GeneratorInfo, n: int, uncapped: bool, version: int) -> P.Lease | None:
         """Up to n prompts of the oldest round; while training goes on, unless `uncapped` (the round is overdue, or
-        the learner's next batch is in), no more than generator.lease_size in flight for `gen`, so a round shares an
+        the buffer is `ahead`), no more than generator.lease_size in flight for `gen`, so a round shares an
         engine with a batch the learner waits for only that much."""
         evaluation = self.evaluation
         if not uncapped and version < self.cfg.trainer.total_steps:

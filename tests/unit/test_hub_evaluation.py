@@ -123,29 +123,38 @@ def test_the_version_0_evaluation_never_holds_the_first_step(tmp_path):
         hub.stop()
 
 
-def test_a_round_goes_first_while_the_learners_next_batch_is_buffered(tmp_path):
+def test_a_round_goes_first_while_the_buffer_feeds_the_learner_through_it(tmp_path):
     """At a large k training always has room, so a round that only took the window's gaps was sampled by weights long
-    past its version (at k = 8 a round labelled v10 by versions 20-40). Once a batch is buffered beyond the one in
-    training, the round's prompts go first, a lease's worth at a time and not capped; once the learner takes that
-    batch, training goes first again."""
+    past its version (at k = 8 a round labelled v10 by versions 20-40). Once the groups buffered beyond the learner's
+    next batch hold as many samples as the round has left, the round's prompts go first, a lease's worth at a time and
+    not capped; with fewer buffered, or once the learner takes a batch, training goes first again."""
     from pipeline.tasks import echo_rows
     from tests.unit.peers import new_hub
 
-    hub = new_hub(tmp_path, eval_rows=echo_rows(12, 1), eval={"every": 5, "samples": 2, "max_prompts": 12},
+    hub = new_hub(tmp_path, eval_rows=echo_rows(4, 1), eval={"every": 5, "samples": 2, "max_prompts": 4},
                   trainer={"max_staleness": 4}, generator={"lease_size": 3})
     try:
         peer = Peer(hub)
         peer.register()
-        training = peer.lease(2)
-        assert not training.eval and len(training.groups) == 2  # nothing buffered: training first
-        peer.send_groups(training)
-        wait_until(lambda: len(hub.ledger.buffer) == 2)  # a whole batch (2 groups) in, the window has room for 8
-        rounds = [peer.lease(3) for _ in range(2)]
-        assert all(lease.eval and len(lease.groups) == 3 and lease.min_version == 0 for lease in rounds)
-        assert hub.evaluation.held(peer.id) == 6  # past generator.lease_size: not capped while the learner is fed
+        first, second = peer.lease(3), peer.lease(3)  # nothing buffered: training first (the window holds 10 groups)
+        assert not first.eval and not second.eval
+        peer.send_groups(first)
+        for item in second.groups[:2]:
+            peer.send(peer.group(second, item))
+        wait_until(lambda: len(hub.ledger.buffer) == 5)
+        # a batch (2 groups) and 3 more, of 2 samples each: 6 samples, where the round has 4 x 2 = 8 left to sample
+        third = peer.lease(1)
+        assert not third.eval
+        peer.send(peer.group(second, second.groups[2]))
+        peer.send_groups(third)
+        wait_until(lambda: len(hub.ledger.buffer) == 7)  # 5 groups past the next batch: 10 samples
+        rounds = [peer.lease(3), peer.lease(3)]
+        assert [len(lease.groups) for lease in rounds] == [3, 1] and all(lease.eval for lease in rounds)
+        assert all(lease.min_version == 0 for lease in rounds)
+        assert hub.evaluation.held(peer.id) == 4  # past generator.lease_size: not capped while the learner is fed
         batch, _, _ = hub.take_batch(0)
-        assert len(batch) == 2 and not hub.ledger.buffer
-        assert not peer.lease(3).eval  # the learner's next batch is not in: training first again
+        assert len(batch) == 2
+        assert not peer.lease(3).eval  # the round is all leased: training
         peer.close()
     finally:
         hub.stop()
