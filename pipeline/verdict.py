@@ -26,6 +26,10 @@ round, a checkpoint, a compile). The thresholds and why are in docs/design.md ("
 Nothing here times anything: `verdict` is a pure function of the records. The learner (learner/service.py) logs one
 every EVERY steps and at the end of the run, with its figures in that step's record (verdict/...), the hub keeps
 the latest for `pipeline status`, `pipeline run` prints the run's, and `python -m bench.timeline` reports it.
+
+Whatever binds, a verdict also names groups dropped as stale (staleness/dropped) once they reach STALE of the groups
+trained: a group whose samples outlive k steps while it generates (the longest ones) is generated again, and it held
+its room in the window meanwhile (5-9 % at k = 1-4 on the shipped smollm2 config: docs/figures.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ REWARDS = 0.5  # reward-function seconds per generator second
 WAITS = 0.2  # generators waiting for room (the window) or for weights, this share of their time
 RISE = 1.1  # steps/min after a generator joined (or k rose) against before: less than this did not rise
 WAIT_NOTED = 0.1  # a learner-bound run that still waits this share with the window full is told of the window too
+STALE = 0.05  # groups dropped as stale, as a share of those trained, that every verdict names
 
 LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD = ("learner compute", "generation throughput", "the window",
                                                      "weights delivery", "the hub", "rewards")
@@ -106,7 +111,12 @@ def verdict(pairs: Sequence[tuple[dict, float]], lora: bool = False) -> Verdict 
     if len(kept) < MIN_STEPS:
         return None
     f = _figures([r for r, _ in kept], sum(w for _, w in kept))
-    stage, share, sentence = _decide(f, kept[-1][0].get("max_staleness", 1), lora)
+    k = kept[-1][0].get("max_staleness", 1)
+    stage, share, sentence = _decide(f, k, lora)
+    if f["stale"] >= STALE:
+        sentence += (f"; {_pct(f['stale'])} as many groups as were trained went stale before their step and were "
+                     f"generated again (samples that outlive k steps: the longest), where "
+                     f"`trainer.max_staleness={k + 1}` or a smaller `sampling.max_tokens` keeps them")
     return Verdict(stage, share, sentence, kept[0][0]["step"], kept[-1][0]["step"], len(kept),
                    len(pairs) - len(kept), {k: v for k, v in f.items() if k != "score_per_group"})
 
@@ -126,11 +136,12 @@ def _figures(records: list[dict], wall: float) -> dict[str, float]:
     f = {"wait": t.get("time/wait_s", 0.0) / wall, "train": t.get("time/step_s", 0.0) / wall,
          "publish": t.get("time/publish_s", 0.0) / wall,
          "hub_busy": sum(v for k, v in t.items() if k.startswith("time/hub/")) / wall}
+    groups = sum(len(r["trained"]) if "trained" in r else r.get("groups", 0) for r in records)
+    f["stale"] = sum(r.get("staleness/dropped", 0) for r in records) / max(1, groups)
     gen = t.get("gen/generating_s", 0.0) + t.get("gen/idle_s", 0.0)  # the generators' seconds in these steps
     if gen > 0:
         for name, stage in SHARES.items():
             f[name] = t.get(f"gen/{stage}_s", 0.0) / gen
-        groups = sum(len(r["trained"]) if "trained" in r else r.get("groups", 0) for r in records)
         f["score_per_group"] = t.get("gen/score_s", 0.0) / max(1, groups)
     return f
 
@@ -188,7 +199,7 @@ def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float
 def slim(record: dict) -> dict:
     """What the verdict reads of a record (a learner keeps its last few without their trained keys)."""
     out = {k: v for k, v in record.items() if k.startswith(("time/", "gen/"))}
-    out.update({k: record.get(k, 0) for k in ("step", "generators", "max_staleness")})
+    out.update({k: record.get(k, 0) for k in ("step", "generators", "max_staleness", "staleness/dropped")})
     out["groups"] = len(record.get("trained", ())) or record.get("groups", 0)
     return out
 
