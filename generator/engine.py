@@ -84,6 +84,8 @@ class Engine:
         self._ids = itertools.count()
         self._loads = 0  # weights loads begun: a request's prefix-cache salt (KV of other weights is never reused)
         self._active: dict[str, _Active] = {}
+        # the version each task's first request started under (a group's behaviour version: `started_under`)
+        self._started: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
         self._gate = asyncio.Event()
         self._gate.set()
         self._update_lock = asyncio.Lock()
@@ -129,6 +131,8 @@ class Engine:
         await self._gate.wait()
         rid = f"r{next(self._ids)}"
         active = self._active[rid] = _Active(self.version, self.version)
+        if (task := asyncio.current_task()) is not None:
+            self._started.setdefault(task, active.first)  # its oldest: versions only rise
         prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"w{self._loads}")
         start = time.perf_counter()
         final = None
@@ -152,6 +156,12 @@ class Engine:
             Completion(list(c.token_ids), lp, c.finish_reason or "", active.first, active.last, ms)
             for c, lp in zip(final.outputs, logprobs, strict=True)
         ]
+
+    def started_under(self, task: asyncio.Task) -> int | None:
+        """The weights version the first request `task` made started under, the oldest of its samples' first
+        versions; None before it made one (a rollout whose requests other tasks make, as an agent's through the
+        endpoint, is never known here)."""
+        return self._started.get(task)
 
     async def _tapped(self) -> bool:
         """Whether the workers keep the sampled tokens' log-probs; asked once."""

@@ -332,12 +332,16 @@ class Generator:
             ctx = Context(lease.group_size or session.welcome.group_size, lease.sampling, self.tok, item,
                           seed_of(self.cfg.sampling.seed, item.epoch, item.prompt_id))
             self.stages.rollouts(+1)
+            task = asyncio.current_task()
+            if not lease.eval and task is not None:  # an evaluation round's groups are never stale
+                session.generating.add(task)
             try:
                 with trace.span("generate", lane, prompt=item.prompt_id) as span:
                     outs = await self.rollout(session.engine, prompt_ids, ctx)  # generator/rollout.py
                     span["tokens"] = sum(len(o.token_ids) for o in outs)
             finally:
                 self.stages.rollouts(-1)
+                session.generating.discard(task)
             # score and encode off the event loop, which keeps feeding the engine meanwhile
             data, stamps = await asyncio.to_thread(self._score_and_encode, outs, ctx, lease, prompt_ids,
                                                    session.welcome.session)
@@ -348,7 +352,13 @@ class Generator:
                 await session.push.send(data, copy=False)
             session.pushed += 1
         except asyncio.CancelledError:
-            raise
+            if (task := asyncio.current_task()) is None or task not in session.stale:
+                raise
+            session.stale.discard(task)  # stopped by `Session.stop_stale`: the hub leases the prompt again
+            task.uncancel()
+            await self._report(session, lease, item, "stale", f"its samples started under version "
+                               f"{session.engine.started_under(task)}, more than trainer.max_staleness="
+                               f"{self.cfg.trainer.max_staleness} versions before version {session.engine.version}")
         except AgentFailed as e:  # generator.agent_failure requeue: the prompt is leased again
             await self._report(session, lease, item, "agent", str(e))
         except RewardError as e:  # the user's function: an error of the run, reported with its traceback

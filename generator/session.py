@@ -79,6 +79,8 @@ class Session:
         self.groups: dict[asyncio.Task, int] = {}  # group task -> lease id
         self.held: dict[int, int] = {}  # lease id -> its groups not yet finished (reported in heartbeats)
         self.pushed = 0  # rollouts sent (heartbeats and the Leave report it)
+        self.generating: set[asyncio.Task] = set()  # training groups waiting for their engine's samples
+        self.stale: set[asyncio.Task] = set()  # of those, the ones `stop_stale` cancelled
 
     async def ask(self, msg: P.Message, timeout: float | None = None) -> P.Message:
         return await ask(self.client, msg, timeout)
@@ -91,6 +93,20 @@ class Session:
         """Wake whatever waits for a version (`version_changed`)."""
         async with self.version_changed:
             self.version_changed.notify_all()
+
+    def stop_stale(self, version: int, k: int) -> int:
+        """Cancel the training groups still generating whose samples started under a version more than k older than
+        `version` (the engine's, which the learner's is at or past): no step can train them any more
+        (pipeline/staleness.py), and each held its room in the window and its engine's time until it came back to be
+        dropped. Each reports itself as failed, kind "stale", and the hub leases its prompt again. Returns how many."""
+        stopped = 0
+        for task in list(self.generating):
+            first = self.engine.started_under(task)
+            if first is not None and version - first > k and task not in self.stale:
+                self.stale.add(task)
+                task.cancel()
+                stopped += 1
+        return stopped
 
     def cancel_groups(self) -> None:
         for t in list(self.groups):

@@ -4,7 +4,8 @@
                     current version right after the Welcome) -> receiver.apply: fetched and loaded into the engine
                     -> WeightsApplied
 A broadcast (nccl) must be received, each in order, except by a draining generator, which takes no more; a file-like
-transport skips to the newest version announced. A version that fails to load ends the session (LoadFailed: it
+transport skips to the newest version announced. Once a version is loaded, the training groups whose samples can no
+longer be trained at it stop (`Session.stop_stale`). A version that fails to load ends the session (LoadFailed: it
 registers again); MAX_LOAD_FAILURES in a row end the generator. The generator (generator/service.py) builds one per
 session (generator/session.py), and counts the failures in a row (`Owner`).
 """
@@ -19,6 +20,7 @@ from typing import Protocol
 from generator.session import LoadFailed, Session
 from generator.stages import Stages
 from pipeline import protocol as P
+from pipeline.config import Config
 from weights import VersionGone
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,9 @@ class Owner(Protocol):
     draining: asyncio.Event  # a signal began the drain: no more broadcasts
     stages: Stages
     load_failures: int  # versions that failed to load in a row, across sessions
+
+    @property
+    def cfg(self) -> Config: ...
 
 
 class WeightsLoop:
@@ -94,4 +99,7 @@ class WeightsLoop:
                  f"received in {swap['receive']:.0f} ms while generating; " if "receive" in swap else "",
                  swap.get("pause", 0), swap.get("load", 0), swap.get("worker", 0))
         await session.version_changes()
+        if stopped := session.stop_stale(ready.version, gen.cfg.trainer.max_staleness):
+            log.info("generator %s: v%d stopped %d groups that can no longer be trained (trainer.max_staleness=%d); "
+                     "their prompts are leased again", gen.id, ready.version, stopped, gen.cfg.trainer.max_staleness)
         await session.ask(P.WeightsApplied(gen.id, ready.version, total_ms, session.receiver.via))

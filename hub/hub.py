@@ -85,11 +85,12 @@ class Hub:
         self.complete = False  # the learner is done: generators hear RunComplete
         self.lock = threading.Condition()
         self.counters = dict(bad_messages=0, refused=0, muted=0, unknown_lease=0, duplicates=0, stale_dropped=0,
-                             requeued=0, rollouts=0, tokens=0, rejected_rollouts=0, rejected_prompts=0, lost_leases=0,
-                             reward_errors=0, skipped_steps=0, refused_spec=0)
+                             stale_stopped=0, requeued=0, rollouts=0, tokens=0, rejected_rollouts=0,
+                             rejected_prompts=0, lost_leases=0, reward_errors=0, skipped_steps=0, refused_spec=0)
         self.registry = Registry(cfg.hub.max_generators, cfg.hub.max_generators_per_key)
         self.ledger = PromptLedger(len(rows), cfg.trainer.epochs, cfg.data.seed, self.counters)
         self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
+        self.stopped_seen = 0  # counters["stale_stopped"] when the learner last took a batch
         self.verdict = ""  # what holds the run back, the learner's latest word (`set_verdict`)
         t = cfg.trainer
         self.shape = RunShape(vocab_size, t.group_size, cfg.sampling.max_tokens, cfg.generator.max_model_len,
@@ -241,7 +242,7 @@ class Hub:
         return self.membership.leave(msg, gen)
 
     def _on_group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
-        return self.intake.group_failed(msg, gen)
+        return self.intake.group_failed(msg, gen, self.version)
 
     # ---- leases (hub/leases.py) ------------------------------------------------------------------
 
@@ -287,7 +288,9 @@ class Hub:
                     stats["staleness/dropped"] += dropped
                     log.info("step %d: dropped %d groups older than max_staleness=%d, prompts re-queued", step,
                              dropped, k)
-                if batch is not None:
+                if batch is not None:  # and the groups generators stopped as stale since the last batch
+                    stats["staleness/stopped"] = self.counters["stale_stopped"] - self.stopped_seen
+                    self.stopped_seen = self.counters["stale_stopped"]
                     return batch, stats, knobs
                 if self.ledger.exhausted():
                     raise DatasetExhausted(

@@ -13,7 +13,7 @@ import threading
 from hub.evaluation import Evaluation
 from hub.faults import Faults
 from hub.journal import Journal
-from hub.ledger import Key, PromptLedger
+from hub.ledger import Key, LeaseState, PromptLedger
 from hub.membership import Membership
 from hub.registry import GeneratorInfo, Registry
 from hub.server import Server
@@ -105,19 +105,39 @@ class Intake:
         if self.faults.rejected_rollout(gen, why):
             self.membership.drop(gen.generator_id, "quarantined", why)
 
-    def group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo) -> P.Message:
-        """A generator could not generate a leased prompt: hub/faults.py decides what it costs."""
+    def group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo, version: int) -> P.Message:
+        """A generator could not generate a leased prompt: hub/faults.py decides what it costs. One it stopped as
+        stale (`version` has passed its samples' by more than k) is leased again and costs nothing, once the lease
+        shows it could be: its groups start at its min_version or later."""
         key = (msg.epoch, msg.prompt_id)
         if self.evaluation.owns(msg.lease_id):
             return P.Ack(known=self.evaluation.failed(msg.lease_id, msg.prompt_id, msg.generator_id))
         lease = self.ledger.leases.get(msg.lease_id)
         if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
             return P.Ack(known=False)
-        if msg.kind not in ("engine", "prompt", "reward", "agent"):
-            return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward or agent")
+        if msg.kind not in ("engine", "prompt", "reward", "agent", "stale"):
+            return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward, agent or stale")
+        if msg.kind == "stale":
+            return self._stopped_stale(msg, gen, lease, key, version)
         self.ledger.settle(msg.lease_id, key)
         self.registry.progressed(gen)
         self.faults.group_failed(msg, gen.principal)
+        self.lock.notify_all()
+        return P.Ack()
+
+    def _stopped_stale(self, msg: P.GroupFailed, gen: GeneratorInfo, lease: LeaseState, key: Key,
+                       version: int) -> P.Message:
+        """A group its generator stopped because no step can train it any more: refused unless the lease's oldest
+        start (min_version) is more than k behind `version`, else its prompt goes to the front of the queue."""
+        k = self.cfg.trainer.max_staleness
+        if version - lease.min_version <= k:
+            return P.Error(f"GroupFailed.kind stale: lease {msg.lease_id}'s groups start at version "
+                           f"{lease.min_version} or later, within trainer.max_staleness={k} of version {version}: "
+                           "they can still be trained")
+        self.ledger.settle(msg.lease_id, key)
+        self.ledger.requeue([key])
+        self.counters["stale_stopped"] += 1
+        self.registry.progressed(gen)
         self.lock.notify_all()
         return P.Ack()
 

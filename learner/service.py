@@ -364,17 +364,18 @@ class Learner:
 
 def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int,
                device) -> tuple[list | None, dict, dict, str]:
-    """Rank 0's next batch, on every rank: (groups, stats of the groups dropped, knobs, why the run ends). While
+    """Rank 0's next batch, on every rank: (groups, counts of the groups gone stale, knobs, why the run ends). While
     rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
     than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone."""
-    dropped = 0
+    counts = {"staleness/dropped": 0, "staleness/stopped": 0}  # dropped by the hub, stopped by their generators
     while True:
         groups, stats, knobs, end = _take(hub, step, None if world == 1 else KEEPALIVE_S) if rank == 0 else \
             (None, {}, {}, "")
-        dropped += stats.get("staleness/dropped", 0)
+        for key in counts:
+            counts[key] += stats.get(key, 0)
         groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, device)
         if groups is not None or end:
-            return groups, {"staleness/dropped": dropped}, knobs, end
+            return groups, counts, knobs, end
 
 
 def _take(hub: TrainerHub | None, step: int,

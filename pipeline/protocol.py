@@ -201,7 +201,8 @@ class GroupFailed(Message):
     """A leased prompt's group could not be generated; `kind` says whose fault: "engine" (lease it again),
     "prompt" (vLLM refused the prompt itself), "reward" (a reward function raised: `reason` holds the function
     and its traceback; an error of the run, not of the prompt), "agent" (an agent hung or failed under
-    generator.agent_failure requeue: lease it again)."""
+    generator.agent_failure requeue: lease it again), "stale" (the generator stopped it: its samples started under a
+    version more than trainer.max_staleness behind the newest it loaded, so no step can train it; lease it again)."""
 
     tag: ClassVar[str] = "group_failed"
     generator_id: str = field(metadata={"max_len": GENERATOR_ID})  # required: mypy reads text() as a default

@@ -6,7 +6,7 @@ from __future__ import annotations
 def render(s) -> str:
     c = s.counters
     shown = [("rollouts", "rollouts"), ("tokens", "tokens"), ("requeued", "re-queued"),
-             ("stale_dropped", "stale dropped"),
+             ("stale_dropped", "stale dropped"), ("stale_stopped", "stale stopped"),
              ("duplicates", "duplicates"), ("unknown_lease", "unknown lease"), ("lost_leases", "lost leases"),
              ("bad_messages", "bad messages"), ("refused", "refused"), ("unlisted_keys", "unlisted keys"),
              ("muted", "muted"),

@@ -27,9 +27,10 @@ Nothing here times anything: `verdict` is a pure function of the records. The le
 every EVERY steps and at the end of the run, with its figures in that step's record (verdict/...), the hub keeps
 the latest for `pipeline status`, `pipeline run` prints the run's, and `python -m bench.timeline` reports it.
 
-Whatever binds, a verdict also names groups dropped as stale (staleness/dropped) once they reach STALE of the groups
-trained: a group whose samples outlive k steps while it generates (the longest ones) is generated again, and it held
-its room in the window meanwhile (5-9 % at k = 1-4 on the shipped smollm2 config: docs/figures.md).
+Whatever binds, a verdict also names the groups gone stale once they reach STALE of the groups trained: dropped by
+the hub as they came (staleness/dropped) or stopped by their generators first (staleness/stopped). A group whose
+samples outlive k steps while it generates (the longest ones) is generated again (6-9 % at k = 1-4 on the shipped
+smollm2 config: docs/design.md).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _figures(records: list[dict], wall: float) -> dict[str, float]:
          "publish": t.get("time/publish_s", 0.0) / wall,
          "hub_busy": sum(v for k, v in t.items() if k.startswith("time/hub/")) / wall}
     groups = sum(len(r["trained"]) if "trained" in r else r.get("groups", 0) for r in records)
-    f["stale"] = sum(r.get("staleness/dropped", 0) for r in records) / max(1, groups)
+    f["stale"] = sum(r.get("staleness/dropped", 0) + r.get("staleness/stopped", 0) for r in records) / max(1, groups)
     gen = t.get("gen/generating_s", 0.0) + t.get("gen/idle_s", 0.0)  # the generators' seconds in these steps
     if gen > 0:
         for name, stage in SHARES.items():
@@ -199,7 +200,8 @@ def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float
 def slim(record: dict) -> dict:
     """What the verdict reads of a record (a learner keeps its last few without their trained keys)."""
     out = {k: v for k, v in record.items() if k.startswith(("time/", "gen/"))}
-    out.update({k: record.get(k, 0) for k in ("step", "generators", "max_staleness", "staleness/dropped")})
+    out.update({k: record.get(k, 0) for k in ("step", "generators", "max_staleness", "staleness/dropped",
+                                              "staleness/stopped")})
     out["groups"] = len(record.get("trained", ())) or record.get("groups", 0)
     return out
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
+import weakref
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ class FakeEngine:
         self.seqs = 64  # sequences it runs at once
         self.inside = 0  # sequences held inside it (HoldingEngine)
         self.staging = False  # nccl: no staged receive
+        self.started: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # as Engine.started_under reads it
 
     def concurrent_sequences(self) -> int:
         return self.seqs
@@ -53,9 +55,13 @@ class FakeEngine:
     def death(self) -> str:
         return "; engine core exit codes [-9]"
 
+    def started_under(self, task):
+        return self.started.get(task)
+
     async def generate(self, prompt_ids, n, sampling, seed=None):
-        await asyncio.sleep(0.01)
         v = self.version
+        self.started.setdefault(asyncio.current_task(), v)
+        await asyncio.sleep(0.01)
         return [Completion([prompt_ids[0]] * 4, [-0.5] * 4, "length", v, v, 1.0) for _ in range(n)]
 
     async def swap(self, version, method, source, crc32):
@@ -517,3 +523,41 @@ async def test_a_generator_reconnecting_when_the_learner_ends_gives_up_with_the_
         hub.stop()  # the learner is done and gone
         assert await asyncio.wait_for(gen.task, 30) == 1  # (a request times out after 2 s: quick_requests)
     assert any("no answer from the hub" in r.message for r in caplog.records)
+
+
+async def test_a_group_that_can_no_longer_be_trained_is_stopped_and_leased_again(tmp_path):
+    """Groups still generating when the engine loads a version more than k past their samples' start are stopped
+    there, not sent to be dropped: their engine requests end, the hub leases their prompts again at once (freeing the
+    window's room they held) and counts them as stale, not as faults. A group k versions behind is left to finish."""
+    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 50},
+                            "weights": {"transport": "zmq"}, "hub": {"heartbeat_s": 0.2}})
+    engine = FakeEngine()
+    engine.hold, engine.cancelled = asyncio.Event(), 0
+    fast = engine.generate
+
+    async def generate(*args, **kw):  # held until released: as long completions are
+        engine.started.setdefault(asyncio.current_task(), engine.version)
+        try:
+            await engine.hold.wait()
+        except asyncio.CancelledError:
+            engine.cancelled += 1
+            raise
+        return await fast(*args, **kw)
+
+    engine.generate = generate
+    async with running(cfg, tmp_path, engine) as (hub, gen):
+        await _until(lambda: len(_groups(gen)) == 3)  # the first wave (5/4 of a batch), all started under v0
+        publish(hub, 1)
+        await _until(lambda: engine.version == 1)
+        await asyncio.sleep(0.3)
+        assert engine.cancelled == 0 and hub.counters["stale_stopped"] == 0  # v1: within k of v0, trainable
+        publish(hub, 2)
+        await _until(lambda: hub.counters["stale_stopped"] == 3)
+        assert engine.cancelled == 3
+        with hub.lock:
+            assert not hub.ledger.attempts and hub.counters.get("rejected_prompts", 0) == 0  # no fault of anyone's
+        engine.hold.set()
+        await _until(lambda: len(hub.ledger.buffer) >= 4)
+        with hub.lock:
+            assert {b.behaviour for b in hub.ledger.buffer} == {2}  # generated again, under v2
+            assert hub.counters["stale_dropped"] == 0

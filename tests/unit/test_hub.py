@@ -494,3 +494,27 @@ def test_a_heartbeat_reports_its_stages_and_one_that_lies_is_refused_naming_the_
         assert hub.counters["refused"] == refused + 1
     assert hub.step_stats().stages == {"gen-t": {"generating": 1.5, "score": 0.25}}  # the last true report stays
     peer.close()
+
+
+def test_a_group_stopped_as_stale_is_leased_again_once_its_lease_shows_it_could_be(make_hub):
+    """GroupFailed kind "stale": a generator stopped a group that no step can train any more. The claim is checked
+    against the lease (its groups start at its min_version or later): within k of the hub's version it is refused,
+    naming why, and the lease keeps the prompt; past it, the prompt goes to the front of the queue, the window's room
+    comes back, and it counts as stale, not against the generator."""
+    hub = make_hub(max_staleness=1)
+    peer = Peer(hub)
+    peer.register()
+    lease = peer.lease(2)
+    item = lease.groups[0]
+    stale = P.GroupFailed(peer.id, lease.lease_id, item.epoch, item.prompt_id, reason="x", kind="stale")
+    hub.finish_step(1)
+    refused = peer.ask(stale)
+    assert isinstance(refused, P.Error) and "can still be trained" in refused.message
+    assert (item.epoch, item.prompt_id) in hub.ledger.leases[lease.lease_id].items
+    hub.finish_step(2)
+    in_flight = hub.ledger.in_flight()
+    assert isinstance(peer.ask(stale), P.Ack)
+    with hub.lock:
+        assert hub.ledger.in_flight() == in_flight - 1 and hub.ledger.pending[0] == (item.epoch, item.prompt_id)
+        assert hub.counters["stale_stopped"] == 1 and not hub.ledger.attempts
+    peer.close()

@@ -340,13 +340,13 @@ def test_a_learner_bound_run_that_waits_on_a_full_window_is_told_of_k_too():
 
 
 def test_groups_dropped_as_stale_are_named_whatever_binds():
-    """A run that drops groups as stale (their samples outlived k steps while they generated) regenerates them, and
-    they held room in the window meanwhile: from STALE of the groups trained, every verdict says so with the knobs."""
+    """A run whose groups go stale (their samples outlived k steps while they generated: dropped by the hub, or stopped
+    by their generator) regenerates them: from STALE of the groups trained, every verdict says so with the knobs."""
     for stage in (V.LEARNER, V.WINDOW):
         recs = records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + [STAGE_RUNS[stage]] * 8, k=2)
         quiet = V.verdict(V.timed(recs))
         for r in recs:
-            r["staleness/dropped"] = 3  # of 16 groups trained a step
+            r["staleness/dropped"], r["staleness/stopped"] = 2, 1  # by the hub, by the generator: of 16 trained
         loud = V.verdict(V.timed(recs))
         assert quiet is not None and loud is not None and quiet.stage == loud.stage == stage
         assert "went stale" not in quiet.sentence and loud.sentence.startswith(quiet.sentence)
@@ -354,4 +354,4 @@ def test_groups_dropped_as_stale_are_named_whatever_binds():
         assert "`trainer.max_staleness=3`" in loud.sentence and "`sampling.max_tokens`" in loud.sentence
         assert loud.figures["stale"] == pytest.approx(3 / 16)
         kept = V.slim(recs[-1])  # what a learner keeps of a record for its verdicts
-        assert kept["staleness/dropped"] == 3
+        assert kept["staleness/dropped"] == 2 and kept["staleness/stopped"] == 1
