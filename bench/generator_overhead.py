@@ -129,7 +129,8 @@ def cli() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     p.add_argument("--enforce-eager", type=int, default=1, help="0: CUDA graphs")
     args = p.parse_args()
-    from pipeline.config import apply_environment, load_config
+    from pipeline.config import load_config
+    from pipeline.environment import apply_environment
 
     apply_environment(load_config(None, [f"generator.enforce_eager={bool(args.enforce_eager)}"]), args.gpus)
     metrics = asyncio.run(main(args))

@@ -25,7 +25,8 @@ async def measure(flat: bool, model: str, max_tokens: int) -> dict:
     import vllm
 
     from pipeline import protocol as P
-    from pipeline.config import apply_environment, config_from_dict
+    from pipeline.config import config_from_dict
+    from pipeline.environment import apply_environment
 
     if model == "builtin:tiny":  # 256 positions; 40 + 256 tokens run past them, harmless for random weights (RoPE)
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"

@@ -297,7 +297,8 @@ def engine_child(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args(argv)
-    from pipeline.config import apply_environment, load_config
+    from pipeline.config import load_config
+    from pipeline.environment import apply_environment
 
     cfg = load_config(args.config, args.overrides)
     apply_environment(cfg)

@@ -63,7 +63,8 @@ from generator.weights_loop import WeightsLoop
 from pipeline import protocol as P
 from pipeline import trace
 from pipeline.client import HubClient
-from pipeline.config import Config, env_flag
+from pipeline.config import Config
+from pipeline.environment import env_flag
 from pipeline.host import host_identity, remove_receiver_dir, remove_stale
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt

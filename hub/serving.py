@@ -16,7 +16,8 @@ import mmap
 from hub.registry import GeneratorInfo, Registry
 from hub.server import Server
 from pipeline import protocol as P
-from pipeline.config import Config, env_flag
+from pipeline.config import Config
+from pipeline.environment import env_flag
 from pipeline.host import host_identity
 from weights import pick
 from weights.base import Sender

@@ -44,7 +44,8 @@ from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline import trace
-from pipeline.config import Config, ConfigError, apply_runtime_change, held_at_step, save_config, slowed_step_s
+from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
+from pipeline.environment import held_at_step, slowed_step_s
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, read_metrics, step_record, truncate_metrics
@@ -227,7 +228,7 @@ class Learner:
         self.last_tokens = seen.tokens if seen is not None else 0
         self.verdicts = Verdicts(lora=cfg.model.lora is not None)
         self.signal = Signal()  # whether the steps still teach anything (learner/signal.py)
-        self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/config.py)
+        self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/environment.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
 
     @classmethod

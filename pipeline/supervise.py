@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import signal
 
-from pipeline.config import env_flag
+from pipeline.environment import env_flag
 from pipeline.launcher import GUARDED, Child, stop_all
 
 

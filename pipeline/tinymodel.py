@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import env_flag
+from pipeline.environment import env_flag
 
 VOCAB = ["<pad>", "<eos>", "<unk>", "="] + [str(d) for d in range(10)] + ["+", "-"]
 PAD_ID, EOS_ID = 0, 1

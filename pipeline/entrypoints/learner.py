@@ -9,8 +9,9 @@ import os
 import socket
 import sys
 
-from pipeline.config import ConfigError, env_flag
+from pipeline.config import ConfigError
 from pipeline.entrypoints import service
+from pipeline.environment import env_flag
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.config import Config, ConfigError, apply_environment, env_flag, load_config
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.environment import apply_environment, env_flag
 
 
 class Refused(Exception):

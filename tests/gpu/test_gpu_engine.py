@@ -8,7 +8,8 @@ import importlib.util
 
 import pytest
 
-from pipeline.config import apply_environment, load_config
+from pipeline.config import load_config
+from pipeline.environment import apply_environment
 from pipeline.tinymodel import resolve_model_path
 from tests.gpu.helpers import gpu_count
 from tests.integration.test_engine import check_sampled_logprobs_in_the_worker

@@ -54,7 +54,7 @@ def events(run_dir: Path, name: str | None = None, after: int = 0) -> list[dict]
 
 def held_at(step: int, release: Path | None = None) -> dict:
     """The environment of a learner that waits after version `step` until the file `release` exists (None: until it
-    is killed): the test hooks of pipeline/config.py held_at_step."""
+    is killed): the test hooks of pipeline/environment.py held_at_step."""
     return {"PIPELINE_TEST_HOLD_AT_STEP": str(step), **({"PIPELINE_TEST_RELEASE": str(release)} if release else {})}
 
 

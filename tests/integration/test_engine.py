@@ -40,7 +40,7 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache, monkeypatc
     honours it as vLLM on a GPU does): the engine's cache is that size, not generator.cpu_kvcache_gb's 1 GiB."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # an earlier test's apply_environment set it here
     cfg = load_config(None, ["generator.max_num_seqs=16", "sampling.seed=0", "generator.kv_cache_gb=0.02"])
-    from pipeline.config import apply_environment
+    from pipeline.environment import apply_environment
 
     apply_environment(cfg)
     from generator.engine import Engine
@@ -195,7 +195,7 @@ def check_sampled_logprobs_in_the_worker(path: str, **engine_args) -> None:
 
 
 def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
-    from pipeline.config import apply_environment
+    from pipeline.environment import apply_environment
 
     apply_environment(load_config(None, []))
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)

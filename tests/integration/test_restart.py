@@ -46,7 +46,7 @@ def test_a_killed_named_run_leaves_nothing_is_refused_again_and_resumes_exactly_
                 f"trainer.epochs={EPOCHS}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=3",
                 "run.tensorboard=false", "weights.transport=shm"]
     # the learner stops after step 5, past the checkpoint of version 3, and waits to be killed: on a fast machine a
-    # poll for "a step past a checkpoint" once missed all 16 steps (pipeline/config.py held_at_step)
+    # poll for "a step past a checkpoint" once missed all 16 steps (pipeline/environment.py held_at_step)
     # the generator's engine core spawned (VLLM_WORKER_MULTIPROC_METHOD), as a generator's later engines are: its
     # shared-memory segments, which a forked core does not make, must go too
     first = procs(again + [a for s in settings for a in ("--set", s)], tmp_path / "first.log",

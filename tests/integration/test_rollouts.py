@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from pipeline import protocol as P
-from pipeline.config import apply_environment, config_from_dict, load_config
+from pipeline.config import config_from_dict, load_config
+from pipeline.environment import apply_environment
 from pipeline.tinymodel import VOCAB, resolve_model_path
 from tests.integration import trl_rewards
 from tests.integration.helpers import Sink

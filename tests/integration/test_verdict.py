@@ -1,6 +1,6 @@
 """What holds a run back (pipeline/verdict.py), on CPU runs whose bound is known: a reward function that sleeps binds
 the rewards, k = 0 with the tiny model's fast learner binds the window, and a learner slowed by the test hook
-(PIPELINE_TEST_SLOW_STEP_S, pipeline/config.py) binds the learner's compute. Each run says so at step 9 (its record
+(PIPELINE_TEST_SLOW_STEP_S, pipeline/environment.py) binds the learner's compute. Each run says so at step 9 (its record
 and the learner's log) and at its end (`pipeline run`'s last lines).
 
 Ten steps each: the first verdict comes at step 9, over steps 2-9. Heartbeats every 0.2 s, so that the generators'

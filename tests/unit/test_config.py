@@ -8,12 +8,12 @@ import pytest
 
 from pipeline.config import (
     ConfigError,
-    apply_environment,
     apply_runtime_change,
     config_from_dict,
     load_config,
     runtime_keys,
 )
+from pipeline.environment import apply_environment
 
 
 def test_defaults_are_the_embedded_demo():
@@ -256,7 +256,7 @@ def test_generators_sharing_a_gpu_that_cannot_hold_their_shares_are_refused_at_l
 
 
 def test_gpus_count_within_the_cuda_visible_devices_a_user_set(monkeypatch):
-    from pipeline.config import OUTER_GPUS, visible_gpus
+    from pipeline.environment import OUTER_GPUS, visible_gpus
 
     monkeypatch.delenv(OUTER_GPUS, raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -158,7 +158,7 @@ def test_a_rank_stuck_in_a_collective_ends_on_sigterm_and_removes_its_shm_files(
 
 STANDIN_GENERATOR = """
 import os, signal, subprocess, sys, time
-from pipeline.config import env_flag
+from pipeline.environment import env_flag
 
 engine = subprocess.Popen(["sleep", "600"])  # its engine core, in its process group
 got = []
