@@ -91,6 +91,20 @@ def test_inflight_and_drain_updates_with_the_real_engine(model_cache, monkeypatc
             (cached,) = await engine.generate(prompt, 1, one)
             assert not task.done() and cached.first_version == 1
             outs = await task
+            assert engine.started_under(task) == 0  # the version its request started under: the group's behaviour
+            # a request cancelled while it runs (a group that can no longer be trained, generator/session.py
+            # stop_stale) ends in vLLM too: its sequences leave the engine
+            stopped = asyncio.create_task(engine.generate([4, 5, 6, 3], 8, long))
+            await asyncio.sleep(0.1)
+            assert engine.started_under(stopped) == 1 and engine._unfinished()
+            stopped.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stopped
+            for _ in range(100):
+                if not engine._unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine._unfinished()
             await engine.llm.reset_prefix_cache()
             (fresh,) = await engine.generate(prompt, 1, one)
             assert cached.token_ids == fresh.token_ids
