@@ -28,7 +28,8 @@
 #   arith-grid   issue 53's grid on configs/gpu-smollm2-math.yaml as shipped: k = $KS (default 0,1,2,4,8) of each loss
 #                of $LOSSES (default "m2po tis"; LOSS:N for N minibatches, e.g. "decoupled:4 masked"), one loss per GPU,
 #                five runs sharing each card, seed $SEED (default 0), $STEPS (150) steps, $ONLY (runs of the grid, e.g.
-#                k4/m2po/s1) (1 GPU per loss; merge the seeds' results with --merge)
+#                k4/m2po/s1; several, comma-separated), from GPU $FIRST_GPU (0) on (1 GPU per loss; merge the seeds'
+#                results with --merge)
 #   arith-alone  one arith run alone on the GPU (wall time to target): k = $K of $LOSS, seed $SEED, $STEPS (150)
 #   vs-trl-arith vs_trl --task arith: $SIDES (default trl; ours, engine) for $STEPS steps (default 80), our k = $KS
 #                (default the config's); TRL's wheels as for vs-trl (1 GPU; compare the sides with --merge)
@@ -232,7 +233,7 @@ run_part() {
     ;;
   arith-grid)  # the shipped config: only k, the loss, the seed, the steps and the engine's share of the card differ
     smollm2
-    gpu=0
+    gpu=${FIRST_GPU:-0}  # the first loss's GPU: FIRST_GPU=1 leaves GPU 0 to a part started beside this one
     for spec in ${LOSSES:-m2po tis}; do  # side by side, each loss on a GPU of its own (not `step`: its cleanup
       # would stop the other's runs); LOSS:N takes N minibatches (optimizer steps per batch), else $MINIBATCHES;
       # LOSS@S (or LOSS:N@S) seed S, else $SEED: "decoupled:4@1 decoupled:4@2" runs two seeds side by side
