@@ -116,7 +116,8 @@ class Intake:
         if lease is None or lease.generator_id != msg.generator_id or key not in lease.items:
             return P.Ack(known=False)
         if msg.kind not in ("engine", "prompt", "reward", "agent", "stale"):
-            return P.Error(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward, agent or stale")
+            return self.membership.refuse(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward, agent or "
+                                          "stale")
         if msg.kind == "stale":
             return self._stopped_stale(msg, gen, lease, key, version)
         self.ledger.settle(msg.lease_id, key)
@@ -127,13 +128,14 @@ class Intake:
 
     def _stopped_stale(self, msg: P.GroupFailed, gen: GeneratorInfo, lease: LeaseState, key: Key,
                        version: int) -> P.Message:
-        """A group its generator stopped because no step can train it any more: refused unless the lease's oldest
-        start (min_version) is more than k behind `version`, else its prompt goes to the front of the queue."""
+        """A group its generator stopped because no step can train it any more: refused (counted, a strike) unless the
+        lease's oldest start (min_version) is more than k behind `version`, else its prompt goes to the front of the
+        queue."""
         k = self.cfg.trainer.max_staleness
         if version - lease.min_version <= k:
-            return P.Error(f"GroupFailed.kind stale: lease {msg.lease_id}'s groups start at version "
-                           f"{lease.min_version} or later, within trainer.max_staleness={k} of version {version}: "
-                           "they can still be trained")
+            return self.membership.refuse(
+                f"GroupFailed.kind stale: lease {msg.lease_id}'s groups start at version {lease.min_version} or "
+                f"later, within trainer.max_staleness={k} of version {version}: they can still be trained")
         self.ledger.settle(msg.lease_id, key)
         self.ledger.requeue([key])
         self.counters["stale_stopped"] += 1

@@ -510,6 +510,7 @@ def test_a_group_stopped_as_stale_is_leased_again_once_its_lease_shows_it_could_
     hub.finish_step(1)
     refused = peer.ask(stale)
     assert isinstance(refused, P.Error) and "can still be trained" in refused.message
+    assert hub.counters["refused"] == 1  # counted
     assert (item.epoch, item.prompt_id) in hub.ledger.leases[lease.lease_id].items
     hub.finish_step(2)
     in_flight = hub.ledger.in_flight()
