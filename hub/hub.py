@@ -106,6 +106,7 @@ class Hub:
         if state:
             self.ledger.restore(state)
             self.counters.update(state.get("counters", {}))
+            self.stopped_seen = self.counters["stale_stopped"]  # a resumed run's steps count their own
         eval_prompts = Prompts(eval_rows or [], (cfg.eval.data or cfg.data).prompt_column, encode, vocab_size,
                                cfg.generator.max_model_len)
         self.evaluation = Evaluation(cfg, eval_prompts, self.shape, run_dir)  # eval.every: held-out prompts
