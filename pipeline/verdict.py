@@ -50,7 +50,7 @@ REWARDS = 0.5  # reward-function seconds per generator second
 WAITS = 0.2  # generators waiting for room (the window) or for weights, this share of their time
 RISE = 1.1  # steps/min after a generator joined (or k rose) against before: less than this did not rise
 WAIT_NOTED = 0.1  # a learner-bound run that still waits this share with the window full is told of the window too
-STALE = 0.05  # groups dropped as stale, as a share of those trained, that every verdict names
+STALE = 0.05  # groups gone stale (dropped or stopped), as a share of those trained, that every verdict names
 
 LEARNER, GENERATION, WINDOW, WEIGHTS, HUB, REWARD = ("learner compute", "generation throughput", "the window",
                                                      "weights delivery", "the hub", "rewards")
