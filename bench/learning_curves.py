@@ -192,7 +192,7 @@ def summarise_run(run_dir: Path, k: int, threshold: float, launched_at: float | 
         "lags": {str(lag): n for lag, n in sorted(lags.items())}, "max_lag": max(lags) if lags else 0,
         "steps_to_threshold": reached, "auc": statistics.mean(rewards) if rewards else 0.0,
         "final": statistics.mean(rewards[-10:]) if rewards else 0.0,
-        "eval": [[e["version"], round(e["eval/reward_mean"], 4)] for e in evals],
+        "eval": sorted([e["version"], round(e["eval/reward_mean"], 4)] for e in evals),  # by version, not by end
         "mismatch_kl_lag0": statistics.mean(kl0) if kl0 else None,
         "wall_to_threshold_s": records[reached]["time/elapsed_s"] if reached is not None else None,
         "k": k,
@@ -243,7 +243,8 @@ def summarise(runs: dict, steps: int, window: int = 1, heldout_curves: bool = Fa
                                             else steps for r in seeds]),
             "reached": sum(r["steps_to_threshold"] is not None for r in seeds),
             "auc": interval([r["auc"] for r in seeds]), "final": interval([r["final"] for r in seeds]),
-            "eval_final": interval([r["eval"][-1][1] if r["eval"] else None for r in seeds]),
+            # the round of the newest version: rounds end out of order (an overdue round after the next one)
+            "eval_final": interval([max(r["eval"])[1] if r["eval"] else None for r in seeds]),
             "wall_to_threshold_s": interval([r["wall_to_threshold_s"] for r in seeds]),
             "wall_to_sync_final": {"from_launch": interval([x["from_launch"] for x in ratios]),
                                    "from_first_step": interval([x["from_first_step"] for x in ratios]),

@@ -151,7 +151,7 @@ class TrainerConfig:
     """Hard bound k: the step turning version v into v+1 trains only on samples with v - behaviour <= k (0:
     synchronous). The default serves the embedded tiny task at its lr; on a real model configs/gpu-smollm2-math.yaml
     ships k = 8 with trainer.loss m2po, the largest k whose held-out pass@1 after 150 steps stayed within 1 point of
-    k = 0's (3 seeds: 69.2 % against 68.6 %; docs/figures.md, "The grid on the shipped config")."""
+    k = 0's (3 seeds: 69.1 % against 68.6 %; docs/figures.md, "The grid on the shipped config")."""
     lr: float = knob(2e-3, Range(0, 1, lo_closed=False, why="AdamW moves every weight by about lr per step"),
                      runtime=True)
     """AdamW learning rate."""

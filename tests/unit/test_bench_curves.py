@@ -45,3 +45,18 @@ def test_a_round_of_its_own_version_stands_at_that_version(tmp_path):
     points = eval_curve(tmp_path, launched_at=LAUNCH)
     assert points[0]["wall_s"] == 18 and points[0]["elapsed_s"] == 0.0  # version 0: the learner's start
     assert points[1]["wall_s"] == 40
+
+
+def test_a_cells_final_held_out_accuracy_is_its_newest_rounds_whichever_ended_last():
+    """Rounds end out of order: an overdue v140 round can end after v150's. The grid's summary once took the round
+    that ended last, and reported three k = 8 runs "at v140" that had their v150 round."""
+    from bench.learning_curves import summarise
+
+    def run(evals):
+        return {"rewards": [0.5] * 10, "elapsed_s": [float(i) for i in range(10)], "lags": {"0": 10}, "max_lag": 0,
+                "steps_to_threshold": None, "auc": 0.5, "final": 0.5, "eval": evals, "mismatch_kl_lag0": None,
+                "wall_to_threshold_s": None, "k": 0}
+
+    runs = {"k0/m2po/s0": run([[130, 0.66], [150, 0.68], [140, 0.70]]),
+            "k0/m2po/s1": run([[130, 0.64], [140, 0.66], [150, 0.70]])}
+    assert summarise(runs, 150)["k0/m2po"]["eval_final"]["mean"] == 0.69
