@@ -13,7 +13,7 @@ import threading
 from hub.evaluation import Evaluation
 from hub.faults import Faults
 from hub.journal import Journal
-from hub.ledger import Key, LeaseState, PromptLedger
+from hub.ledger import Key, PromptLedger
 from hub.membership import Membership
 from hub.registry import GeneratorInfo, Registry
 from hub.server import Server
@@ -107,8 +107,8 @@ class Intake:
 
     def group_failed(self, msg: P.GroupFailed, gen: GeneratorInfo, version: int) -> P.Message:
         """A generator could not generate a leased prompt: hub/faults.py decides what it costs. One it stopped as
-        stale (`version` has passed its samples' by more than k) is leased again and costs nothing, once the lease
-        shows it could be: its groups start at its min_version or later."""
+        stale (`version` has passed its samples' by more than k) is leased again and costs nothing, unless the lease
+        refutes it (refused: counted, a strike)."""
         key = (msg.epoch, msg.prompt_id)
         if self.evaluation.owns(msg.lease_id):
             return P.Ack(known=self.evaluation.failed(msg.lease_id, msg.prompt_id, msg.generator_id))
@@ -118,28 +118,18 @@ class Intake:
         if msg.kind not in ("engine", "prompt", "reward", "agent", "stale"):
             return self.membership.refuse(f"GroupFailed.kind: {msg.kind!r} is not engine, prompt, reward, agent or "
                                           "stale")
-        if msg.kind == "stale":
-            return self._stopped_stale(msg, gen, lease, key, version)
-        self.ledger.settle(msg.lease_id, key)
-        self.registry.progressed(gen)
-        self.faults.group_failed(msg, gen.principal)
-        self.lock.notify_all()
-        return P.Ack()
-
-    def _stopped_stale(self, msg: P.GroupFailed, gen: GeneratorInfo, lease: LeaseState, key: Key,
-                       version: int) -> P.Message:
-        """A group its generator stopped because no step can train it any more: refused (counted, a strike) unless the
-        lease's oldest start (min_version) is more than k behind `version`, else its prompt goes to the front of the
-        queue."""
         k = self.cfg.trainer.max_staleness
-        if version - lease.min_version <= k:
+        if msg.kind == "stale" and version - lease.min_version <= k:  # its groups start at min_version or later
             return self.membership.refuse(
                 f"GroupFailed.kind stale: lease {msg.lease_id}'s groups start at version {lease.min_version} or "
                 f"later, within trainer.max_staleness={k} of version {version}: they can still be trained")
         self.ledger.settle(msg.lease_id, key)
-        self.ledger.requeue([key])
-        self.counters["stale_stopped"] += 1
         self.registry.progressed(gen)
+        if msg.kind == "stale":  # no step can train it any more: leased again at once, no one's fault
+            self.ledger.requeue([key])
+            self.counters["stale_stopped"] += 1
+        else:
+            self.faults.group_failed(msg, gen.principal)
         self.lock.notify_all()
         return P.Ack()
 

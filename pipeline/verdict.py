@@ -119,7 +119,7 @@ def verdict(pairs: Sequence[tuple[dict, float]], lora: bool = False) -> Verdict 
                      f"generated again (samples that outlive k steps: the longest), where "
                      f"`trainer.max_staleness={k + 1}` or a smaller `sampling.max_tokens` keeps them")
     return Verdict(stage, share, sentence, kept[0][0]["step"], kept[-1][0]["step"], len(kept),
-                   len(pairs) - len(kept), {k: v for k, v in f.items() if k != "score_per_group"})
+                   len(pairs) - len(kept), {name: v for name, v in f.items() if name != "score_per_group"})
 
 
 def _usual(pairs: Sequence[tuple[dict, float]]) -> list[tuple[dict, float]]:
