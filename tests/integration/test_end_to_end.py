@@ -84,8 +84,11 @@ class StalenessRun:
     """A learner and `n_gen` generators, each behind a gate that opens once all of them are up. A generator builds its
     engine after the gate, from the run's spec, so with several the first registered can be seconds ahead of the others
     and, with a window of (k + 1) batches, lease the whole dataset before they are in (it did, once in a full run):
-    with several generators, each holds at most a batch at once and the learner holds after version 1 until every
-    one has registered."""
+    with several generators the learner holds after version 1 until every one has registered, each holds at most half
+    a batch at once, and the learner sleeps 1.5 s a step (a test hook), so that each step's room goes to both and
+    neither's groups go stale before a step can train them. With a batch each and steps of 0.5 s, the second's groups
+    once came in more than k versions late, were stopped and leased again to the first, which trained all 64 (CI, at
+    af0e812)."""
 
     steps, batch = 8, 8
 
@@ -97,10 +100,10 @@ class StalenessRun:
                   # long completions: generation is the bottleneck, so updates arrive while requests run
                   "sampling.max_tokens=48", "sampling.ignore_eos=true", "generator.max_model_len=128"]
         self.release, env = None, None
-        if n_gen > 1:  # after the hold, 3 batches are left to lease, and no generator can hold them all
-            common.append(f"generator.max_inflight_groups={self.batch}")
+        if n_gen > 1:  # after the hold, 3 batches are left to lease, and no generator can hold one of them whole
+            common.append(f"generator.max_inflight_groups={self.batch // 2}")
             self.release = tmp_path / f"k{k}-release"
-            env = held_at(1, self.release)
+            env = {**held_at(1, self.release), "PIPELINE_TEST_SLOW_STEP_S": "1.5"}
         self.learner = start_learner(procs, self.run_dir, port, common, env=env)
         self.gates = [Gate(port) for _ in range(n_gen)]
         self.gens = [start_generator(procs, self.run_dir, g.port, common, name=f"gen{i}")
@@ -155,6 +158,8 @@ class StalenessRun:
             for r in records:
                 for gid, n in r["groups_by_generator"].items():
                     by_gen[gid] = by_gen.get(gid, 0) + n
+            print(f"groups trained by generator {by_gen}, stale: {sum(r['staleness/dropped'] for r in records)} "
+                  f"dropped, {sum(r['staleness/stopped'] for r in records)} stopped")
             assert len(by_gen) == 2 and min(by_gen.values()) > 0, by_gen  # both generators shared the work
         trained = [(t[0], t[1]) for r in records for t in r["trained"]]
         assert len(trained) == len(set(trained)) == steps * self.batch  # no prompt trained twice
