@@ -212,12 +212,27 @@ def compile_layers(model) -> int:
     """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`), with dynamic
     shapes: one graph for every layer and micro-batch size. In place, so parameter names stay as they are; lazy, so
     the cast to bf16 comes first. The lm_head stays eager; on a GPU the log-prob passes are Triton kernels
-    of their own (learner/kernels.py). Inductor's mix-order reductions are off: whether to fuse them depends on the
-    micro-batch's rows x length (at least 5 Mi elements), a guard that compiled every layer again when a micro-batch
-    crossed it mid-run (docs/figures.md). Returns the number of layers compiled."""
+    of their own (learner/kernels.py). Returns the number of layers compiled.
+
+    Each guard the graph carries that a run can cross compiles every layer again, so three are taken away:
+    - inductor's mix-order reductions are off: whether to fuse them depends on the micro-batch's rows x length (at
+      least 5 Mi elements), a guard that compiled every layer again when a micro-batch crossed it mid-run;
+    - with frozen embeddings (LoRA, QLoRA) the first layer's input needs no gradient and the others' do, a guard
+      that gave the first layer a graph of its own: the embeddings' output is made to require one (PEFT's
+      enable_input_require_grads; the first layer then computes its input's gradient, which nothing uses);
+    - duck shapes are off: a micro-batch whose length equals the head dimension or the hidden size (64 or 576 for
+      SmolLM2, 128 for Qwen) was traced with its length tied to that constant, so the first graph was specialised
+      to it and the next length compiled everything again.
+    Cold, on CPU, SmolLM2's QLoRA learner compiled 4 graphs in its first two micro-batches (73 s) before, 1 (34 s)
+    after (docs/figures.md, "One graph for a LoRA learner")."""
+    import torch.fx.experimental._config as fx_config
     from torch._inductor import config as inductor
 
     options = {"triton.mix_order_reduction": False} if hasattr(inductor.triton, "mix_order_reduction") else None
+    fx_config.use_duck_shape = False  # a process setting: the learner compiles nothing else
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
+        model.enable_input_require_grads()
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
