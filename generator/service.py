@@ -325,6 +325,7 @@ class Generator:
             await self._generate(session, lease, item, lane)
 
     async def _generate(self, session: Session, lease: P.Lease, item: P.PromptItem, lane: str) -> None:
+        task = asyncio.current_task()  # the group's own: `Session.stop_stale` cancels it by this
         try:
             prompt_ids = (P.unpack_ints(item.prompt_ids).tolist() if item.prompt_ids
                           else encode_prompt(self.tok, self.cfg.data, item.messages or item.prompt))
@@ -333,7 +334,6 @@ class Generator:
             ctx = Context(lease.group_size or session.welcome.group_size, lease.sampling, self.tok, item,
                           seed_of(self.cfg.sampling.seed, item.epoch, item.prompt_id))
             self.stages.rollouts(+1)
-            task = asyncio.current_task()
             if not lease.eval and task is not None:  # an evaluation round's groups are never stale
                 session.generating.add(task)
             try:
@@ -353,7 +353,7 @@ class Generator:
                 await session.push.send(data, copy=False)
             session.pushed += 1
         except asyncio.CancelledError:
-            if (task := asyncio.current_task()) is None or task not in session.stale:
+            if task is None or task not in session.stale:
                 raise
             session.stale.discard(task)  # stopped by `Session.stop_stale`: the hub leases the prompt again
             task.uncancel()
