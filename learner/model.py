@@ -94,7 +94,7 @@ def build_engine(cfg: Config, model_path: str) -> tuple[Any, Extras]:
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.model.lora is not None:
-            model.enable_input_require_grads()  # else no gradient reaches the adapters through frozen embeddings
+            inputs_require_grad(model)  # else no gradient reaches the adapters through frozen embeddings
     if t.compile:
         compile_layers(model)
     model.config.use_cache = False
@@ -208,6 +208,20 @@ def quiet_dropout(model) -> None:
                 setattr(module, name, 0.0)
 
 
+def inputs_require_grad(model) -> None:
+    """Make the frozen embeddings' output require a gradient, where gradients are on, so one reaches the adapters
+    through the first layer under gradient checkpointing, and every compiled layer sees the same input. PEFT's
+    enable_input_require_grads does it under torch.no_grad too: there the first layer's input then required a
+    gradient and the others' did not, and the compiled layers made two graphs for the no-gradient passes (SmolLM2's
+    QLoRA learner on an H200, 2026-11-30: three graphs in its first step of 99.7 s, where two are needed)."""
+    def hook(module, args, output):
+        if torch.is_grad_enabled():
+            output.requires_grad_(True)
+
+    if getattr(model, "_inputs_require_grad", None) is None:  # once, whether checkpointing or compile asks first
+        model._inputs_require_grad = model.get_input_embeddings().register_forward_hook(hook)
+
+
 def compile_layers(model) -> int:
     """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`), with dynamic
     shapes: one graph for every layer and micro-batch size. In place, so parameter names stay as they are; lazy, so
@@ -218,13 +232,14 @@ def compile_layers(model) -> int:
     - inductor's mix-order reductions are off: whether to fuse them depends on the micro-batch's rows x length (at
       least 5 Mi elements), a guard that compiled every layer again when a micro-batch crossed it mid-run;
     - with frozen embeddings (LoRA, QLoRA) the first layer's input needs no gradient and the others' do, a guard
-      that gave the first layer a graph of its own: the embeddings' output is made to require one (PEFT's
-      enable_input_require_grads; the first layer then computes its input's gradient, which nothing uses);
+      that gave the first layer a graph of its own: the embeddings' output is made to require one where gradients
+      are on (`inputs_require_grad`; the first layer then computes its input's gradient, which nothing uses);
     - duck shapes are off: a micro-batch whose length equals the head dimension or the hidden size (64 or 576 for
       SmolLM2, 128 for Qwen) was traced with its length tied to that constant, so the first graph was specialised
       to it and the next length compiled everything again.
     Cold, on CPU, SmolLM2's QLoRA learner compiled 4 graphs in its first two micro-batches (73 s) before, 1 (34 s)
-    after (docs/figures.md, "One graph for a LoRA learner")."""
+    after (docs/figures.md, "One graph for a LoRA learner"). The log-prob passes without gradients (proximal,
+    reference) make one graph more: dynamo guards on the grad mode too."""
     import torch.fx.experimental._config as fx_config
     from torch._inductor import config as inductor
 
@@ -232,7 +247,7 @@ def compile_layers(model) -> int:
     fx_config.use_duck_shape = False  # a process setting: the learner compiles nothing else
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
-        model.enable_input_require_grads()
+        inputs_require_grad(model)
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
