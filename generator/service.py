@@ -64,7 +64,7 @@ from pipeline import protocol as P
 from pipeline import trace
 from pipeline.client import HubClient
 from pipeline.config import Config
-from pipeline.environment import env_flag
+from pipeline.environment import held_gpus
 from pipeline.host import host_identity, remove_receiver_dir, remove_stale
 from pipeline.security import client_keys, secure_client
 from pipeline.tasks import RewardError, encode_prompt
@@ -86,7 +86,7 @@ class Generator:
         what `cfg` sets of that explicitly (`explicit`, dotted keys) it claims. `engines`:
         generator.engines.VllmEngines (or Fixed: an engine built elsewhere)."""
         self.address = address
-        self.gpus = gpus or env_flag("CUDA_VISIBLE_DEVICES")  # reported: `auto` picks nccl for GPUs
+        self.gpus = held_gpus(gpus)  # reported: `auto` picks ipc or nccl by them
         host, boot = host_identity()
         self.host, self.boot_id = host, boot
         self.id = f"gen-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -32,6 +32,17 @@ def visible_gpus(gpus: str) -> str:
     return ",".join(picked)
 
 
+def held_gpus(gpus: str) -> str:
+    """The GPUs this process holds, as the machine numbers them: its CUDA_VISIBLE_DEVICES, which apply_environment set
+    from `--gpus` (indices within an outer CUDA_VISIBLE_DEVICES), else `gpus`. A generator reports these: the hub
+    compares them with the learner's own CUDA_VISIBLE_DEVICES to tell a generator on the learner's GPU (weights over
+    CUDA IPC) from one on a GPU of its own (NCCL). A generator that reported its `--gpus 0` under
+    CUDA_VISIBLE_DEVICES=1, beside a learner on that GPU, was given nccl, which failed ("Duplicate GPU detected"),
+    and then shm (an H200, 2026-11-30). GPUs named by UUID are not numbers the hub takes: `gpus` then."""
+    held = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
+    return held if held and all(g.isdigit() for g in held.split(",")) else gpus
+
+
 def apply_environment(cfg: Config, gpus: str | None = None) -> None:
     """Set the environment a service needs before torch/vllm/deepspeed are imported."""
     if gpus is not None:

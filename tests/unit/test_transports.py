@@ -364,3 +364,31 @@ def test_a_process_in_another_network_namespace_reports_another_host():
 
     here, there = host_identity()[1], out.stdout.strip()
     assert there != here and there.split(":")[0] == here.split(":")[0]  # one machine, another host
+
+
+def test_a_generator_on_the_learners_gpu_under_cuda_visible_devices_is_given_ipc(monkeypatch):
+    """`CUDA_VISIBLE_DEVICES=1 pipeline run` with the generator on the learner's GPU: the learner's hub compares a
+    generator's GPUs with its own CUDA_VISIBLE_DEVICES (1, as the machine numbers it), and the generator reported its
+    `--gpus 0` (an index within that set), so `auto` took them for two GPUs and gave nccl, which failed ("Duplicate
+    GPU detected") and fell back to shm where ipc was due (an H200, 2026-11-30). It reports the machine's number."""
+    from generator.engines import Fixed
+    from generator.service import Generator
+    from pipeline.config import config_from_dict
+    from pipeline.environment import OUTER_GPUS
+    from pipeline.host import host_identity
+    from weights import pick
+
+    def reported() -> tuple[str, str]:
+        gen = Generator(config_from_dict({}), Fixed(object(), object()), "tcp://127.0.0.1:1", "0")
+        gen.ctx.destroy(linger=0)
+        return gen.gpus, gen.id
+
+    monkeypatch.setenv(OUTER_GPUS, "1")  # as apply_environment leaves a process given --gpus 0 under 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    gpus, generator_id = reported()
+    here = host_identity()[1]
+    register = SimpleNamespace(boot_id=here, gpus=gpus, generator_id=generator_id, tensor_parallel=1)
+    senders = {"ipc": SimpleNamespace(failed=set()), "nccl": SimpleNamespace(failed=set())}
+    assert gpus == "1" and pick("auto", register, here, ["1"], senders) == "ipc"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f1c")  # by UUID: not numbers the hub takes
+    assert reported()[0] == "0"
