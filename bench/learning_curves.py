@@ -192,7 +192,8 @@ def summarise_run(run_dir: Path, k: int, threshold: float, launched_at: float | 
         "lags": {str(lag): n for lag, n in sorted(lags.items())}, "max_lag": max(lags) if lags else 0,
         "steps_to_threshold": reached, "auc": statistics.mean(rewards) if rewards else 0.0,
         "final": statistics.mean(rewards[-10:]) if rewards else 0.0,
-        "eval": sorted([e["version"], round(e["eval/reward_mean"], 4)] for e in evals),  # by version, not by end
+        # held-out pass@1 by version, not by end (a reward with partial credit, reasoning-gym's, is not an accuracy)
+        "eval": sorted([e["version"], round(e["eval/pass@1"], 4)] for e in evals),
         "mismatch_kl_lag0": statistics.mean(kl0) if kl0 else None,
         "wall_to_threshold_s": records[reached]["time/elapsed_s"] if reached is not None else None,
         "k": k,

@@ -60,3 +60,19 @@ def test_a_cells_final_held_out_accuracy_is_its_newest_rounds_whichever_ended_la
     runs = {"k0/m2po/s0": run([[130, 0.66], [150, 0.68], [140, 0.70]]),
             "k0/m2po/s1": run([[130, 0.64], [140, 0.66], [150, 0.70]])}
     assert summarise(runs, 150)["k0/m2po"]["eval_final"]["mean"] == 0.69
+
+
+def test_a_runs_held_out_series_is_its_pass_at_1_not_a_reward_with_partial_credit(tmp_path):
+    """reasoning-gym's score_answer gives part of a point to an answer near the right one, so a round's mean reward is
+    above its accuracy: the grid read eval/reward_mean, and a k = 8 run of basic_arithmetic showed 94.6 % held out
+    where 92.4 % of its answers were right (2026-11-30)."""
+    from bench.learning_curves import summarise_run
+
+    run = tmp_path / "k8" / "run"
+    write_run(run, [round_(0, 0.09, 0, 0) | {"eval/reward_mean": 0.10},
+                    round_(10, 0.9238, 10, 10) | {"eval/reward_mean": 0.9460}])
+    step = {"reward/mean": 0.5, "trained": [], "time/wait_s": 0.1, "time/step_s": 1.0, "sync/weights_ms": 5.0,
+            "tokens/completion_mean": 9.0}
+    rows = [step | {"step": s, "version": s + 1, "time/elapsed_s": 2.0 * s} for s in range(10)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert summarise_run(tmp_path / "k8", 8, 0.3, LAUNCH)["eval"] == [[0, 0.09], [10, 0.9238]]
