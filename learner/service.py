@@ -39,7 +39,7 @@ from learner.model import Extras, build_engine, init_distributed, leave_distribu
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
 from learner.signal import Signal
-from learner.step import train_step
+from learner.step import train_step, warm_up
 from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
@@ -243,6 +243,7 @@ class Learner:
 
         with trace.span("tokenizer", "startup"):  # the learner's start, on a track of its own (--profile)
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if resume:
             reapply_changes(cfg, run_dir)
         with trace.span("build engine", "startup"):
@@ -257,8 +258,12 @@ class Learner:
         publisher = WeightPublisher(cfg, engine, senders.values(), rank)
         with trace.span("publish the first version", "startup"):
             publisher.publish(version)
+        with trace.span("compile the step", "startup"):  # trainer.compile: while the first batch is generated
+            began = time.perf_counter()
+            if warm_up(engine, cfg, pad_id):
+                log.info("trainer.compile: the step's graphs compiled in %.1f s, while the first batch was generated",
+                         time.perf_counter() - began)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(cfg, engine, extras, hub=hub, publisher=publisher, metrics=metrics, run_dir=run_dir, rank=rank,
                    world=place.world, pad_id=pad_id, what=what, version=version, tokenizer=tokenizer)
 

@@ -260,3 +260,34 @@ def _empty_row(rows: list[Row], groups: list[P.RolloutGroup]) -> Row:
     prompt = P.unpack_ints(groups[0].prompt_ids)
     return Row(prompt, np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), 0.0,
                1.0)
+
+
+def warm_up(engine, cfg: Config, pad_id: int) -> bool:
+    """trainer.compile: compile the step's graphs on a made-up micro-batch while the first batch is generated, so the
+    first step does not (a cold machine compiled SmolLM2's for 28 s after a wait of 80 s for its batch; a QLoRA
+    learner's for about 72 s). The passes a step makes: one without gradients (proximal and reference log-probs),
+    then one with them, whose graph AOTAutograd compiles with its backward. The backward runs once too, for the
+    log-prob passes' Triton kernels (learner/kernels.py), which compile at their first call on a GPU; it asks for the
+    gradient of the embeddings' output alone, so no weight's gradient is made: the weights, their gradients and the
+    optimizer (DeepSpeed's hooks included) are as before. Under gradient checkpointing it is left to the first step
+    (its recompute makes the weights' gradients whatever is asked). Returns whether it ran."""
+    if not cfg.trainer.compile:
+        return False
+    model = engine.module
+    rows = [Row(np.full(n, 5, dtype=np.int64), np.full(8, 6, dtype=np.int64), np.zeros(8, dtype=np.float32),
+                np.ones(8, dtype=np.uint8), 0.0, 1.0) for n in (16, 24)]  # two lengths: padded, as most are
+    batch = collate(rows, pad_id, engine.device)
+    with torch.no_grad():
+        forward_logprobs(model, batch)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is None or cfg.trainer.gradient_checkpointing:
+        return True
+    inputs: list[torch.Tensor] = []
+    hook = embeddings.register_forward_hook(lambda module, args, output: inputs.append(output))
+    try:
+        logp = forward_logprobs(model, batch)[0]
+    finally:
+        hook.remove()
+    if inputs[0].requires_grad:
+        torch.autograd.grad(logp.sum(), inputs[0])
+    return True
