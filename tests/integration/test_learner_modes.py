@@ -10,9 +10,8 @@ import torch
 
 from learner.model import build_engine, init_distributed
 from learner.step import train_step
-from pipeline.config import config_from_dict
 from pipeline.tinymodel import PAD_ID, resolve_model_path
-from tests.integration.test_learner_step import _distinct_groups
+from tests.integration.test_learner_step import _distinct_groups, learner_config
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +20,7 @@ def _step(trainer: dict, model: dict | None = None) -> tuple[int, dict[str, torc
     """Calls of the first decoder layer during one training step, and the trainable weights after it."""
     init_distributed()
     torch.manual_seed(0)
-    cfg = config_from_dict({"model": model or {}, "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.01,
+    cfg = learner_config({"model": model or {}, "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.01,
                                                               **trainer}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     layer = next(m for m in engine.module.modules() if type(m).__name__ in engine.module._no_split_modules)
@@ -82,7 +81,7 @@ def test_a_compiled_learner_compiles_its_step_before_the_first_batch_and_trains_
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.01, "compile": True}})
+        cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.01, "compile": True}})
         engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
         before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         if warm:

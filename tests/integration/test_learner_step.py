@@ -18,6 +18,14 @@ from pipeline.tinymodel import PAD_ID, resolve_model_path
 pytestmark = pytest.mark.integration
 
 
+def learner_config(data: dict):
+    """The config of these tests' steps: decoupled unless a test names its loss. Their made-up behaviour log-probs
+    (-2.0 a token) are far from the tiny model's (about -2.8), so the default m2po would leave every token out (a
+    squared log weight near 0.6 against its tau of 0.04) and train nothing."""
+    data.setdefault("trainer", {}).setdefault("loss", "decoupled")
+    return config_from_dict(data)
+
+
 def _groups(n: int, reward=None) -> list[P.RolloutGroup]:
     out = []
     for pid in range(n):
@@ -55,7 +63,7 @@ def _same(a: dict, b: dict) -> bool:
                                                 (3, "float32", True)])
 def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage, dtype, offload):
     init_distributed()
-    cfg = config_from_dict({"model": {"dtype": dtype}, "trainer": {"zero_stage": stage, "batch_size": 4,
+    cfg = learner_config({"model": {"dtype": dtype}, "trainer": {"zero_stage": stage, "batch_size": 4,
                                                                    "group_size": 2, "offload_optimizer": offload}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     assert not train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)["skipped"]  # a normal step: moments exist now
@@ -77,7 +85,7 @@ def test_an_optimizer_offloaded_to_the_cpu_steps_as_the_one_beside_the_weights(m
     init_distributed()
     initial, weights = {}, {}
     for offload in (False, True):
-        cfg = config_from_dict({"model": {"dtype": "float32"}, "trainer": {
+        cfg = learner_config({"model": {"dtype": "float32"}, "trainer": {
             "zero_stage": 3, "offload_optimizer": offload, "batch_size": 4, "group_size": 2, "lr": 1e-3}})
         engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
         initial = {name: t.detach().clone() for name, t in gathered_weights(engine, 3)}
@@ -99,7 +107,7 @@ def test_without_zero_a_bf16_model_steps_fp32_masters_clipped_by_the_guards_norm
     from learner.model import MixedAdamW
 
     init_distributed()
-    cfg = config_from_dict({"model": {"dtype": "bfloat16"},
+    cfg = learner_config({"model": {"dtype": "bfloat16"},
                             "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "grad_clip": 0.01}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     opt = extras.guard.optimizer
@@ -138,7 +146,7 @@ def test_a_checkpoint_restores_the_fp32_masters(model_cache, tmp_path):
     from learner import checkpoint
 
     init_distributed()
-    cfg = config_from_dict({"model": {"dtype": "bfloat16"}, "trainer": {"batch_size": 4, "group_size": 2,
+    cfg = learner_config({"model": {"dtype": "bfloat16"}, "trainer": {"batch_size": 4, "group_size": 2,
                                                                         "lr": 1e-4}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     train_step(engine, extras, _distinct_groups(4), cfg, 0, PAD_ID)
@@ -166,7 +174,7 @@ def test_compiled_layers_train_as_the_eager_model_does(model_cache):
     init_distributed()
     out = {}
     for compiled in (False, True):
-        cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "compile": compiled}})
+        cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "compile": compiled}})
         engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
         start = _state(engine, extras, 0)["weights"]
         stats = train_step(engine, extras, _distinct_groups(4), cfg, 0, PAD_ID)
@@ -186,7 +194,7 @@ def test_several_minibatches_measure_each_update_against_the_proximal_policy(mod
     before the batch's first update (a no-grad forward), which the earlier updates moved: the clip acts. With a
     learning rate of 0 nothing moves, so the proximal log-probs equal the trained ones and the clip does not act."""
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01,
+    cfg = learner_config({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01,
                                         "micro_batch_tokens": 0}})  # 0: sized from GPU memory; on CPU the default
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     one = train_step(engine, extras, _groups(8), cfg, 0, PAD_ID)
@@ -216,7 +224,7 @@ def test_m2po_measures_the_first_update_too_and_masks_over_all_its_micro_batches
 
     monkeypatch.setattr(learner.step, "proximal", proximal)
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 16, "loss": "m2po",
+    cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 16, "loss": "m2po",
                                         "m2po_tau": 1.0}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     groups = _distinct_groups(4)
@@ -235,7 +243,7 @@ def test_m2po_measures_the_first_update_too_and_masks_over_all_its_micro_batches
 
 def test_the_kl_penalty_measures_the_distance_to_the_frozen_initial_model(model_cache):
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "kl_coef": 0.1}})
+    cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "kl_coef": 0.1}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     first = train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)
     assert first["kl/reference"] < 1e-6  # the weights are still the initial ones
@@ -251,7 +259,7 @@ def test_completion_logprobs_match_the_log_softmax_of_the_whole_logits(model_cac
     from learner.logprobs import _keeps_logits, forward_logprobs
 
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 2, "group_size": 2}})
+    cfg = learner_config({"trainer": {"batch_size": 2, "group_size": 2}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     groups = _groups(2)
     groups[1].prompt_ids = P.pack_ints([4, 5, 3, 6, 7, 8])
@@ -271,7 +279,7 @@ def test_running_out_of_gpu_memory_names_the_micro_batch_budget(model_cache, mon
     import learner.step
 
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 512}})
+    cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 512}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
 
     def oom(model, batch):
@@ -297,7 +305,7 @@ def test_the_steps_health_costs_grow_with_the_lags_present_not_with_k(model_cach
 
     monkeypatch.setattr(learner.step, "StepHealth", Spy)
     init_distributed()
-    cfg = config_from_dict({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 10**6}})
+    cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "max_staleness": 10**6}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     groups = _distinct_groups(4)
     for s in groups[0].samples:

@@ -15,7 +15,7 @@ from learner.step import train_step
 from learner.versions import AdapterVersion
 from pipeline.config import config_from_dict
 from pipeline.tinymodel import PAD_ID, resolve_model_path
-from tests.integration.test_learner_step import _distinct_groups
+from tests.integration.test_learner_step import _distinct_groups, learner_config
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ def _split(engine) -> tuple[dict, dict]:
 def test_the_adapter_trains_the_base_does_not_and_a_checkpoint_resumes_the_same_adapter(model_cache, tmp_path,
                                                                                          stage, quantization):
     init_distributed()
-    cfg = config_from_dict({"model": {"lora": {"r": 4, "alpha": 8}, "quantization": quantization}, "trainer": {
+    cfg = learner_config({"model": {"lora": {"r": 4, "alpha": 8}, "quantization": quantization}, "trainer": {
         "zero_stage": stage, "batch_size": 4, "group_size": 2, "lr": 0.01, "kl_coef": 0.1}})
     path = resolve_model_path("builtin:tiny")
     engine, extras = build_engine(cfg, path)

@@ -379,8 +379,9 @@ def test_m2po_is_the_on_policy_loss_when_behaviour_proximal_and_current_agree():
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.loss=m2po", "trainer.m2po_tau=0"], "trainer.m2po_tau: must be > 0, got 0.0"),
     (["trainer.loss=m2po", "trainer.m2po_tau=.nan"], "trainer.m2po_tau: must be a finite number, got nan"),
-    (["trainer.m2po_tau=0.1"], "trainer.m2po_tau: set to 0.1, but trainer.loss is 'decoupled' and only m2po reads it; "
-                               "use trainer.loss: m2po, or leave trainer.m2po_tau out"),
+    (["trainer.loss=decoupled", "trainer.m2po_tau=0.1"],
+     "trainer.m2po_tau: set to 0.1, but trainer.loss is 'decoupled' and only m2po reads it; "
+     "use trainer.loss: m2po, or leave trainer.m2po_tau out"),
     (["trainer.loss=m2p0"], "trainer.loss: 'm2p0' is not one of 'none', 'ppo', 'tis', 'decoupled', 'masked', 'm2po'"),
 ])
 def test_a_loss_and_its_knob_are_checked_at_load(overrides, message):
@@ -390,5 +391,6 @@ def test_a_loss_and_its_knob_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict({}, overrides)
     assert message in str(e.value)
-    t = config_from_dict({}, ["trainer.loss=m2po"]).trainer
-    assert t.m2po_tau == 0.04 and Loss.of(t).needs_proximal and not Loss.of(config_from_dict({}).trainer).needs_proximal
+    t = config_from_dict({}).trainer  # the default loss
+    decoupled = config_from_dict({}, ["trainer.loss=decoupled"]).trainer
+    assert t.loss == "m2po" and t.m2po_tau == 0.04 and Loss.of(t).needs_proximal and not Loss.of(decoupled).needs_proximal
