@@ -393,4 +393,5 @@ def test_a_loss_and_its_knob_are_checked_at_load(overrides, message):
     assert message in str(e.value)
     t = config_from_dict({}).trainer  # the default loss
     decoupled = config_from_dict({}, ["trainer.loss=decoupled"]).trainer
-    assert t.loss == "m2po" and t.m2po_tau == 0.04 and Loss.of(t).needs_proximal and not Loss.of(decoupled).needs_proximal
+    assert t.loss == "m2po" and t.m2po_tau == 0.04 and Loss.of(t).needs_proximal
+    assert not Loss.of(decoupled).needs_proximal
