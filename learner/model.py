@@ -208,6 +208,11 @@ def quiet_dropout(model) -> None:
                 setattr(module, name, 0.0)
 
 
+def input_embeddings(model):
+    """The model's input embeddings, or None for a model without them (a test's plain module)."""
+    return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+
+
 def inputs_require_grad(model) -> None:
     """Make the frozen embeddings' output require a gradient, where gradients are on, so one reaches the adapters
     through the first layer under gradient checkpointing, and every compiled layer sees the same input. PEFT's
@@ -245,7 +250,7 @@ def compile_layers(model) -> int:
 
     options = {"triton.mix_order_reduction": False} if hasattr(inductor.triton, "mix_order_reduction") else None
     fx_config.use_duck_shape = False  # a process setting: the learner compiles nothing else
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = input_embeddings(model)
     if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
         inputs_require_grad(model)
     kinds = set(getattr(model, "_no_split_modules", None) or ())

@@ -30,7 +30,7 @@ from learner.batching import Row, build_rows, collate, micro_batches, padded
 from learner.health import StepHealth
 from learner.logprobs import forward_logprobs
 from learner.loss import Loss, masked_sum
-from learner.model import Extras, free_gpu_bytes
+from learner.model import Extras, free_gpu_bytes, input_embeddings
 from pipeline import protocol as P
 from pipeline.config import Config, runtime_values
 
@@ -279,7 +279,7 @@ def warm_up(engine, cfg: Config, pad_id: int) -> bool:
     batch = collate(rows, pad_id, engine.device)
     with torch.no_grad():
         forward_logprobs(model, batch)
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = input_embeddings(model)
     if embeddings is None or cfg.trainer.gradient_checkpointing:
         return True
     inputs: list[torch.Tensor] = []

@@ -21,7 +21,7 @@ def _step(trainer: dict, model: dict | None = None) -> tuple[int, dict[str, torc
     init_distributed()
     torch.manual_seed(0)
     cfg = learner_config({"model": model or {}, "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.01,
-                                                              **trainer}})
+                                                            **trainer}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     layer = next(m for m in engine.module.modules() if type(m).__name__ in engine.module._no_split_modules)
     calls = []

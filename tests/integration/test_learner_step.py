@@ -64,7 +64,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_step_that_is_not_finite_changes_nothing(model_cache, stage, dtype, offload):
     init_distributed()
     cfg = learner_config({"model": {"dtype": dtype}, "trainer": {"zero_stage": stage, "batch_size": 4,
-                                                                   "group_size": 2, "offload_optimizer": offload}})
+                                                                 "group_size": 2, "offload_optimizer": offload}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     assert not train_step(engine, extras, _groups(4), cfg, 0, PAD_ID)["skipped"]  # a normal step: moments exist now
     before = _state(engine, extras, stage)
@@ -108,7 +108,7 @@ def test_without_zero_a_bf16_model_steps_fp32_masters_clipped_by_the_guards_norm
 
     init_distributed()
     cfg = learner_config({"model": {"dtype": "bfloat16"},
-                            "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "grad_clip": 0.01}})
+                          "trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "grad_clip": 0.01}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     opt = extras.guard.optimizer
     assert engine.optimizer is opt and isinstance(opt, MixedAdamW)
@@ -147,7 +147,7 @@ def test_a_checkpoint_restores_the_fp32_masters(model_cache, tmp_path):
 
     init_distributed()
     cfg = learner_config({"model": {"dtype": "bfloat16"}, "trainer": {"batch_size": 4, "group_size": 2,
-                                                                        "lr": 1e-4}})
+                                                                      "lr": 1e-4}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     train_step(engine, extras, _distinct_groups(4), cfg, 0, PAD_ID)
     checkpoint.save(engine, tmp_path, 1, {}, rank=0)
@@ -195,7 +195,7 @@ def test_several_minibatches_measure_each_update_against_the_proximal_policy(mod
     learning rate of 0 nothing moves, so the proximal log-probs equal the trained ones and the clip does not act."""
     init_distributed()
     cfg = learner_config({"trainer": {"batch_size": 8, "group_size": 2, "lr": 0.05, "clip_eps": 0.01,
-                                        "micro_batch_tokens": 0}})  # 0: sized from GPU memory; on CPU the default
+                                      "micro_batch_tokens": 0}})  # 0: sized from GPU memory; on CPU the default
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     one = train_step(engine, extras, _groups(8), cfg, 0, PAD_ID)
     assert one["updates"] == 1 and one["correction/clip_frac"] == 0 and one["learner/micro_batch_tokens"] == 8192
@@ -225,7 +225,7 @@ def test_m2po_measures_the_first_update_too_and_masks_over_all_its_micro_batches
     monkeypatch.setattr(learner.step, "proximal", proximal)
     init_distributed()
     cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "micro_batch_tokens": 16, "loss": "m2po",
-                                        "m2po_tau": 1.0}})
+                                      "m2po_tau": 1.0}})
     engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
     groups = _distinct_groups(4)
     for g in groups:  # behaviour log-probs far from the model's and near them: (log w)^2 spread over two scales
