@@ -23,7 +23,8 @@ from bench.common import result_name, write_result
 KEEP = ("vllm", "torch", "triton", "flashinfer", "generator", "pipeline", "transformers")
 
 
-def build(config_path: str):
+def build(config_path: str, capture_sizes: list[int] | None = None):
+    from vllm import AsyncEngineArgs
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor import Executor
 
@@ -32,6 +33,14 @@ def build(config_path: str):
     from pipeline.tinymodel import resolve_model_path
 
     cfg = load_config(config_path)
+    if capture_sizes:  # the CUDA graphs' batch sizes, vLLM's own list (51 sizes up to 512) unless given
+        create = AsyncEngineArgs.create_engine_config
+
+        def with_sizes(self, *args, **kwargs):
+            self.compilation_config.cudagraph_capture_sizes = capture_sizes
+            return create(self, *args, **kwargs)
+
+        AsyncEngineArgs.create_engine_config = with_sizes  # type: ignore[method-assign]
     config = engine_config(cfg, resolve_model_path(cfg.model.path), cfg.generator.seed)
     config.parallel_config.distributed_executor_backend = "uni"  # the worker in this process, under the profile
     return EngineCore(config, Executor.get_class(config), log_stats=False)
@@ -50,17 +59,19 @@ def main() -> None:
     p.add_argument("--config", default="configs/gpu-smollm2-math.yaml")
     p.add_argument("--name", default="", help="cold, warm, ... (in the result's name)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--capture-sizes", default="", help="comma-separated CUDA graph sizes (vLLM's list if empty)")
     a = p.parse_args()
+    sizes = [int(x) for x in a.capture_sizes.split(",") if x]
     start = time.perf_counter()
     profile = cProfile.Profile()
     profile.enable()
-    core = build(a.config)
+    core = build(a.config, sizes)
     profile.disable()
     seconds = time.perf_counter() - start
     core.shutdown()
     functions = profiled(pstats.Stats(profile))
     write_result(result_name("engine_start", Path(a.config).stem, a.name), f"python -m bench.engine_start --config "
-                 f"{a.config} --name {a.name}", a.config, {
+                 f"{a.config} --name {a.name}" + (f" --capture-sizes {a.capture_sizes}" if sizes else ""), a.config, {
                      "build_s": round(seconds, 2),
                      "by_cumulative": sorted(functions, key=lambda r: -r["cumulative_s"])[:a.top],
                      "by_own": sorted(functions, key=lambda r: -r["own_s"])[:a.top]})

@@ -64,7 +64,8 @@
 #                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + the config's two generators on GPU 1 (one
 #                with the GPU to itself if $ENGINES is 1; gradient checkpointing if $CKPT is set) (about 8 min)
 #   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml
-#                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min)
+#                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min); ONE=1: the one-GPU
+#                run first, in the same call (then one k: KS=3, about 9 min)
 #   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
 #                service held to 40 GB) (2 GPUs; bitsandbytes; up to 9 min)
 #   setups-2gpu-trl  then, on the same machine, TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
@@ -338,6 +339,14 @@ run_part() {
     ;;
   gpubound-ranks)  # 2026-11-29: k = 2 9.65, k = 3 7.36 steps/min (the engines, sharing their GPUs, the bound at k = 3)
     shape15b
+    # ONE=1: the one-GPU run at k = 2 first, for a ratio within the call (a call holds it and one k: KS=3)
+    if [ "${ONE:-0}" = 1 ]; then
+      local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=2"
+      step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
+        --timeout 235 --name "gpubound_one_k2_rankscall${TAG:+_$TAG}" \
+        --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
+      pack
+    fi
     # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards)
     for k in ${KS:-2 3}; do
       # EXTRA: more KEY=VALUE;... for both ranks' run (e.g. EXTRA="generator.max_num_seqs=256"), named by TAG
