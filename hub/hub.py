@@ -341,7 +341,8 @@ class Hub:
             gens = self.registry.generators
             return HubStats(tokens=self.counters["tokens"], generators=len(gens), counters=dict(self.counters),
                             busy=dict(self.server.busy),  # (added to outside the lock: dict() copies it whole)
-                            stages={g.generator_id: dict(g.stage_s) for g in gens.values()})
+                            stages={g.generator_id: dict(g.stage_s) for g in gens.values()},
+                            on_learner_gpus=sum(g.on_learner_gpus for g in gens.values()))
 
     def wait_generators_gone(self, timeout: float) -> bool:
         with self.lock:

@@ -65,7 +65,7 @@ class Membership:
         except ValueError as e:
             return P.Error(str(e), fatal=True)
         loaded = msg.loaded_version if msg.loaded_run == self.run_id else -1  # weights of another run: reloaded
-        gen = self.registry.add(msg, ident, user, transport, loaded)
+        gen = self.registry.add(msg, ident, user, transport, loaded, self.weights.on_learner_gpus(msg))
         last = self.weights.last_ready
         self.journal.event("register", gen.principal, generator=gen.generator_id, host=gen.host, gpus=gen.gpus,
                            transport=transport, key=user.split(":", 1)[-1], version=version,

@@ -43,6 +43,7 @@ class GeneratorInfo:
     received: int = 0  # rollouts of this registration that reached the hub (trained or not)
     rejected: int = 0  # rollouts of its own leases that were invalid (hub/validation.py)
     joined_at: float = field(default_factory=time.time)
+    on_learner_gpus: bool = False  # it shares a GPU with a learner rank (hub/serving.py)
     applied: int = -1  # the last version it said it loaded (WeightsApplied): only a new one is journaled
     generated: int = 0  # its last Heartbeat.generated: a count that moves is progress
     adapter_slots: int = 0  # generator.lora_mode adapter: adapters its engine serves at once (Register)
@@ -93,10 +94,11 @@ class Registry:
             return f"quarantined for {until - time.monotonic():.0f} s more ({why}); hub.quarantine_s"
         return ""
 
-    def add(self, msg: P.Register, ident: bytes, user: str, transport: str, loaded_version: int) -> GeneratorInfo:
+    def add(self, msg: P.Register, ident: bytes, user: str, transport: str, loaded_version: int,
+            on_learner_gpus: bool = False) -> GeneratorInfo:
         gen = GeneratorInfo(msg.generator_id, msg.host, msg.gpus, msg.pid, next(self._index), transport,
                             time.monotonic(), ident=ident, user=user, session=secrets.token_hex(16),
-                            version=loaded_version, adapter_slots=msg.adapter_slots)
+                            version=loaded_version, adapter_slots=msg.adapter_slots, on_learner_gpus=on_learner_gpus)
         self.generators[gen.generator_id] = gen
         self._active = None
         return gen

@@ -19,7 +19,7 @@ from pipeline import protocol as P
 from pipeline.config import Config
 from pipeline.environment import env_flag
 from pipeline.host import host_identity
-from weights import pick
+from weights import pick, shares_gpu
 from weights.base import Sender
 from weights.zmq import Blobs
 
@@ -49,6 +49,12 @@ class WeightServing:
             raise ValueError(f"weights.transport {transport}: this learner cannot send it (it has "
                              f"{', '.join(self.senders) or 'none'})")
         return transport, sender.join(msg, ident, version)
+
+    def on_learner_gpus(self, msg: P.Register) -> bool:
+        """The generator shares a GPU with one of the learner's ranks (CUDA_VISIBLE_DEVICES: all of theirs), whose
+        time the two take in turns: the verdict names it (pipeline/verdict.py)."""
+        visible = env_flag("CUDA_VISIBLE_DEVICES")
+        return shares_gpu(msg, self._host, visible.split(",") if visible else ["0"])
 
     def leave(self, generator_id: str, again: bool = False) -> None:
         """It drains, left, went silent, or registers again (`again`)."""

@@ -18,6 +18,7 @@ class HubStats:
     counters: dict[str, int]  # every counter (metrics.jsonl's hub/...)
     busy: dict[str, float]  # seconds the hub's thread spent by message since it started
     stages: dict[str, dict[str, float]]  # each registered generator's seconds per stage, as its last heartbeat said
+    on_learner_gpus: int = 0  # registered generators that share a GPU with a learner rank
 
 
 class TrainerHub(Protocol):

@@ -341,7 +341,7 @@ class Learner:
             step, {**stats, **self.times.record(seen)}, sync_ms=sync_ms, elapsed_s=now - self.started,
             publisher=self.publisher.metrics(), tokens_per_s=rate, generators=seen.generators,
             max_staleness=knobs["trainer.max_staleness"], groups=groups, counters=seen.counters,
-            evaluations=hub.evaluations())
+            evaluations=hub.evaluations(), on_learner_gpus=seen.on_learner_gpus)
         # what holds the run back, from the records so far and this one, whole: read, never changed
         due = self.verdicts.add(record)
         if due is not None:

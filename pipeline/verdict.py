@@ -6,7 +6,9 @@ window of steps the verdict adds them up and asks, in this order:
 
     the learner waits less than a quarter of its time    learner compute (weights delivery when publishing takes
                                                          longer than training; a wait of 10 % or more with the
-                                                         window full 20 % of the time names k's knob too)
+                                                         window full 20 % of the time names k's knob too; the
+                                                         generators on a learner rank's GPU are named, which
+                                                         take turns on it with training)
     the hub's thread is busy half the time or more       the hub
     reward functions run 0.5 s a generator second        rewards
     generators wait for room in the window, or leases    the window, or weights delivery: the larger of the two,
@@ -112,8 +114,9 @@ def verdict(pairs: Sequence[tuple[dict, float]], lora: bool = False) -> Verdict 
     if len(kept) < MIN_STEPS:
         return None
     f = _figures([r for r, _ in kept], sum(w for _, w in kept))
-    k = kept[-1][0].get("max_staleness", 1)
-    stage, share, sentence = _decide(f, k, lora)
+    last = kept[-1][0]
+    k, shared = last.get("max_staleness", 1), last.get("generators_on_learner_gpus", 0)
+    stage, share, sentence = _decide(f, k, lora, shared)
     if f["stale"] >= STALE:
         sentence += (f"; {_pct(f['stale'])} as many groups as were trained went stale before their step and were "
                      f"generated again (samples that outlive k steps: the longest), where "
@@ -151,8 +154,9 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f} %"
 
 
-def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float, str]:
-    """(stage, its figure, the sentence with the knob) from the shares of `_figures`."""
+def _decide(f: dict[str, float], k: int, lora: bool = False, shared: int = 0) -> tuple[str, float, str]:
+    """(stage, its figure, the sentence with the knob) from the shares of `_figures`; `shared`: generators on a
+    learner rank's GPU, whose time they and training take in turns."""
     waited = f"the learner waited {_pct(f['wait'])} of its time"
     if f["wait"] < LEARNER_WAITS:
         if f["publish"] > f["train"]:
@@ -165,9 +169,13 @@ def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float
         knobs = ["`trainer.micro_batch_tokens`", "`trainer.compile`", "more learner GPUs"]
         if not lora:  # not to a run that trains adapters already
             knobs.append("`model.lora`")
+        many = shared > 1
+        beside = (f"; {shared} generator{'s' if many else ''} on the learner's GPUs take{'' if many else 's'} turns "
+                  "on them with training: a generator on a GPU of its own (`run.generator_gpus`, `pipeline generator "
+                  "--gpus`) leaves training the whole GPU" if shared else "")
         return LEARNER, f["train"], (
             f"training took {_pct(f['train'])} of the step, waiting for rollouts {_pct(f['wait'])}: the learner sets "
-            f"the pace; {', '.join(knobs[:-1])} or {knobs[-1]} move it" + window)
+            f"the pace; {', '.join(knobs[:-1])} or {knobs[-1]} move it" + beside + window)
     if f["hub_busy"] >= HUB_BUSY:
         return HUB, f["hub_busy"], (
             f"the hub's thread was busy {_pct(f['hub_busy'])} of the time and {waited}: fewer, larger messages "
@@ -200,8 +208,8 @@ def _decide(f: dict[str, float], k: int, lora: bool = False) -> tuple[str, float
 def slim(record: dict) -> dict:
     """What the verdict reads of a record (a learner keeps its last few without their trained keys)."""
     out = {k: v for k, v in record.items() if k.startswith(("time/", "gen/"))}
-    out.update({k: record.get(k, 0) for k in ("step", "generators", "max_staleness", "staleness/dropped",
-                                              "staleness/stopped")})
+    out.update({k: record.get(k, 0) for k in ("step", "generators", "generators_on_learner_gpus", "max_staleness",
+                                              "staleness/dropped", "staleness/stopped")})
     out["groups"] = len(record.get("trained", ())) or record.get("groups", 0)
     return out
 

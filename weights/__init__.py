@@ -79,14 +79,19 @@ def pick(configured: str, register: P.Register, learner_host: str, learner_gpus:
     if configured != "auto":
         return configured
     same_host = bool(register.boot_id) and register.boot_id == learner_host
-    # the boot id alone (an older generator reports nothing else): one machine, whose GPU numbers are the learner's
-    same_machine = bool(register.boot_id) and register.boot_id.split(":")[0] == learner_host.split(":")[0]
-    shares_gpu = same_machine and bool(set(register.gpus.split(",")) & set(learner_gpus))
     ipc = cast("IpcSender | None", senders.get("ipc"))
     if (ipc is not None and same_host and register.gpus == learner_gpus[0] and register.tensor_parallel == 1
             and register.generator_id not in ipc.failed):
         return "ipc"
     nccl = cast("NcclSender | None", senders.get("nccl"))
-    if nccl is not None and register.gpus and not shares_gpu and register.generator_id not in nccl.failed:
+    if (nccl is not None and register.gpus and not shares_gpu(register, learner_host, learner_gpus)
+            and register.generator_id not in nccl.failed):
         return "nccl"
     return "shm" if same_host else "zmq"
+
+
+def shares_gpu(register: P.Register, learner_host: str, learner_gpus: list[str]) -> bool:
+    """The generator runs on one of `learner_gpus` of the learner's machine. The boot id alone (an older generator
+    reports nothing else) says one machine, whose GPU numbers are the learner's."""
+    same_machine = bool(register.boot_id) and register.boot_id.split(":")[0] == learner_host.split(":")[0]
+    return same_machine and bool(set(register.gpus.split(",")) & set(learner_gpus))

@@ -420,6 +420,32 @@ def test_auto_transport_picks_ipc_for_a_generator_on_the_learners_own_gpu(make_h
     peer.close()
 
 
+def test_the_generators_on_the_learners_gpus_are_counted_for_the_verdict(make_hub, monkeypatch):
+    """A step's record says how many generators share a GPU with a learner rank (any of CUDA_VISIBLE_DEVICES, not only
+    rank 0's), for the verdict to name them: on one machine, by GPU number; not a generator of another host."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")  # two learner ranks
+    hub = make_hub()
+    peer = Peer(hub)
+    here = hub.weights._host
+
+    def register(gen_id, gpus, boot=here):
+        peer.id = gen_id
+        return peer.ask(P.Register(gen_id, "h", boot, gpus, 1, -1, loaded_run="test",
+                                   spec_digest=hub.membership.spec_digest))
+
+    assert hub.step_stats().on_learner_gpus == 0
+    register("a", "3")  # rank 0's GPU
+    register("b", "4")  # rank 1's
+    register("c", "5")  # a GPU of its own
+    register("d", "3", boot="elsewhere")  # GPU 3 of another machine
+    register("e", "")  # a CPU engine
+    stats = hub.step_stats()
+    assert (stats.generators, stats.on_learner_gpus) == (5, 2)
+    hub.drop("b", "test")
+    assert hub.step_stats().on_learner_gpus == 1
+    peer.close()
+
+
 def test_every_group_of_a_lease_started_at_its_min_version_is_within_k_when_trained(tmp_path):
     """Leases of 3 groups with batches of 4 straddle batch boundaries. A generator that starts each lease's groups
     on the oldest weights the lease allows (its min_version) loses none of them to the stale filter, and every

@@ -339,6 +339,35 @@ def test_a_learner_bound_run_that_waits_on_a_full_window_is_told_of_k_too():
         assert "max_staleness" not in judge([quiet] * 9, k=2).sentence
 
 
+# the GPU-bound 1.5B run colocated on one H200 at k = 2 (2026-12-01): training 9.71 s of a 10.02 s step, 5.46 s with
+# the GPU to itself (the split run of SPLIT_1_5B); its engine full 65 % of its time
+ONE_GPU_1_5B = {"wall": 10.02, "wait": 0.76, "train": 9.23, "publish": 0.03, "generating": 9.4, "engine_full": 6.5}
+
+
+def test_a_learner_bound_run_is_told_of_the_generators_that_share_its_gpus():
+    """Training beside an engine on its GPU took 9.7 s a step against 5.5 s alone: processes on one GPU take turns.
+    A learner-bound verdict names the generators on the learner's GPUs (the record's generators_on_learner_gpus, the
+    hub's count) and the knob that gives training the GPU back; a run without them, or bound elsewhere, is not told."""
+    def judged(steps, shared, **kw):
+        recs = records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + steps, **kw)
+        for r in recs:
+            r["generators_on_learner_gpus"] = shared
+        return V.verdict(V.timed(recs)), recs
+
+    one, recs = judged([ONE_GPU_1_5B] * 9, 1, k=2)
+    assert one.stage == V.LEARNER, one.line()
+    assert "1 generator on the learner's GPUs takes turns on them with training" in one.sentence, one.sentence
+    assert "`run.generator_gpus`" in one.sentence and "`pipeline generator --gpus`" in one.sentence
+    assert V.slim(recs[-1])["generators_on_learner_gpus"] == 1  # what a learner keeps for its verdicts
+    two, _ = judged([ONE_GPU_1_5B] * 9, 4, k=2, generators=4)  # two ranks, two engines on each rank's GPU
+    assert "4 generators on the learner's GPUs take turns" in two.sentence, two.sentence
+    alone, _ = judged([ONE_GPU_1_5B] * 9, 0, k=2)
+    assert alone.stage == V.LEARNER and "take" not in alone.sentence and "run.generator_gpus" not in alone.sentence
+    assert alone.sentence == one.sentence.split("; 1 generator")[0]
+    window, _ = judged([STAGE_RUNS[V.WINDOW]] * 8, 1)  # bound by the window: its knob is k, not the GPU
+    assert window.stage == V.WINDOW and "run.generator_gpus" not in window.sentence
+
+
 def test_groups_dropped_as_stale_are_named_whatever_binds():
     """A run whose groups go stale (their samples outlived k steps while they generated: dropped by the hub, or stopped
     by their generator) regenerates them: from STALE of the groups trained, every verdict says so with the knobs."""
