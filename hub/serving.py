@@ -51,10 +51,14 @@ class WeightServing:
         return transport, sender.join(msg, ident, version)
 
     def on_learner_gpus(self, msg: P.Register) -> bool:
-        """The generator shares a GPU with one of the learner's ranks (CUDA_VISIBLE_DEVICES: all of theirs), whose
-        time the two take in turns: the verdict names it (pipeline/verdict.py)."""
+        """The generator shares a GPU with one of the learner's ranks (CUDA_VISIBLE_DEVICES: all of theirs; GPU 0
+        when unset, none for a learner on CPU), whose time the two take in turns: the verdict names it
+        (pipeline/verdict.py)."""
+        import torch
+
         visible = env_flag("CUDA_VISIBLE_DEVICES")
-        return shares_gpu(msg, self._host, visible.split(",") if visible else ["0"])
+        learner = visible.split(",") if visible else ["0"] if torch.cuda.is_available() else []
+        return shares_gpu(msg, self._host, learner)
 
     def leave(self, generator_id: str, again: bool = False) -> None:
         """It drains, left, went silent, or registers again (`again`)."""

@@ -444,6 +444,12 @@ def test_the_generators_on_the_learners_gpus_are_counted_for_the_verdict(make_hu
     hub.drop("b", "test")
     assert hub.step_stats().on_learner_gpus == 1
     peer.close()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # unset: GPU 0 for a learner on a GPU, none for one on the CPU
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    on_gpu_0 = P.Register("f", "h", here, "0", 1, -1)
+    assert not hub.weights.on_learner_gpus(on_gpu_0)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert hub.weights.on_learner_gpus(on_gpu_0)
 
 
 def test_every_group_of_a_lease_started_at_its_min_version_is_within_k_when_trained(tmp_path):
