@@ -4,10 +4,13 @@ process builds it) with its one worker beside it (the `uni` executor), so the pr
 torch.compile, the CUDA graphs and the warm-up after them. Run it twice on one machine: the first start fills the
 compile caches (cold), the second finds them (warm).
 
-    python -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm [--top 40]
+    python -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm [--top 40] [--no-profile]
+        [--capture-sizes 1,2,4,...]
 
-Result: bench/results/engine_start_<config>_<name>_<machine>.json: the build's seconds and the functions that took
-the longest, by cumulative time (those of vllm, torch, triton, flashinfer and this project) and by own time.
+Result: bench/results/engine_start_<config>_<name>_<machine>.json: the seconds of vLLM's imports and of the build,
+and the functions of the build that took the longest, by cumulative time (those of vllm, torch, triton, flashinfer
+and this project) and by own time. The profiler made the build 2.5-3x longer on an H200 (50.6-57.4 s against 13-20 s
+in a run's log): `--no-profile` times it alone, e.g. against `--capture-sizes` (vLLM's 51 CUDA-graph sizes or fewer).
 """
 
 from __future__ import annotations
@@ -60,19 +63,26 @@ def main() -> None:
     p.add_argument("--name", default="", help="cold, warm, ... (in the result's name)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--capture-sizes", default="", help="comma-separated CUDA graph sizes (vLLM's list if empty)")
+    p.add_argument("--no-profile", action="store_true", help="time the build alone: cProfile made it 2.5-3x longer")
     a = p.parse_args()
     sizes = [int(x) for x in a.capture_sizes.split(",") if x]
     start = time.perf_counter()
-    profile = cProfile.Profile()
-    profile.enable()
+    import vllm.v1.engine.core  # noqa: F401  (its imports timed apart from the build, and left out of the profile)
+
+    imported = time.perf_counter() - start
+    profile = None if a.no_profile else cProfile.Profile()
+    if profile is not None:
+        profile.enable()
     core = build(a.config, sizes)
-    profile.disable()
-    seconds = time.perf_counter() - start
+    if profile is not None:
+        profile.disable()
+    seconds = time.perf_counter() - start - imported
     core.shutdown()
-    functions = profiled(pstats.Stats(profile))
+    functions = profiled(pstats.Stats(profile)) if profile is not None else []
+    flags = (f" --capture-sizes {a.capture_sizes}" if sizes else "") + (" --no-profile" if a.no_profile else "")
     write_result(result_name("engine_start", Path(a.config).stem, a.name), f"python -m bench.engine_start --config "
-                 f"{a.config} --name {a.name}" + (f" --capture-sizes {a.capture_sizes}" if sizes else ""), a.config, {
-                     "build_s": round(seconds, 2),
+                 f"{a.config} --name {a.name}{flags}", a.config, {
+                     "import_s": round(imported, 2), "build_s": round(seconds, 2), "profiled": profile is not None,
                      "by_cumulative": sorted(functions, key=lambda r: -r["cumulative_s"])[:a.top],
                      "by_own": sorted(functions, key=lambda r: -r["own_s"])[:a.top]})
 
