@@ -8,10 +8,10 @@ A wave's jobs start together; the next wave starts when they have all ended. A j
 [:KEY=VALUE;...]: `pipeline run -c CONFIG --profile` with run.learner_gpus, one generator per listed GPU
 (run.generators, run.generator_gpus; "3,3,3" is three engines on GPU 3, each with the config's
 generator.gpu_memory_utilization), trainer.total_steps --steps and the given overrides; nothing else differs from
-the config. `engine:GPU` is vLLM's offline LLM.generate with the config's generator settings on one step's batch of
-training prompts per round (bench/vs_trl_arith.py's engine side). Launch time counts from the command. Results:
-bench/results/busy_<config>_<machine>.json, one entry per job with its settings, and the runs' directories
-(trace.json, metrics.jsonl, logs) under --out.
+the config. `engine:GPU[::KEY=VALUE;...]` is vLLM's offline LLM.generate with the config's generator settings (and the
+overrides) on one step's batch of training prompts per round (bench/vs_trl_arith.py's engine side). Launch time
+counts from the command. Results: bench/results/busy_<config>_<machine>.json, one entry per job with its settings,
+and the runs' directories (trace.json, metrics.jsonl, logs) under --out.
 
 A generator added while a run goes on, as a user adds one: `--join NAME:GPU@STEP` starts `pipeline generator -c
 RUN_DIR/launch.yaml --gpus GPU --learner ADDRESS` (the address from RUN_DIR/hub.json) once job NAME has trained STEP
@@ -49,8 +49,10 @@ def job_argv(spec: str, args) -> tuple[str, list[str], list[str]]:
     name, learner, *rest = spec.split(":", 3)
     run_dir = args.out / name
     if name.startswith("engine"):
+        sets = [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]
         return name, [sys.executable, "-m", "bench.vs_trl_arith", "--engine-child", str(run_dir / "engine.json"),
-                      "--config", args.config, "--rounds", "8"], [f"CUDA_VISIBLE_DEVICES={learner}"]
+                      "--config", args.config, "--rounds", "8", *[x for s in sets for x in ("--set", s)]], [
+                          f"CUDA_VISIBLE_DEVICES={learner}", *sets]
     gens = rest[0].split(",")
     sets = [*args.shape_sets, f"trainer.total_steps={args.steps}", f"run.learner_gpus='{learner}'",
             f"run.generator_gpus={json.dumps(gens)}", f"run.generators={len(gens)}"]

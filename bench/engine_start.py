@@ -5,7 +5,7 @@ torch.compile, the CUDA graphs and the warm-up after them. Run it twice on one m
 compile caches (cold), the second finds them (warm).
 
     python -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name warm [--top 40] [--no-profile]
-        [--capture-sizes 1,2,4,...]
+        [--capture-sizes 1,2,4,...] [--set generator.compile=false]
 
 Result: bench/results/engine_start_<config>_<name>_<machine>.json: the seconds of vLLM's imports and of the build,
 and the functions of the build that took the longest, by cumulative time (those of vllm, torch, triton, flashinfer
@@ -26,7 +26,7 @@ from bench.common import result_name, write_result
 KEEP = ("vllm", "torch", "triton", "flashinfer", "generator", "pipeline", "transformers")
 
 
-def build(config_path: str, capture_sizes: list[int] | None = None):
+def build(config_path: str, capture_sizes: list[int] | None = None, overrides: list[str] | None = None):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor import Executor
@@ -35,7 +35,7 @@ def build(config_path: str, capture_sizes: list[int] | None = None):
     from pipeline.config import load_config
     from pipeline.tinymodel import resolve_model_path
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, overrides or [])
     if capture_sizes:  # the CUDA graphs' batch sizes, vLLM's own list (51 sizes up to 512) unless given
         create = AsyncEngineArgs.create_engine_config
 
@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--capture-sizes", default="", help="comma-separated CUDA graph sizes (vLLM's list if empty)")
     p.add_argument("--no-profile", action="store_true", help="time the build alone: cProfile made it 2.5-3x longer")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override, e.g. generator.compile=false")
     a = p.parse_args()
     sizes = [int(x) for x in a.capture_sizes.split(",") if x]
     start = time.perf_counter()
@@ -73,13 +75,14 @@ def main() -> None:
     profile = None if a.no_profile else cProfile.Profile()
     if profile is not None:
         profile.enable()
-    core = build(a.config, sizes)
+    core = build(a.config, sizes, a.overrides)
     if profile is not None:
         profile.disable()
     seconds = time.perf_counter() - start - imported
     core.shutdown()
     functions = profiled(pstats.Stats(profile)) if profile is not None else []
-    flags = (f" --capture-sizes {a.capture_sizes}" if sizes else "") + (" --no-profile" if a.no_profile else "")
+    flags = (f" --capture-sizes {a.capture_sizes}" if sizes else "") + (" --no-profile" if a.no_profile else "") + \
+        "".join(f" --set {s}" for s in a.overrides)
     write_result(result_name("engine_start", Path(a.config).stem, a.name), f"python -m bench.engine_start --config "
                  f"{a.config} --name {a.name}{flags}", a.config, {
                      "import_s": round(imported, 2), "build_s": round(seconds, 2), "profiled": profile is not None,

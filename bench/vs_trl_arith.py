@@ -305,6 +305,7 @@ def engine_child(argv: list[str]) -> int:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from generator.engine import compilation_args
     from pipeline.tasks import encode_prompt, load_rows
     from pipeline.tinymodel import resolve_model_path
 
@@ -313,7 +314,8 @@ def engine_child(argv: list[str]) -> int:
     rows = load_rows(cfg.data)
     llm = LLM(model=model, dtype=cfg.model.dtype, seed=0, max_model_len=g.max_model_len,
               gpu_memory_utilization=g.gpu_memory_utilization, enforce_eager=g.enforce_eager,
-              logprobs_mode="processed_logprobs", **({"max_num_seqs": g.max_num_seqs} if g.max_num_seqs else {}))
+              logprobs_mode="processed_logprobs", **({"max_num_seqs": g.max_num_seqs} if g.max_num_seqs else {}),
+              **compilation_args(g))
     s = cfg.sampling
     params = SamplingParams(n=t.group_size, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                             ignore_eos=s.ignore_eos, logprobs=0, detokenize=False)
@@ -332,7 +334,8 @@ def engine_child(argv: list[str]) -> int:
         "settings": {"batch_size": t.batch_size, "group_size": t.group_size, "max_tokens": s.max_tokens,
                      "temperature": s.temperature, "dtype": cfg.model.dtype, "max_num_seqs": g.max_num_seqs,
                      "gpu_memory_utilization": g.gpu_memory_utilization, "enforce_eager": g.enforce_eager,
-                     "max_model_len": g.max_model_len, "engine": "vllm.LLM (offline), initial weights"}}))
+                     "compile": g.compile, "max_model_len": g.max_model_len,
+                     "engine": "vllm.LLM (offline), initial weights"}}))
     return 0
 
 

@@ -303,13 +303,24 @@ def engine_config(cfg: Config, model_path: str, seed: int):
         max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
         kv_cache_memory_bytes=int(g.kv_cache_gb * 1e9) or None,  # None: vLLM sizes it from the memory free
         max_num_seqs=g.max_num_seqs or None, enforce_eager=g.enforce_eager,
-        tensor_parallel_size=g.tensor_parallel_size,
+        tensor_parallel_size=g.tensor_parallel_size, **compilation_args(g),
         worker_extension_cls="generator.worker_ext.WeightLoader", logprobs_mode="processed_logprobs",
         **_served_lora_args(cfg), **_whole_prefills_if_seeded_on_cpu(cfg),
     )
     # the defaults of vLLM's offline engine (`LLM`, as TRL's colocate mode): max_num_seqs 0 is 1024 sequences on
     # an H100/H200 (max_num_batched_tokens 16384), where AsyncLLM's own context gives 128 (and 2048)
     return args.create_engine_config(UsageContext.LLM_CLASS)
+
+
+def compilation_args(g) -> dict:
+    """generator.compile false: vLLM's compile off (mode NONE), CUDA graphs of whole decode steps, eager prefills and
+    mixed batches (FULL_DECODE_ONLY). Not FULL, which puts mixed batches in graphs too where the attention backend
+    says it can (FlashAttention 3): with vLLM 0.26 on an H200 those batches sampled from other probabilities than the
+    weights give. At k = 1 on the smollm2 config the mismatch KL was 0.07-1.05 at 45 of 90 steps of two runs, against
+    0.0016-0.0024 at every step with decode-only graphs, eager or the compile (docs/figures.md, "The engine without
+    its compile")."""
+    return {} if g.compile or g.enforce_eager else {"compilation_config": {"mode": 0,
+                                                                           "cudagraph_mode": "FULL_DECODE_ONLY"}}
 
 
 def _worker_in_engine_core_on_cpu(g) -> None:

