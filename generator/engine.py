@@ -317,7 +317,7 @@ def compilation_args(g) -> dict:
     mixed batches (FULL_DECODE_ONLY). Not FULL, which puts mixed batches in graphs too where the attention backend
     says it can (FlashAttention 3): with vLLM 0.26 on an H200 those batches sampled from other probabilities than the
     weights give. At k = 1 on the smollm2 config the mismatch KL was 0.07-1.05 at 45 of 90 steps of two runs, against
-    0.0016-0.0024 at every step with decode-only graphs, eager or the compile (docs/figures.md, "The engine without
+    0.0008-0.0029 at every step with decode-only graphs, eager or the compile (docs/figures.md, "The engine without
     its compile")."""
     return {} if g.compile or g.enforce_eager else {"compilation_config": {"mode": 0,
                                                                            "cudagraph_mode": "FULL_DECODE_ONLY"}}
