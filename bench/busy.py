@@ -46,7 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def job_argv(spec: str, args) -> tuple[str, list[str], list[str]]:
     """(name, argv, the overrides it differs from the config by)"""
-    name, learner, *rest = spec.split(":", 3)
+    name, learner, *rest = spec.split(":", 3) + ([] if ":" in spec else [""])
+    if not name.startswith("engine") and not rest:
+        raise SystemExit(f"bench.busy: job {spec!r} names no generator GPUs: NAME:LEARNER_GPU:GENERATOR_GPUS"
+                         "[:KEY=VALUE;...], or engine...:GPU for vLLM's offline engine (a name that starts with "
+                         "'engine')")
     run_dir = args.out / name
     if name.startswith("engine"):
         sets = [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]
@@ -175,6 +179,8 @@ def main() -> None:
     p.add_argument("--shape", default=None, help="0.5b or 1.5b: the generation-heavy workload (above)")
     args = p.parse_args()
     args.shape_sets = shape_sets(args)
+    for spec in " ".join(args.wave).split():  # every job's form checked before the first wave starts
+        job_argv(spec, args)
     results = {}
     for specs in args.wave:
         results.update(wave(specs.split(), args))
