@@ -2,6 +2,7 @@
 waves, then died on a third job named `et:0`, and its last waves never ran); an offline engine's job takes the run's
 overrides, so it measures the engine the runs beside it build."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,9 @@ def test_a_run_job_without_generator_gpus_is_refused_with_the_form(spec):
 
 
 def test_a_wrong_job_in_a_later_wave_stops_the_command_before_any_wave_runs(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.busy", "--out", str(tmp_path), "--timeout", "5",
-                           "--wave", "k1:0:0", "--wave", "et:0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "bench.busy", "--out", str(runs), "--timeout", "5",
+                           "--wave", "k1:0:0", "--wave", "et:0"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "BENCH_RESULTS": str(results)})
     assert proc.returncode != 0 and "job 'et:0' names no generator GPUs" in proc.stderr
-    assert not any(tmp_path.iterdir())  # the first wave's run never started
+    assert not runs.exists() and not results.exists()  # the first wave's run never started, no result was written
