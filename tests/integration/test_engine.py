@@ -215,7 +215,7 @@ def test_sampled_logprobs_kept_in_the_worker_are_vllms(model_cache):
     check_sampled_logprobs_in_the_worker(resolve_model_path("builtin:tiny"), dtype="float32", enforce_eager=True)
 
 
-def test_generator_compile_false_reaches_vllm_as_no_compile_and_decode_graphs(model_cache):
+def test_generator_compile_false_reaches_vllm_as_no_compile_and_decode_graphs(model_cache, monkeypatch):
     """generator.compile false: vLLM's compile off (mode NONE) with CUDA graphs of whole decode steps (FULL_DECODE_ONLY;
     FULL's graphs of mixed batches sampled wrong on an H200: generator/engine.py); true leaves vLLM's own choice (a
     compile mode, piecewise graphs on a GPU); enforce_eager is neither either way."""
@@ -227,6 +227,10 @@ def test_generator_compile_false_reaches_vllm_as_no_compile_and_decode_graphs(mo
         cfg = load_config(None, list(sets))
         return engine_config(cfg, resolve_model_path(cfg.model.path), 0).compilation_config
 
+    # an eager engine's service sets TORCH_COMPILE_DISABLE (pipeline/environment.py), which earlier tests of this
+    # process did: vLLM's own choice is read without it
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert compilation_args(load_config(None, ["generator.enforce_eager=false"]).generator) == {}
     asked = compilation_args(load_config(None, ["generator.enforce_eager=false", "generator.compile=false"]).generator)
     assert asked["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
     off = compilation("generator.enforce_eager=false", "generator.compile=false")
