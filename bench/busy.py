@@ -46,11 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def job_argv(spec: str, args) -> tuple[str, list[str], list[str]]:
     """(name, argv, the overrides it differs from the config by)"""
-    name, learner, *rest = spec.split(":", 3) + ([] if ":" in spec else [""])
-    if not name.startswith("engine") and not rest:
+    parts = spec.split(":", 3)
+    if len(parts) < (2 if parts[0].startswith("engine") else 3):
         raise SystemExit(f"bench.busy: job {spec!r} names no generator GPUs: NAME:LEARNER_GPU:GENERATOR_GPUS"
                          "[:KEY=VALUE;...], or engine...:GPU for vLLM's offline engine (a name that starts with "
                          "'engine')")
+    name, learner, *rest = parts
     run_dir = args.out / name
     if name.startswith("engine"):
         sets = [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]
