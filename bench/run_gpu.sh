@@ -61,8 +61,9 @@
 #                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
 #                result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
 #   compile      issue 52 item 4: generator.compile false (no compile, CUDA graphs of decode steps) against the
-#                compile on configs/gpu-smollm2-math.yaml: six starts alternating, then k = 1 for 60 steps each way
-#                (1 GPU; about 9 min)
+#                compile on configs/gpu-smollm2-math.yaml: six starts alternating (1 GPU; about 5 min)
+#   compile-k1   the same two ways at k = 1, 60 steps each, where generation binds (1 GPU; about 4 min; after
+#                `compile` on the same machine, whose first runs pay for the cold caches)
 #   compile-test tests/gpu/test_gpu_engine_graphs.py: the engine's samples at every step, both ways (1 GPU; up to 9 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + the config's two generators on GPU 1 (one
@@ -102,7 +103,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-test gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -329,11 +330,15 @@ run_part() {
     smollm2
     NC="generator.compile=false"
     Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml)
-    # the start, alternating (the machine's first two runs are cold); then k = 1, where generation binds, 60 steps each
-    step compile_start 420 "${Q[@]}" --steps 4 --skip 1 --timeout 110 --name quickstart_decode_graphs \
+    # the start, alternating (the machine's first two runs are cold)
+    step compile_start 540 "${Q[@]}" --steps 4 --skip 1 --timeout 110 --name quickstart_decode_graphs \
       --wave "f0:0:0:$NC" --wave t0:0:0 --wave "f1:0:0:$NC" --wave t1:0:0 --wave "f2:0:0:$NC" --wave t2:0:0; pack
-    step compile_k1 300 "${Q[@]}" --steps 60 --skip 5 --timeout 130 --name decode_graphs_k1 \
-      --wave "k1t:0:0:trainer.max_staleness=1" --wave "k1f:0:0:trainer.max_staleness=1;$NC"; pack
+    ;;
+  compile-k1)  # k = 1, where generation binds, 60 steps each way (a call of its own: the two parts outlast one call)
+    smollm2
+    Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml)
+    step compile_k1 540 "${Q[@]}" --steps 60 --skip 5 --timeout 130 --name decode_graphs_k1 \
+      --wave "k1t:0:0:trainer.max_staleness=1" --wave "k1f:0:0:trainer.max_staleness=1;generator.compile=false"; pack
     ;;
   compile-test)  # tests/gpu/test_gpu_engine_graphs.py: the mismatch KL at every step, with and without the compile
     smollm2

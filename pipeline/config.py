@@ -322,8 +322,11 @@ class GeneratorConfig:
     compile: bool = knob(True, generator="own", resumable=True)
     """vLLM: torch.compile the model, CUDA graphs of its pieces for prefills and of whole steps for decodes (vLLM's
     default, cudagraph_mode FULL_AND_PIECEWISE). false: no compile, CUDA graphs of whole decode steps only
-    (FULL_DECODE_ONLY): the engine builds in about 10 s where the compile's cache takes 15-17 s (smollm2, H200), and
-    prefills run eager. With enforce_eager there is neither."""
+    (FULL_DECODE_ONLY): the engine builds in about 9 s where the compile's cache takes 13-17 s (smollm2, H200), and
+    prefills and mixed batches run eager, which costs throughput where many sequences are in flight: at the shipped
+    k = 8 the engine made 11,500 tokens/s against 13,900 and the run 68 steps/min against 79 (docs/figures.md, "The
+    compile off at the shipped k"). For starts that matter more than speed (tests, short experiments). With
+    enforce_eager there is neither."""
     tensor_parallel_size: int = knob(1, POSITIVE, generator="own", resumable=True)
     """vLLM: GPUs per generator."""
     cpu_kvcache_gb: int = knob(1, POSITIVE, generator="own", resumable=True)
