@@ -53,19 +53,21 @@ def job_argv(spec: str, args) -> tuple[str, list[str], list[str]]:
                          "'engine')")
     name, learner, *rest = parts
     run_dir = args.out / name
+    given = [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]  # the job's own KEY=VALUE overrides
     if name.startswith("engine"):
-        sets = [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]
         return name, [sys.executable, "-m", "bench.vs_trl_arith", "--engine-child", str(run_dir / "engine.json"),
-                      "--config", args.config, "--rounds", "8", *[x for s in sets for x in ("--set", s)]], [
-                          f"CUDA_VISIBLE_DEVICES={learner}", *sets]
+                      "--config", args.config, "--rounds", "8", *_set_flags(given)], [
+                          f"CUDA_VISIBLE_DEVICES={learner}", *given]
     gens = rest[0].split(",")
     sets = [*args.shape_sets, f"trainer.total_steps={args.steps}", f"run.learner_gpus='{learner}'",
-            f"run.generator_gpus={json.dumps(gens)}", f"run.generators={len(gens)}"]
-    sets += [s for s in (rest[1].split(";") if len(rest) > 1 else []) if s]
-    argv = [sys.executable, "-m", "pipeline", "run", "-c", args.config, "--profile", "--run-dir", str(run_dir)]
-    for s in sets:
-        argv += ["--set", s]
-    return name, argv, sets
+            f"run.generator_gpus={json.dumps(gens)}", f"run.generators={len(gens)}", *given]
+    return name, [sys.executable, "-m", "pipeline", "run", "-c", args.config, "--profile", "--run-dir", str(run_dir),
+                  *_set_flags(sets)], sets
+
+
+def _set_flags(sets: list[str]) -> list[str]:
+    """`--set KEY=VALUE` for each override."""
+    return [x for s in sets for x in ("--set", s)]
 
 
 def wave(specs: list[str], args) -> dict:
