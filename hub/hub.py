@@ -91,6 +91,7 @@ class Hub:
         self.ledger = PromptLedger(len(rows), cfg.trainer.epochs, cfg.data.seed, self.counters)
         self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
         self.stopped_seen = 0  # counters["stale_stopped"] when the learner last took a batch
+        self.last_chance_held: dict[int, float] = {}  # {step: since when its batch waits for last-chance groups}
         self.verdict = ""  # what holds the run back, the learner's latest word (`set_verdict`)
         t = cfg.trainer
         self.shape = RunShape(vocab_size, t.group_size, cfg.sampling.max_tokens, cfg.generator.max_model_len,
@@ -274,9 +275,14 @@ class Hub:
         trains with those knobs on every rank and records that bound, whatever `pipeline set` changes meanwhile
         (a change holds from the next batch taken: `next_step`). The batch is None when `wait_s` passed first."""
         B = self.cfg.trainer.batch_size
-        stats = {"staleness/dropped": 0}
-        deadline = None if wait_s is None else time.monotonic() + wait_s
+        stats = {"staleness/dropped": 0, "staleness/last_chance_wait_s": 0.0}
+        start = time.monotonic()
+        deadline = None if wait_s is None else start + wait_s
         with self.lock:
+            # since when the batch for `step` waits for groups still out whose last chance it is: kept across calls
+            # (a learner of several ranks asks every KEEPALIVE_S), so trainer.last_chance_wait_s bounds the whole wait
+            held = self.last_chance_held.get(step)
+            self.last_chance_held = {step: held} if held is not None else {}
             while True:
                 if self.server.stopped:
                     raise HubStopped("hub stopped while the learner waited for rollouts")
@@ -284,14 +290,21 @@ class Hub:
                     raise HubStopped(self.failure)
                 knobs = runtime_values(self.cfg)
                 k = knobs["trainer.max_staleness"]
-                batch, dropped = self.ledger.batch(step, k, B)
+                now = time.monotonic()
+                patience = self.cfg.trainer.last_chance_wait_s - (now - held if held is not None else 0.0)
+                batch, dropped, out = self.ledger.batch(step, k, B, for_last_chance=patience > 0)
                 if dropped:
                     stats["staleness/dropped"] += dropped
                     log.info("step %d: dropped %d groups older than max_staleness=%d, prompts re-queued", step,
                              dropped, k)
+                if out and held is None:
+                    held = self.last_chance_held[step] = now
                 if batch is not None:  # and the groups generators stopped as stale since the last batch
                     stats["staleness/stopped"] = self.counters["stale_stopped"] - self.stopped_seen
                     self.stopped_seen = self.counters["stale_stopped"]
+                    if held is not None:
+                        stats["staleness/last_chance_wait_s"] = now - max(held, start)
+                    self.last_chance_held = {}
                     return batch, stats, knobs
                 if self.ledger.exhausted():
                     raise DatasetExhausted(
@@ -300,8 +313,11 @@ class Hub:
                         f"a batch of {B}; the run ends at version {self.version} of trainer.total_steps="
                         f"{self.cfg.trainer.total_steps}")
                 if deadline is not None and time.monotonic() > deadline:
+                    if held is not None:  # this call's share of the wait (next_batch adds them up)
+                        stats["staleness/last_chance_wait_s"] = time.monotonic() - max(held, start)
                     return None, stats, knobs
-                self.lock.wait(0.5)
+                left = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
+                self.lock.wait(min(0.5, left, patience) if out else 0.5)
 
     def next_step(self) -> int:
         """The first step whose batch is not taken yet: a run-time change made now holds from it."""

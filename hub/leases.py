@@ -108,7 +108,7 @@ class LeaseDesk:
         min_version = staleness.min_version(version, in_flight, t.batch_size, t.max_staleness, len(items))
         sampling = self.sampling()
         lease = LeaseState(next(self.lease_ids), gen.generator_id, items, sampling.temperature, min_version,
-                           time.monotonic(), principal=gen.principal)
+                           time.monotonic(), principal=gen.principal, start=gen.applied)
         self.ledger.grant(lease)
         return P.Lease(lease.lease_id, min_version, list(items.values()), sampling=sampling)
 

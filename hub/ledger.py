@@ -39,6 +39,13 @@ class LeaseState:
     granted: float  # time.monotonic()
     unreported: int = 0  # consecutive heartbeats of its generator that did not list it
     principal: str = ""  # its generator's (a key, or the id without keys); "" for generator_id
+    start: int = -1  # the oldest version its groups can start from: min_version, or the version its generator had
+    # loaded when it was granted if newer (an engine's weights only move forward); -1: min_version
+
+    @property
+    def behaviour(self) -> int:
+        """The oldest behaviour version its groups can have (`start`)."""
+        return max(self.min_version, self.start)
 
 
 class Holdings:
@@ -235,20 +242,30 @@ class PromptLedger:
         """Groups leased, buffered or being trained: what admission bounds."""
         return self.leased + len(self.buffer) + len(self.in_step)
 
-    def batch(self, step: int, k: int, size: int) -> tuple[list[P.RolloutGroup] | None, int]:
+    def batch(self, step: int, k: int, size: int, for_last_chance: bool = True) -> tuple[list[P.RolloutGroup] | None,
+                                                                                          int, int]:
         """(a batch of `size` groups fresh enough for `step`, oldest first, or None; groups dropped as stale,
-        their prompts leased again)."""
+        their prompts leased again; groups still out whose last chance this step is, that the batch waits for:
+        with `for_last_chance` it is None while it would take a newer group in their place)."""
         keep, stale = staleness.split_stale(self.buffer, step, k)
         if stale:
             self.buffer = keep
             self.pending.extendleft(reversed([(g.epoch, g.prompt_id) for g, *_ in stale]))
             self.counters["stale_dropped"] += len(stale)  # (not counted as re-queued)
         if len(self.buffer) < size:
-            return None, len(stale)
+            return None, len(stale), 0
         ordered = staleness.oldest_first(self.buffer)
+        out = self.last_chance_out(step, k) if for_last_chance else 0
+        if staleness.holds_back_last_chance(ordered, size, step, k, out):
+            return None, len(stale), out
         self.buffer = ordered[size:]
         self.in_step = [g for g, *_ in ordered[:size]]
-        return self.in_step, len(stale)
+        return self.in_step, len(stale), 0
+
+    def last_chance_out(self, step: int, k: int) -> int:
+        """Groups on leases that may have started so long ago that `step` is the last that may train them."""
+        return sum(len(lease.items) for lease in self.leases.values()
+                   if staleness.last_chance(step, k, lease.behaviour))
 
     def finish_step(self) -> None:
         for g in self.in_step:

@@ -370,10 +370,12 @@ class Learner:
 
 def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int,
                device) -> tuple[list | None, dict, dict, str]:
-    """Rank 0's next batch, on every rank: (groups, counts of the groups gone stale, knobs, why the run ends). While
+    """Rank 0's next batch, on every rank: (groups, counts of the groups gone stale and the wait for those about to,
+    knobs, why the run ends). While
     rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
     than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone."""
-    counts = {"staleness/dropped": 0, "staleness/stopped": 0}  # dropped by the hub, stopped by their generators
+    # dropped by the hub, stopped by their generators; how long the batch waited for groups whose last chance it was
+    counts = {"staleness/dropped": 0, "staleness/stopped": 0, "staleness/last_chance_wait_s": 0.0}
     while True:
         groups, stats, knobs, end = _take(hub, step, None if world == 1 else KEEPALIVE_S) if rank == 0 else \
             (None, {}, {}, "")

@@ -32,7 +32,9 @@ the latest for `pipeline status`, `pipeline run` prints the run's, and `python -
 Whatever binds, a verdict also names the groups gone stale once they reach STALE of the groups trained: dropped by
 the hub as they came (staleness/dropped) or stopped by their generators first (staleness/stopped). A group whose
 samples outlive k steps while it generates (the longest ones) is generated again (6-9 % at k = 1-4 on the shipped
-smollm2 config: docs/design.md).
+smollm2 config before a batch waited for such groups: docs/design.md). It names, too, the learner's wait for the
+groups whose last chance a batch was (staleness/last_chance_wait_s) once that reaches WAIT_NOTED of its time: the
+longest completions set that pace.
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ def verdict(pairs: Sequence[tuple[dict, float]], lora: bool = False) -> Verdict 
         sentence += (f"; {_pct(f['stale'])} as many groups as were trained went stale before their step and were "
                      f"generated again (samples that outlive k steps: the longest), where "
                      f"`trainer.max_staleness={k + 1}` or a smaller `sampling.max_tokens` keeps them")
+    if f["last_chance"] >= WAIT_NOTED:
+        sentence += (f"; {_pct(f['last_chance'])} of the learner's time went to batches waiting for groups on their "
+                     f"last step (the longest completions, trainer.last_chance_wait_s): "
+                     f"`trainer.max_staleness={k + 1}` or a smaller `sampling.max_tokens` shortens it")
     return Verdict(stage, share, sentence, kept[0][0]["step"], kept[-1][0]["step"], len(kept),
                    len(pairs) - len(kept), {name: v for name, v in f.items() if name != "score_per_group"})
 
@@ -142,6 +148,7 @@ def _figures(records: list[dict], wall: float) -> dict[str, float]:
          "hub_busy": sum(v for k, v in t.items() if k.startswith("time/hub/")) / wall}
     groups = sum(len(r["trained"]) if "trained" in r else r.get("groups", 0) for r in records)
     f["stale"] = sum(r.get("staleness/dropped", 0) + r.get("staleness/stopped", 0) for r in records) / max(1, groups)
+    f["last_chance"] = sum(r.get("staleness/last_chance_wait_s", 0.0) for r in records) / wall
     gen = t.get("gen/generating_s", 0.0) + t.get("gen/idle_s", 0.0)  # the generators' seconds in these steps
     if gen > 0:
         for name, stage in SHARES.items():
@@ -209,7 +216,8 @@ def slim(record: dict) -> dict:
     """What the verdict reads of a record (a learner keeps its last few without their trained keys)."""
     out = {k: v for k, v in record.items() if k.startswith(("time/", "gen/"))}
     out.update({k: record.get(k, 0) for k in ("step", "generators", "generators_on_learner_gpus", "max_staleness",
-                                              "staleness/dropped", "staleness/stopped")})
+                                              "staleness/dropped", "staleness/stopped",
+                                              "staleness/last_chance_wait_s")})
     out["groups"] = len(record.get("trained", ())) or record.get("groups", 0)
     return out
 

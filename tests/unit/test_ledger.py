@@ -67,7 +67,7 @@ def test_a_prompt_is_in_exactly_one_place_through_leases_steps_and_failures():
         book.buffered(group(key))
     book.take_back(2)  # b's generator is gone: its prompts go back to the front, in order
     assert list(book.pending) == list(b.items) and book.counters["requeued"] == 3
-    batch, dropped = book.batch(step=0, k=0, size=2)
+    batch, dropped, _ = book.batch(step=0, k=0, size=2)
     assert len(batch) == 2 and dropped == 0 and book.in_step == batch
     book.abandon_step()  # not finite: leased again
     assert book.counters["skipped_steps"] == 1 and len(book.pending) == 5
@@ -76,7 +76,7 @@ def test_a_prompt_is_in_exactly_one_place_through_leases_steps_and_failures():
     for key in list(c.items):
         book.settle(3, key)
         book.buffered(group(key))
-    batch, _ = book.batch(step=0, k=0, size=4)
+    batch, _, _ = book.batch(step=0, k=0, size=4)
     book.finish_step()
     assert book.trained == 4 and set(places(book).values()) == {1} and len(places(book)) == 6
 
@@ -87,7 +87,7 @@ def test_stale_groups_are_dropped_and_leased_again_and_a_batch_takes_the_oldest_
     for key, version in zip(keys, (0, 2, 1, 2), strict=True):
         book.settle(1, key)
         book.buffered(group(key, version))
-    batch, dropped = book.batch(step=2, k=1, size=2)  # lag of version 0 at step 2 is 2 > k
+    batch, dropped, _ = book.batch(step=2, k=1, size=2)  # lag of version 0 at step 2 is 2 > k
     assert dropped == 1 and book.pending[0] == keys[0] and book.counters["stale_dropped"] == 1
     assert [staleness.behaviour_version(g) for g in batch] == [1, 2]
 
@@ -141,7 +141,7 @@ def test_dynamic_sampling_filters_a_group_without_signal_once_and_for_its_epoch(
         book.buffered(group(key))
     assert book.counters["filtered_groups"] == 1 and book.done(keys[0]) and book.in_flight() == 3
     assert set(places(book).values()) == {1} and len(places(book)) == 4
-    batch, _ = book.batch(step=0, k=0, size=3)
+    batch, _, _ = book.batch(step=0, k=0, size=3)
     book.finish_step()
     again = ledger(n=4, epochs=1)
     again.restore(book.snapshot())
@@ -207,7 +207,8 @@ def test_every_prompt_of_each_epoch_is_trained_exactly_once_across_resumes():
         for lease_id in [i for i in book.leases if rng.random() < 0.3]:  # some leases stay out across a checkpoint
             book.take_back(lease_id)
         # the last groups of the last epoch make a smaller batch
-        batch, _ = book.batch(step, 1, 4 if not book.exhausted() else max(1, len(book.buffer)))
+        batch, _, _ = book.batch(step, 1, 4 if not book.exhausted() else max(1, len(book.buffer)),
+                                 for_last_chance=rng.random() < 0.5)  # held for a lease, or waited long enough
         if batch is None:
             continue
         if rng.random() < 0.1:
@@ -272,3 +273,28 @@ def test_the_held_sum_kept_as_leases_change_equals_the_sum_made_afresh():
         for le in book.leases.values():
             held[le.principal] += len(le.items)
         assert book.held.capped(active, r) == sum(min(r, h) for p, h in held.items() if p in active)
+
+
+def test_a_batch_holds_back_only_for_leased_groups_whose_last_chance_it_is():
+    """k = 1, a lease of version 0 still out: at step 1 a batch of newer groups would leave it to go stale, so there
+    is none yet (and the ledger says how many it waits for). At step 2 the lease is past its last chance, no batch
+    waits for it. A generator that had loaded version 1 when it took a lease of min_version 0 starts it at 1 (its
+    `start`): that lease's last chance is step 2, not 1."""
+    book = ledger(n=8)
+    lease(book, 1, 2)  # min_version 0, started at 0
+    later = lease(book, 2, 2)
+    later.start = 1  # its generator held version 1 when it was granted
+    for key in book.take(2, "g", lambda tried: False):
+        book.buffered(group(key, 1))
+    assert book.last_chance_out(1, 1) == 2 and book.last_chance_out(2, 1) == 2  # lease 1 at step 1, lease 2 at 2
+    assert book.batch(step=1, k=1, size=2) == (None, 0, 2)
+    batch, _, _ = book.batch(step=1, k=1, size=2, for_last_chance=False)  # waited long enough: take what there is
+    assert len(batch) == 2 and book.counters["stale_dropped"] == 0
+    book.finish_step()
+    for key in book.take(2, "g", lambda tried: False):
+        book.buffered(group(key, 2))
+    del book.leases[2].items[next(iter(later.items))]  # (one of lease 2's groups is no longer out)
+    book.leased -= 1
+    assert book.last_chance_out(2, 1) == 1  # lease 1 (version 0) is past its last chance at step 2
+    assert book.batch(step=2, k=1, size=2)[0] is None  # held for lease 2's group
+    assert staleness.last_chance(2, 1, 1) and not staleness.last_chance(2, 1, 0)

@@ -384,3 +384,23 @@ def test_groups_dropped_as_stale_are_named_whatever_binds():
         assert loud.figures["stale"] == pytest.approx(3 / 16)
         kept = V.slim(recs[-1])  # what a learner keeps of a record for its verdicts
         assert kept["staleness/dropped"] == 2 and kept["staleness/stopped"] == 1
+
+
+def test_a_wait_for_groups_on_their_last_step_is_named_whatever_binds():
+    """A batch that waits for groups whose last chance it is (trainer.last_chance_wait_s) waits for the longest
+    completions: from WAIT_NOTED of the learner's time, every verdict says so with the knobs, and the learner keeps
+    the figure in what it reads of a record."""
+    for stage in (V.LEARNER, V.WINDOW):
+        recs = records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + [STAGE_RUNS[stage]] * 8, k=2)
+        for r in recs:
+            r["staleness/last_chance_wait_s"] = 0.05  # 5 % of each 1 s step: not named
+        quiet = V.verdict(V.timed(recs))
+        for r in recs:
+            r["staleness/last_chance_wait_s"] = 0.2
+        loud = V.verdict(V.timed(recs))
+        assert quiet is not None and loud is not None and quiet.stage == loud.stage == stage
+        assert "last step" not in quiet.sentence and loud.sentence.startswith(quiet.sentence)
+        assert "20 % of the learner's time went to batches waiting for groups on their last step" in loud.sentence
+        assert "`trainer.max_staleness=3`" in loud.sentence.split("last step")[1]
+        assert loud.figures["last_chance"] == pytest.approx(0.2)
+        assert V.slim(recs[-1])["staleness/last_chance_wait_s"] == 0.2
