@@ -158,7 +158,7 @@ class TrainerConfig:
     """How long a batch waits for groups still being generated whose last chance it is (their behaviour version + k
     is this step) rather than take newer groups in their place, which can wait a step more. Those late groups are the
     slowest, the ones with the longest completions: taken anyway, the batch left them to go stale and be generated
-    again, 3-7 % of the groups at k = 1 and 2 on the shipped smollm2 config, with about twice the tokens of the
+    again, 3-8 % of the groups at k = 1 and 2 on the shipped smollm2 config, with about twice the tokens of the
     average group, so the run trained on shorter completions than its policy wrote (docs/figures.md, "Groups left
     behind"). Bounded so that a generator slow or stuck with such a group does not hold the run: after this long the
     batch takes what it has, as with 0. metrics.jsonl: staleness/last_chance_wait_s."""
