@@ -63,6 +63,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# a batch waits for a group whose last chance it is only while its generator was heard within this many heartbeat
+# periods: a process killed or frozen holds its leases until hub.heartbeat_timeout_s, and the run would wait for them
+LAST_CHANCE_HEARTBEATS = 3
+
 
 class HubStopped(RuntimeError):
     """The hub was stopped while the learner waited on it, or the run cannot go on (the message says why)."""
@@ -276,6 +280,11 @@ class Hub:
         (a change holds from the next batch taken: `next_step`). The batch is None when `wait_s` passed first."""
         B = self.cfg.trainer.batch_size
         stats = {"staleness/dropped": 0, "staleness/last_chance_wait_s": 0.0}
+        silence = LAST_CHANCE_HEARTBEATS * self.cfg.hub.heartbeat_s  # a generator killed or frozen is not waited for
+
+        def heard(generator_id: str) -> bool:
+            return self.registry.heard(generator_id, silence)
+
         start = time.monotonic()
         deadline = None if wait_s is None else start + wait_s
         with self.lock:
@@ -292,7 +301,7 @@ class Hub:
                 k = knobs["trainer.max_staleness"]
                 now = time.monotonic()
                 patience = self.cfg.trainer.last_chance_wait_s - (now - held if held is not None else 0.0)
-                batch, dropped, out = self.ledger.batch(step, k, B, for_last_chance=patience > 0)
+                batch, dropped, out = self.ledger.batch(step, k, B, for_last_chance=patience > 0, heard=heard)
                 if dropped:
                     stats["staleness/dropped"] += dropped
                     log.info("step %d: dropped %d groups older than max_staleness=%d, prompts re-queued", step,

@@ -242,11 +242,12 @@ class PromptLedger:
         """Groups leased, buffered or being trained: what admission bounds."""
         return self.leased + len(self.buffer) + len(self.in_step)
 
-    def batch(self, step: int, k: int, size: int, for_last_chance: bool = True) -> tuple[list[P.RolloutGroup] | None,
-                                                                                          int, int]:
+    def batch(self, step: int, k: int, size: int, for_last_chance: bool = True,
+              heard: Callable[[str], bool] = lambda generator_id: True) -> tuple[list[P.RolloutGroup] | None, int, int]:
         """(a batch of `size` groups fresh enough for `step`, oldest first, or None; groups dropped as stale,
         their prompts leased again; groups still out whose last chance this step is, that the batch waits for:
-        with `for_last_chance` it is None while it would take a newer group in their place)."""
+        with `for_last_chance` it is None while it would take a newer group in their place; only groups of
+        generators `heard` lately count)."""
         keep, stale = staleness.split_stale(self.buffer, step, k)
         if stale:
             self.buffer = keep
@@ -255,17 +256,18 @@ class PromptLedger:
         if len(self.buffer) < size:
             return None, len(stale), 0
         ordered = staleness.oldest_first(self.buffer)
-        out = self.last_chance_out(step, k) if for_last_chance else 0
+        out = self.last_chance_out(step, k, heard) if for_last_chance else 0
         if staleness.holds_back_last_chance(ordered, size, step, k, out):
             return None, len(stale), out
         self.buffer = ordered[size:]
         self.in_step = [g for g, *_ in ordered[:size]]
         return self.in_step, len(stale), 0
 
-    def last_chance_out(self, step: int, k: int) -> int:
-        """Groups on leases that may have started so long ago that `step` is the last that may train them."""
+    def last_chance_out(self, step: int, k: int, heard: Callable[[str], bool] = lambda generator_id: True) -> int:
+        """Groups on leases that may have started so long ago that `step` is the last that may train them, of
+        generators `heard` lately."""
         return sum(len(lease.items) for lease in self.leases.values()
-                   if staleness.last_chance(step, k, lease.behaviour))
+                   if staleness.last_chance(step, k, lease.behaviour) and heard(lease.generator_id))
 
     def finish_step(self) -> None:
         for g in self.in_step:

@@ -152,6 +152,12 @@ class Registry:
         gen = self.generators.get(generator_id)
         return gen.principal if gen else generator_id
 
+    def heard(self, generator_id: str, within_s: float) -> bool:
+        """Whether the generator is registered and spoke within the last `within_s` seconds (a heartbeat, a lease
+        request, ...): a process killed or frozen falls silent."""
+        gen = self.generators.get(generator_id)
+        return gen is not None and time.monotonic() - gen.last_seen <= within_s
+
     def silent(self, timeout_s: float) -> list[GeneratorInfo]:
         now = time.monotonic()
         return [g for g in self.generators.values() if now - g.last_seen > timeout_s]

@@ -24,7 +24,7 @@ from bench.netns import Hosts, remove_stale
 from pipeline.metrics import read_jsonl
 from pipeline.security import make_keys
 from tests.conftest import REPO, wait_for
-from tests.integration.helpers import events, start_generator, start_learner
+from tests.integration.helpers import events, held_at, start_generator, start_learner
 
 pytestmark = pytest.mark.integration
 
@@ -117,14 +117,17 @@ def test_a_generator_on_another_host_trains_over_zmq_and_a_stranger_gets_nothing
     make_keys(stranger, ["stranger"], [])
     shutil.copy(keys / "hub.key", stranger / "hub.key")
     common = [f"trainer.total_steps={steps}", "trainer.batch_size=8"]
+    # the learner holds before its last step until the stranger is done: the last record counts all its knocks (the
+    # run could end before its 12 s of knocking: the last record then counted one of the two keyed handshakes)
+    release = tmp_path / "stranger-done"
     learner = start_learner(_on(hosts, "a", procs), run_dir, free_port,
-                            [*common, "hub.host=0.0.0.0", f"auth.keys={keys}"])
+                            [*common, "hub.host=0.0.0.0", f"auth.keys={keys}"], env=held_at(steps - 1, release))
     gen = start_generator(_on(hosts, "b", procs), run_dir, free_port,
                           [*common, f"auth.keys={own['host-b']}", "auth.identity=host-b"], "b", host=learner_at)
-    # the stranger knocks while the hub is up and the generator's engine starts: the run cannot have ended
     wait_for(lambda: (run_dir / "hub.json").exists(), 300, "the hub to start", [learner])
     tried = _python(hosts, "c", STRANGER, f"tcp://{learner_at}:{free_port}", str(stranger)).splitlines()
     assert tried == ["no reply"] * 4, tried
+    release.touch()
     assert learner.wait(300) == 0, learner.tail()
     assert gen.wait(60) == 0, gen.tail()
 

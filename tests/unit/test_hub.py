@@ -623,3 +623,21 @@ def test_a_batch_waits_for_a_last_chance_group_only_trainer_last_chance_wait_s(t
     finally:
         peer.close()
         hub.stop()
+
+
+def test_a_batch_does_not_wait_for_the_last_chance_groups_of_a_generator_fallen_silent(tmp_path):
+    """A generator killed or frozen holds its leases until hub.heartbeat_timeout_s: a batch waits for its last-chance
+    groups only while it was heard within LAST_CHANCE_HEARTBEATS heartbeat periods, well before
+    trainer.last_chance_wait_s."""
+    hub = new_hub(tmp_path, hub={"heartbeat_s": 0.1})
+    peer = Peer(hub)  # it sends no heartbeats: silent from its last request on
+    peer.register()
+    try:
+        b, _ = _a_last_chance_group_out(hub, peer)
+        batch, stats, _ = hub.take_batch(1)
+        assert len(batch) == 2 and b.groups[0].prompt_id in {g.prompt_id for g in batch}
+        assert stats["staleness/last_chance_wait_s"] < hub.cfg.trainer.last_chance_wait_s / 2
+        assert "gen-t" in hub.registry.generators  # not dropped yet (hub.heartbeat_timeout_s): only not waited for
+    finally:
+        peer.close()
+        hub.stop()
