@@ -160,9 +160,9 @@ class TrainerConfig:
     slowest, the ones with the longest completions: taken anyway, the batch left them to go stale and be generated
     again, 3-8 % of the groups at k = 1 and 2 on the shipped smollm2 config, with about twice the tokens of the
     average group, so the run trained on shorter completions than its policy wrote (docs/figures.md, "Groups left
-    behind, and CUDA MPS"). Bounded so that a generator slow or stuck with such a group does not hold the run: after this long the
-    batch takes what it has, as with 0; a generator silent for three heartbeats (killed, frozen) is not waited for.
-    metrics.jsonl: staleness/last_chance_wait_s."""
+    behind, and CUDA MPS"). Bounded so that a generator slow or stuck with such a group does not hold the run: after
+    this long the batch takes what it has, as with 0; a generator silent for three heartbeats (killed, frozen) is not
+    waited for. metrics.jsonl: staleness/last_chance_wait_s."""
     lr: float = knob(2e-3, Range(0, 1, lo_closed=False, why="AdamW moves every weight by about lr per step"),
                      runtime=True)
     """AdamW learning rate."""
