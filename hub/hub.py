@@ -95,7 +95,8 @@ class Hub:
         self.ledger = PromptLedger(len(rows), cfg.trainer.epochs, cfg.data.seed, self.counters)
         self.failure = ""  # why the run cannot go on: the learner's take_batch raises it
         self.stopped_seen = 0  # counters["stale_stopped"] when the learner last took a batch
-        self.last_chance_held: dict[int, float] = {}  # {step: since when its batch waits for last-chance groups}
+        self.last_chance_held: tuple[int, float] | None = None  # (step, since when its batch waits for last-chance
+        # groups): kept across take_batch calls
         self.verdict = ""  # what holds the run back, the learner's latest word (`set_verdict`)
         t = cfg.trainer
         self.shape = RunShape(vocab_size, t.group_size, cfg.sampling.max_tokens, cfg.generator.max_model_len,
@@ -290,8 +291,11 @@ class Hub:
         with self.lock:
             # since when the batch for `step` waits for groups still out whose last chance it is: kept across calls
             # (a learner of several ranks asks every KEEPALIVE_S), so trainer.last_chance_wait_s bounds the whole wait
-            held = self.last_chance_held.get(step)
-            self.last_chance_held = {step: held} if held is not None else {}
+            held = self.last_chance_held[1] if self.last_chance_held and self.last_chance_held[0] == step else None
+
+            def waited() -> float:  # this call's share of the wait for last-chance groups (next_batch adds them up)
+                return 0.0 if held is None else time.monotonic() - max(held, start)
+
             while True:
                 if self.server.stopped:
                     raise HubStopped("hub stopped while the learner waited for rollouts")
@@ -307,13 +311,13 @@ class Hub:
                     log.info("step %d: dropped %d groups older than max_staleness=%d, prompts re-queued", step,
                              dropped, k)
                 if out and held is None:
-                    held = self.last_chance_held[step] = now
+                    held = now
+                    self.last_chance_held = (step, held)
                 if batch is not None:  # and the groups generators stopped as stale since the last batch
                     stats["staleness/stopped"] = self.counters["stale_stopped"] - self.stopped_seen
                     self.stopped_seen = self.counters["stale_stopped"]
-                    if held is not None:
-                        stats["staleness/last_chance_wait_s"] = now - max(held, start)
-                    self.last_chance_held = {}
+                    stats["staleness/last_chance_wait_s"] = waited()
+                    self.last_chance_held = None
                     return batch, stats, knobs
                 if self.ledger.exhausted():
                     raise DatasetExhausted(
@@ -322,8 +326,7 @@ class Hub:
                         f"a batch of {B}; the run ends at version {self.version} of trainer.total_steps="
                         f"{self.cfg.trainer.total_steps}")
                 if deadline is not None and time.monotonic() > deadline:
-                    if held is not None:  # this call's share of the wait (next_batch adds them up)
-                        stats["staleness/last_chance_wait_s"] = time.monotonic() - max(held, start)
+                    stats["staleness/last_chance_wait_s"] = waited()
                     return None, stats, knobs
                 left = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
                 self.lock.wait(min(0.5, left, patience) if out else 0.5)

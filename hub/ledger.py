@@ -256,8 +256,10 @@ class PromptLedger:
         if len(self.buffer) < size:
             return None, len(stale), 0
         ordered = staleness.oldest_first(self.buffer)
-        out = self.last_chance_out(step, k, heard) if for_last_chance else 0
-        if staleness.holds_back_last_chance(ordered, size, step, k, out):
+        # the leases are walked only when the batch would take a group that could wait
+        out = self.last_chance_out(step, k, heard) if for_last_chance and staleness.takes_a_newer_group(
+            ordered, size, step, k) else 0
+        if out:
             return None, len(stale), out
         self.buffer = ordered[size:]
         self.in_step = [g for g, *_ in ordered[:size]]

@@ -66,12 +66,12 @@ def last_chance(step: int, k: int, behaviour: int) -> bool:
     return step - behaviour == k
 
 
-def holds_back_last_chance(ordered: list[Buffered], size: int, step: int, k: int, out: int) -> bool:
-    """Whether a batch of the first `size` of `ordered` (oldest first) would take a group that may still wait while
-    `out` groups whose last chance this step is are still being generated: they would go stale behind it, and they are
-    the slowest, those with the longest completions (taking the batch anyway left 3-8 % of the groups stale at k = 1
-    and 2 on the shipped smollm2 config, with twice the tokens of the average group: docs/figures.md)."""
-    return out > 0 and not last_chance(step, k, ordered[size - 1].behaviour)
+def takes_a_newer_group(ordered: list[Buffered], size: int, step: int, k: int) -> bool:
+    """Whether a batch of the first `size` of `ordered` (oldest first) takes a group that could wait a step more. While
+    groups whose last chance this step is are still being generated, it would leave them to go stale behind it, and
+    they are the slowest, those with the longest completions (taking the batch anyway left 3-8 % of the groups stale
+    at k = 1 and 2 on the shipped smollm2 config, with twice the tokens of the average group: docs/figures.md)."""
+    return not last_chance(step, k, ordered[size - 1].behaviour)
 
 
 def oldest_first(buffered: list[Buffered]) -> list[Buffered]:

@@ -619,7 +619,7 @@ def test_a_batch_waits_for_a_last_chance_group_only_trainer_last_chance_wait_s(t
             calls += 1
         assert batch is not None and calls > 2
         assert len(batch) == 2 and b.groups[0].prompt_id in {g.prompt_id for g in batch}
-        assert 0.3 <= waited < 5 and hub.last_chance_held == {}
+        assert 0.3 <= waited < 5 and hub.last_chance_held is None
     finally:
         peer.close()
         hub.stop()

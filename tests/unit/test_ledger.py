@@ -293,8 +293,7 @@ def test_a_batch_holds_back_only_for_leased_groups_whose_last_chance_it_is():
     book.finish_step()
     for key in book.take(2, "g", lambda tried: False):
         book.buffered(group(key, 2))
-    del book.leases[2].items[next(iter(later.items))]  # (one of lease 2's groups is no longer out)
-    book.leased -= 1
+    book.settle(2, next(iter(later.items)))  # (one of lease 2's groups is no longer out)
     assert book.last_chance_out(2, 1) == 1  # lease 1 (version 0) is past its last chance at step 2
     assert book.batch(step=2, k=1, size=2)[0] is None  # held for lease 2's group
     assert staleness.last_chance(2, 1, 1) and not staleness.last_chance(2, 1, 0)
