@@ -35,6 +35,12 @@ def new_hub(run_dir, rows=None, version: int = 0, state=None, eval_rows=None, **
     return hub
 
 
+def publish(hub: Hub, version: int) -> None:
+    """As the learner after a step: the step that made `version` is done, and the version is announced."""
+    hub.finish_step(version)
+    hub.announce(P.WeightsReady(version, file=P.FileVersion(0, 0)), None)
+
+
 class Peer:
     """A generator-shaped client: a DEALER on control and a PUSH on rollouts."""
 
