@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -245,8 +245,8 @@ class PromptLedger:
     def batch(self, step: int, k: int, size: int, for_last_chance: bool = True,
               heard: Callable[[str], bool] = lambda generator_id: True) -> tuple[list[P.RolloutGroup] | None, int, int]:
         """(a batch of `size` groups fresh enough for `step`, oldest first, or None; groups dropped as stale,
-        their prompts leased again; groups still out whose last chance this step is, that the batch waits for:
-        with `for_last_chance` it is None while it would take a newer group in their place; only groups of
+        their prompts leased again; groups still out that the batch waits for: with `for_last_chance` it is None
+        while taking newer groups would leave them with no step to train them (`left_behind`); only groups of
         generators `heard` lately count)."""
         keep, stale = staleness.split_stale(self.buffer, step, k)
         if stale:
@@ -257,19 +257,23 @@ class PromptLedger:
             return None, len(stale), 0
         ordered = staleness.oldest_first(self.buffer)
         # the leases are walked only when the batch would take a group that could wait
-        out = self.last_chance_out(step, k, heard) if for_last_chance and staleness.takes_a_newer_group(
-            ordered, size, step, k) else 0
+        out = self.left_behind(step, k, size, ordered[size - 1].behaviour, heard) if for_last_chance and \
+            staleness.takes_a_newer_group(ordered, size, step, k) else 0
         if out:
             return None, len(stale), out
         self.buffer = ordered[size:]
         self.in_step = [g for g, *_ in ordered[:size]]
         return self.in_step, len(stale), 0
 
-    def last_chance_out(self, step: int, k: int, heard: Callable[[str], bool] = lambda generator_id: True) -> int:
-        """Groups on leases that may have started so long ago that `step` is the last that may train them, of
-        generators `heard` lately."""
-        return sum(len(lease.items) for lease in self.leases.values()
-                   if staleness.last_chance(step, k, lease.behaviour) and heard(lease.generator_id))
+    def left_behind(self, step: int, k: int, size: int, newest: int,
+                    heard: Callable[[str], bool] = lambda generator_id: True) -> int:
+        """Groups on leases of generators `heard` lately that a batch for `step` taking groups up to behaviour
+        `newest` would leave with no step to train them (`staleness.left_behind`)."""
+        out: Counter[int] = Counter()
+        for lease in self.leases.values():
+            if heard(lease.generator_id):
+                out[lease.behaviour] += len(lease.items)
+        return staleness.left_behind(out, newest, step, k, size)
 
     def finish_step(self) -> None:
         for g in self.in_step:

@@ -5,12 +5,14 @@ version v into v + 1 trains only groups with v - behaviour <= k (`trainer.max_st
 the groups in flight (leased + buffered + in the step being trained) at most (k + 1) x batch_size, so
 generation runs at most k versions ahead of training; a lease says the oldest version its groups may
 start from (`min_version`, for its last group: every group of it started at or after that version is within k
-when trained), which the generator waits for before generating. A batch waits a while for a group still out whose
-last chance it is (`last_chance`) rather than take a newer group in its place and drop that one stale after.
+when trained), which the generator waits for before generating. A batch waits a while for groups still out that
+taking newer groups in their place would leave with no step to train them (`left_behind`), rather than drop them stale
+after.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 from pipeline import protocol as P
@@ -72,6 +74,27 @@ def takes_a_newer_group(ordered: list[Buffered], size: int, step: int, k: int) -
     they are the slowest, those with the longest completions (taking the batch anyway left 3-8 % of the groups stale
     at k = 1 and 2 on the shipped smollm2 config, with twice the tokens of the average group: docs/figures.md)."""
     return not last_chance(step, k, ordered[size - 1].behaviour)
+
+
+def left_behind(out: Counter[int], newest: int, step: int, k: int, size: int) -> int:
+    """Groups still out (`out`: how many by the oldest behaviour version each can have) that a batch of `size` for
+    `step` taking groups up to behaviour `newest` leaves with no step to train them (0: none). Such a batch holds every
+    buffered group older than `newest` (`oldest_first`), so for each behaviour b below `newest` the groups of b or older
+    still out must fit the steps after this one up to b's last (b + k), `size` a step. The first b where they do not
+    gives them all: the batch waits for them. At b's last step that room is none, so any group out whose last chance
+    this step is holds it (`last_chance`). The room also runs out at earlier steps where groups leased on old weights
+    arrive after newer ones: two engines beside the learner at k = 8 left 30 groups of version 1 that the steps up to
+    9 could not all take (docs/figures.md, "Two engines beside the learner")."""
+    held = 0
+    for b in sorted(out):
+        if b >= newest:
+            break
+        if b < step - k:  # past its last step already: no batch can take it
+            continue
+        held += out[b]
+        if held > (b + k - step) * size:
+            return held
+    return 0
 
 
 def oldest_first(buffered: list[Buffered]) -> list[Buffered]:
