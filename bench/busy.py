@@ -70,7 +70,7 @@ def _set_flags(sets: list[str]) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
-def wave(specs: list[str], args) -> dict:
+def wave(specs: list[str], args, first: bool = False) -> dict:
     started, joins = {}, {}
     for spec in specs:
         name, argv, sets = job_argv(spec, args)
@@ -81,7 +81,7 @@ def wave(specs: list[str], args) -> dict:
         joins[name] = sorted((int(step), gpu) for j in args.join if j.split(":")[0] == name
                              for gpu, step in [j.split(":", 1)[1].split("@")])
     joined: dict[str, list] = {name: [] for name in started}
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + (args.first_timeout if first else args.timeout)
     while any(c.proc.poll() is None for c, *_ in started.values()) and time.monotonic() < deadline:
         for name, pending in joins.items():
             while pending and started[name][0].proc.poll() is None and trained(args.out / name) >= pending[0][0]:
@@ -173,6 +173,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--skip", type=int, default=5, help="steps left out of the rates")
     p.add_argument("--timeout", type=float, default=280, help="seconds per wave")
+    p.add_argument("--first-timeout", type=float, default=None,
+                   help="seconds for the first wave (default --timeout): a fresh machine's first run builds its caches")
     p.add_argument("--wave", action="append", required=True, help="jobs that run side by side (see above)")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench-runs/busy"))
     p.add_argument("--name", default="", help="added to the result's name")
@@ -185,8 +187,9 @@ def main() -> None:
     for spec in " ".join(args.wave).split():  # every job's form checked before the first wave starts
         job_argv(spec, args)
     results = {}
-    for specs in args.wave:
-        results.update(wave(specs.split(), args))
+    args.first_timeout = args.first_timeout or args.timeout
+    for i, specs in enumerate(args.wave):
+        results.update(wave(specs.split(), args, first=i == 0))
         name = result_name("busy", Path(args.config).stem, args.name)
         write_result(name, "python -m bench.busy " + " ".join(sys.argv[1:]), args.config, results, quiet=True)
     print(json.dumps(results, indent=1))

@@ -66,8 +66,10 @@
 #                `compile` on the same machine, whose first runs pay for the cold caches)
 #   compile-test tests/gpu/test_gpu_engine_graphs.py: the engine's samples at every step, both ways (1 GPU; up to 9 min)
 #   last-chance  a batch that waits for its last-chance groups (trainer.last_chance_wait_s, as shipped) against one
-#                that does not (0: the code before), the smollm2 config at k = 1, then 2, 60 steps each (1 GPU; about
-#                8 min on a fresh machine, whose first run pays for the cold caches)
+#                that does not (0: the code before), the smollm2 config at k = $K (1), 60 steps each, with, without,
+#                with (1 GPU; about 8 min on a fresh machine, whose first run pays for the cold caches)
+#   two-engines  the smollm2 config colocated at k = $K (the config's 8 unless set), one engine on GPU 0 against two
+#                (run.generators 2 on GPU 0), in the order one, two, two, one, 60 steps each (1 GPU; about 8 min)
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + the config's two generators on GPU 1 (one
 #                with the GPU to itself if $ENGINES is 1; gradient checkpointing if $CKPT is set) (about 8 min)
@@ -106,7 +108,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -343,12 +345,21 @@ run_part() {
     step compile_k1 540 "${Q[@]}" --steps 60 --skip 5 --timeout 130 --name decode_graphs_k1 \
       --wave "k1t:0:0:trainer.max_staleness=1" --wave "k1f:0:0:trainer.max_staleness=1;generator.compile=false"; pack
     ;;
-  last-chance)  # a batch waiting for its last-chance groups (trainer.last_chance_wait_s) against not (0), k = 1 then 2
+  last-chance)  # a batch waiting for its last-chance groups (trainer.last_chance_wait_s) against not (0), at k = $K (1)
+    smollm2
+    K=${K:-1}
+    Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml)
+    W="trainer.max_staleness=$K"
+    step last_chance 580 "${Q[@]}" --steps 60 --skip 5 --first-timeout 250 --timeout 160 --name "last_chance_k$K" \
+      --wave "wait$K:0:0:$W" --wave "nowait$K:0:0:$W;trainer.last_chance_wait_s=0" --wave "wait${K}b:0:0:$W"
+    pack
+    ;;
+  two-engines)  # the smollm2 config colocated at k = $K (the config's 8): one engine on GPU 0 against two (A B B A)
     smollm2
     Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml)
-    step last_chance 570 "${Q[@]}" --steps 60 --skip 5 --timeout 170 --name last_chance \
-      --wave "wait1:0:0:trainer.max_staleness=1" --wave "nowait1:0:0:trainer.max_staleness=1;trainer.last_chance_wait_s=0" \
-      --wave "wait2:0:0:trainer.max_staleness=2" --wave "nowait2:0:0:trainer.max_staleness=2;trainer.last_chance_wait_s=0"
+    W=${K:+trainer.max_staleness=$K}
+    step two_engines 580 "${Q[@]}" --steps 60 --skip 5 --first-timeout 250 --timeout 130 --name "two_engines${K:+_k$K}" \
+      --wave "one:0:0:$W" --wave "two:0:0,0:$W" --wave "twob:0:0,0:$W" --wave "oneb:0:0:$W"
     pack
     ;;
   compile-test)  # tests/gpu/test_gpu_engine_graphs.py: the mismatch KL at every step, with and without the compile
