@@ -156,7 +156,8 @@ class TrainerConfig:
     (reward 0.06 -> 0.46 in 50 steps, 13 s of training on 2 CPU cores, against 0.05 -> 0.43 in 19 s at k = 1)."""
     last_chance_wait_s: float = knob(10.0, NON_NEGATIVE)
     """How long a batch waits for groups still being generated whose last chance it is (their behaviour version + k
-    is this step) rather than take newer groups in their place, which can wait a step more. Those late groups are the
+    is this step), or that the steps before their last could not all take (pipeline/staleness.py, `left_behind`),
+    rather than take newer groups in their place, which can wait a step more. Those late groups are the
     slowest, the ones with the longest completions: taken anyway, the batch left them to go stale and be generated
     again, 3-8 % of the groups at k = 1 and 2 on the shipped smollm2 config, with about twice the tokens of the
     average group, so the run trained on shorter completions than its policy wrote (docs/figures.md, "Groups left
