@@ -325,10 +325,10 @@ run_part() {
   quickstart)  # a fresh machine compiles Triton's kernels in its first two runs: the third is the warm start
     smollm2
     Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 4 --skip 1)
-    step quickstart_cold 170 "${Q[@]}" --timeout 155 --name quickstart_cold --wave "cold:0:0"
+    step quickstart_cold 170 "${Q[@]}" --timeout 155 --name quickstart_cold --wave "cold:0:0,0"
     # the second start alone, under cProfile: what it compiles again (18 s after the CUDA graphs, 2026-11-29)
     step engine_start 120 python3 -m bench.engine_start --config configs/gpu-smollm2-math.yaml --name second
-    step quickstart_warm 170 "${Q[@]}" --timeout 75 --name quickstart_warm --wave "warm1:0:0" --wave "warm2:0:0"
+    step quickstart_warm 170 "${Q[@]}" --timeout 75 --name quickstart_warm --wave "warm1:0:0,0" --wave "warm2:0:0,0"
     pack
     ;;
   compile)  # generator.compile false (no compile, decode-only graphs) against the compile, on the shipped smollm2 config
