@@ -56,8 +56,8 @@
 #                against k = 8, m2po, 3 seeds, 150 steps, six runs sharing GPU 0 (1 GPU; about 9 min). reasoning-gym
 #                is not in the GPU kit: `bash scripts/rg-wheels.sh .whl/rg` here, then carry .whl/rg and install its
 #                wheels into the kit's site as the kit's own (a run without them is refused at start, naming it)
-#   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml colocated on
-#                GPU 0: a machine's first run (caches cold); the second start, the engine's alone under cProfile
+#   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml as shipped (the
+#                learner and two engines on GPU 0): a machine's first run (caches cold); the second start, the engine's alone under cProfile
 #                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
 #                result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
 #   compile      issue 52 item 4: generator.compile false (no compile, CUDA graphs of decode steps) against the
