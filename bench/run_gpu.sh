@@ -70,6 +70,9 @@
 #                with (1 GPU; about 8 min on a fresh machine, whose first run pays for the cold caches)
 #   two-engines  the smollm2 config colocated at k = $K (the config's 8 unless set), one engine on GPU 0 against two
 #                (run.generators 2 on GPU 0), in the order one, two, two, one, 60 steps each (1 GPU; about 8 min)
+#   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
+#                learner's GPU to itself), in the order colocated, split, split, colocated, 60 steps each (2 GPUs;
+#                about 8 min): whether k = 1's wait is the GPU's sharing or the window's
 #   gpubound-2gpu  issues 52 (item 3) and 54 (setup 2) on 2 GPUs, the 1.5B shape with 1,024-token completions at k = $K
 #                (3): both on GPU 0 at k = $K_ONE (2), then learner GPU 0 + the config's two generators on GPU 1 (one
 #                with the GPU to itself if $ENGINES is 1; gradient checkpointing if $CKPT is set) (about 8 min)
@@ -108,7 +111,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -365,6 +368,15 @@ run_part() {
   compile-test)  # tests/gpu/test_gpu_engine_graphs.py: the mismatch KL at every step, with and without the compile
     smollm2
     step gpu_engine_graphs 540 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu/test_gpu_engine_graphs.py
+    pack
+    ;;
+  split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)
+    smollm2
+    K=${K:-1}
+    Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml)
+    W="trainer.max_staleness=$K"
+    step split_k1 580 "${Q[@]}" --steps 60 --skip 5 --first-timeout 250 --timeout 130 --name "split_k$K" \
+      --wave "colo:0:0,0:$W" --wave "split:0:1,1:$W" --wave "splitb:0:1,1:$W" --wave "colob:0:0,0:$W"
     pack
     ;;
   gpubound-2gpu)  # 2026-11-30: one GPU at k = 2 5.61, the split at k = 3 with the config's two engines 10.84 (1.93x)
