@@ -70,6 +70,9 @@
 #                with (1 GPU; about 8 min on a fresh machine, whose first run pays for the cold caches)
 #   two-engines  the smollm2 config colocated at k = $K (the config's 8 unless set), one engine on GPU 0 against two
 #                (run.generators 2 on GPU 0), in the order one, two, two, one, 60 steps each (1 GPU; about 8 min)
+#   mps          CUDA MPS under the smollm2 config as shipped but k = $K (1): the learner and two engines on GPU 0 with
+#                one MPS daemon of this part's (its pipe under /tmp/bench-mps, stopped by `quit` after each run) against
+#                without, in the order off, on, on, off, 60 steps each (1 GPU; about 9 min)
 #   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
 #                learner's GPU to itself), in the order colocated, split, split, colocated, 60 steps each (2 GPUs;
 #                about 8 min): whether k = 1's wait is the GPU's sharing or the window's
@@ -111,7 +114,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -368,6 +371,27 @@ run_part() {
   compile-test)  # tests/gpu/test_gpu_engine_graphs.py: the mismatch KL at every step, with and without the compile
     smollm2
     step gpu_engine_graphs 540 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu/test_gpu_engine_graphs.py
+    pack
+    ;;
+  mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1): off, on, on, off (2026-12-01, one engine:
+    # on 75.2 steps/min, waiting 27 %; off 63.9, 38 %: one pair)
+    smollm2
+    K=${K:-1}
+    local pipe=/tmp/bench-mps/pipe first=250 run
+    mkdir -p "$pipe" /tmp/bench-mps/log
+    for run in off on onb offb; do
+      local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 --timeout "$first"
+        --name "mps2_${run}_k$K" --wave "$run:0:0,0:trainer.max_staleness=$K")
+      if [[ $run == on* ]]; then
+        CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=/tmp/bench-mps/log nvidia-cuda-mps-control -d
+        step "mps_$run" 270 env CUDA_MPS_PIPE_DIRECTORY="$pipe" "${Q[@]}"
+        echo quit | CUDA_MPS_PIPE_DIRECTORY=$pipe nvidia-cuda-mps-control
+        sleep 2  # the daemon and its server gone before the next run
+      else
+        step "mps_$run" 270 "${Q[@]}"
+      fi
+      first=130
+    done
     pack
     ;;
   split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)
