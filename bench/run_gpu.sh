@@ -57,9 +57,9 @@
 #                is not in the GPU kit: `bash scripts/rg-wheels.sh .whl/rg` here, then carry .whl/rg and install its
 #                wheels into the kit's site as the kit's own (a run without them is refused at start, naming it)
 #   quickstart   issue 52 item 4: launch to the first training step of configs/gpu-smollm2-math.yaml as shipped (the
-#                learner and two engines on GPU 0): a machine's first run (caches cold); the second start, the engine's alone under cProfile
-#                (bench/engine_start.py: Triton's kernels are compiled again there); then two warm runs; each run's
-#                result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
+#                learner and two engines on GPU 0): a machine's first run (caches cold); the second start, the engine's
+#                alone under cProfile (bench/engine_start.py: Triton's kernels are compiled again there); then two warm
+#                runs; each run's result lists the start's phases (bench/timeline.py) (1 GPU; about 8 min)
 #   compile      issue 52 item 4: generator.compile false (no compile, CUDA graphs of decode steps) against the
 #                compile on configs/gpu-smollm2-math.yaml: six starts alternating (1 GPU; about 5 min)
 #   compile-k1   the same two ways at k = 1, 60 steps each, where generation binds (1 GPU; about 4 min; after
