@@ -54,7 +54,8 @@ from hub.serving import WeightServing
 from hub.trainer import HubStats
 from hub.validation import RunShape
 from pipeline import protocol as P
-from pipeline.config import Config, runtime_values
+from pipeline.config import Config
+from pipeline.runtime_knobs import runtime_values
 from pipeline.security import ServerAuth, has_role
 from weights.base import Sender
 

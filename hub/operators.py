@@ -14,7 +14,8 @@ from hub.journal import Journal
 from hub.ledger import PromptLedger
 from hub.registry import Registry
 from pipeline import protocol as P
-from pipeline.config import Config, ConfigError, apply_runtime_change
+from pipeline.config import Config, ConfigError
+from pipeline.runtime_knobs import apply_runtime_change
 
 log = logging.getLogger(__name__)
 

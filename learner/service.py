@@ -44,12 +44,13 @@ from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
 from pipeline import trace
-from pipeline.config import Config, ConfigError, apply_runtime_change, save_config
+from pipeline.config import Config, ConfigError, save_config
 from pipeline.environment import held_at_step, slowed_step_s
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, read_metrics, step_record, truncate_metrics
 from pipeline.pinning import content_digests
+from pipeline.runtime_knobs import apply_runtime_change
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
 from pipeline.tinymodel import resolve_model_path
 from pipeline.verdict import Verdicts, timed, verdict

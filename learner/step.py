@@ -32,7 +32,8 @@ from learner.logprobs import forward_logprobs
 from learner.loss import Loss, masked_sum
 from learner.model import Extras, free_gpu_bytes, input_embeddings
 from pipeline import protocol as P
-from pipeline.config import Config, runtime_values
+from pipeline.config import Config
+from pipeline.runtime_knobs import runtime_values
 
 
 def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int,

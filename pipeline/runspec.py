@@ -31,7 +31,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import Config, config_from_dict, parse_override, runtime_keys
+from pipeline.config import Config, config_from_dict, parse_override
+from pipeline.runtime_knobs import runtime_keys
 
 MISSING = object()
 

@@ -51,7 +51,8 @@ def run(path: str, spec: dict, rank: int, world: int) -> None:
     from learner.model import build_engine, gathered_weights
     from learner.service import broadcast_batch
     from learner.step import train_step
-    from pipeline.config import config_from_dict, runtime_values
+    from pipeline.config import config_from_dict
+    from pipeline.runtime_knobs import runtime_values
     from pipeline.tinymodel import PAD_ID, resolve_model_path
 
     cfg = config_from_dict(spec["config"])

@@ -6,14 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import (
-    ConfigError,
-    apply_runtime_change,
-    config_from_dict,
-    load_config,
-    runtime_keys,
-)
+from pipeline.config import ConfigError, config_from_dict, load_config
 from pipeline.environment import apply_environment
+from pipeline.runtime_knobs import apply_runtime_change, runtime_keys
 
 
 def test_defaults_are_the_embedded_demo():

@@ -10,7 +10,8 @@ import pytest
 
 from pipeline import protocol as P
 from pipeline import runspec
-from pipeline.config import apply_runtime_change, config_from_dict, load_config
+from pipeline.config import config_from_dict, load_config
+from pipeline.runtime_knobs import apply_runtime_change
 from tests.conftest import REPO
 from tests.unit.peers import Peer, new_hub
 
