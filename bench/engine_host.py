@@ -146,6 +146,7 @@ def cli() -> None:
     apply_environment(load_config(None, ["generator.enforce_eager=false"]), args.gpus)
     metrics = asyncio.run(main(args))
     write_result(result_name("engine_host", args.model_size), "python -m bench.engine_host " + " ".join(sys.argv[1:]),
+                 "SmolLM2-135M-Instruct, bf16, CUDA graphs" if args.model_size == "smollm2" else
                  f"random-weight Qwen2.5-{args.model_size} shape, bf16, CUDA graphs", metrics,
                  gpus=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 

@@ -72,7 +72,10 @@
 #                (run.generators 2 on GPU 0), in the order one, two, two, one, 60 steps each (1 GPU; about 8 min)
 #   mps          CUDA MPS under the smollm2 config as shipped but k = $K (1): the learner and two engines on GPU 0 with
 #                one MPS daemon of this part's (its pipe under /tmp/bench-mps, stopped by `quit` after each run) against
-#                without, in the order off, on, on, off, 60 steps each (1 GPU; about 9 min)
+#                without, in the order $RUNS (off on onb offb; `low` runs: MPS with the learner below normal priority),
+#                60 steps each (1 GPU; about 9 min for four)
+#   k1-tail      the smollm2 config at k = $K (1) with 128-token completions (issue 52's) against its 256, then one
+#                engine alone decoding 128 and 256 sequences (bench.engine_host): the decode step's floor (1 GPU; 9 min)
 #   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
 #                learner's GPU to itself), in the order colocated, split, split, colocated, 60 steps each (2 GPUs;
 #                about 8 min): whether k = 1's wait is the GPU's sharing or the window's
@@ -114,7 +117,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -373,25 +376,39 @@ run_part() {
     step gpu_engine_graphs 540 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu/test_gpu_engine_graphs.py
     pack
     ;;
-  mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1): off, on, on, off (2026-12-01, one engine:
-    # on 75.2 steps/min, waiting 27 %; off 63.9, 38 %: one pair)
+  mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1), in the order $RUNS (off on onb offb):
+    # off* without MPS; on* with one MPS daemon of the part's; low* with it and the learner's context below normal
+    # priority (bench/mps_low). 2026-12-01, one engine: on 75.2 steps/min, waiting 27 %; off 63.9, 38 %: one pair
     smollm2
     K=${K:-1}
-    local pipe=/tmp/bench-mps/pipe first=250 run
+    local pipe=/tmp/bench-mps/pipe first=250 run low
     mkdir -p "$pipe" /tmp/bench-mps/log
-    for run in off on onb offb; do
+    for run in ${RUNS:-off on onb offb}; do
       local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 --timeout "$first"
         --name "mps2_${run}_k$K" --wave "$run:0:0,0:trainer.max_staleness=$K")
-      if [[ $run == on* ]]; then
+      if [[ $run == off* ]]; then
+        step "mps_$run" 270 "${Q[@]}"
+      else
+        low=; [[ $run == low* ]] && low=$PWD/bench/mps_low:
         CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=/tmp/bench-mps/log nvidia-cuda-mps-control -d
-        step "mps_$run" 270 env CUDA_MPS_PIPE_DIRECTORY="$pipe" "${Q[@]}"
+        step "mps_$run" 270 env CUDA_MPS_PIPE_DIRECTORY="$pipe" PYTHONPATH="$low$PYTHONPATH" "${Q[@]}"
         echo quit | CUDA_MPS_PIPE_DIRECTORY=$pipe nvidia-cuda-mps-control
         sleep 2  # the daemon and its server gone before the next run
-      else
-        step "mps_$run" 270 "${Q[@]}"
       fi
       first=130
     done
+    pack
+    ;;
+  k1-tail)  # k = 1's wait against the batch's tail: the config at k = $K (1) with issue 52's 128-token completions
+    # (sampling.max_tokens=128) against its 256, 128, 256, 128; then one engine alone (bench.engine_host) decoding 128
+    # and 256 sequences of 256 tokens: the decode step's floor, which times a batch's longest completion
+    smollm2
+    K=${K:-1}
+    local w="trainer.max_staleness=$K;sampling.max_tokens"
+    step k1_tail 480 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 \
+      --first-timeout 230 --timeout 120 --name "k1_tail_k$K" --wave "mt128:0:0,0:$w=128" --wave "mt256:0:0,0:$w=256" \
+      --wave "mt128b:0:0,0:$w=128"
+    step engine_host 200 python3 -m bench.engine_host --gpus 0 --model-size smollm2 --sequences 128,256 --rounds 2
     pack
     ;;
   split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)
