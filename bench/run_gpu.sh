@@ -400,8 +400,8 @@ run_part() {
     pack
     ;;
   k1-tail)  # k = 1's wait against the batch's tail: the config at k = $K (1) with issue 52's 128-token completions
-    # (sampling.max_tokens=128) against its 256, 128, 256, 128; then one engine alone (bench.engine_host) decoding 128
-    # and 256 sequences of 256 tokens: the decode step's floor, which times a batch's longest completion
+    # (sampling.max_tokens=128) against its 256, in the order 128, 256, 128; then one engine alone (bench.engine_host)
+    # decoding 128 and 256 sequences of 256 tokens: the decode step's floor, which times a batch's longest completion
     smollm2
     K=${K:-1}
     local w="trainer.max_staleness=$K;sampling.max_tokens"
