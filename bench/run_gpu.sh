@@ -76,6 +76,10 @@
 #                60 steps each (1 GPU; about 9 min for four)
 #   k1-tail      the smollm2 config at k = $K (1) with 128-token completions (issue 52's) against its 256, then one
 #                engine alone decoding 128 and 256 sequences (bench.engine_host): the decode step's floor (1 GPU; 9 min)
+#   k1-early     the smollm2 config at k = $K (1) with 128-token completions (issue 52's), the proximal log-probs of a
+#                batch's first groups computed while the learner waits for its last (trainer.early_proximal, the
+#                default) against not, in the order on, off, on, off (RUNS: on* computes ahead, off* not), 60 steps
+#                each (1 GPU; about 8 min); MT=256: the config's completions
 #   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
 #                learner's GPU to itself), in the order colocated, split, split, colocated, 60 steps each (2 GPUs;
 #                about 8 min): whether k = 1's wait is the GPU's sharing or the window's
@@ -117,7 +121,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -409,6 +413,17 @@ run_part() {
       --first-timeout 230 --timeout 120 --name "k1_tail_k$K" --wave "mt128:0:0,0:$w=128" --wave "mt256:0:0,0:$w=256" \
       --wave "mt128b:0:0,0:$w=128"
     step engine_host 200 python3 -m bench.engine_host --gpus 0 --model-size smollm2 --sequences 128,256 --rounds 2
+    pack
+    ;;
+  k1-early)  # k = $K (1)'s wait with and without trainer.early_proximal, at $MT (128) tokens
+    smollm2
+    K=${K:-1}
+    local w="trainer.max_staleness=$K;sampling.max_tokens=${MT:-128};trainer.early_proximal" waves=() r
+    for r in ${RUNS:-on off onb offb}; do  # a run named on* computes ahead, off* does not
+      if [[ $r == on* ]]; then waves+=(--wave "$r:0:0,0:$w=true"); else waves+=(--wave "$r:0:0,0:$w=false"); fi
+    done
+    step k1_early 585 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 \
+      --first-timeout 230 --timeout 120 --name "k1_early_mt${MT:-128}_k$K${TAG:+_$TAG}" "${waves[@]}"
     pack
     ;;
   split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)

@@ -47,12 +47,17 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         return [e["dur"] / 1e6 for e in among if e["name"] == name and (track is None or e["track"] == track)]
 
     step_s = [e["dur"] / 1e6 for e in steady]
-    wait, train = named("wait", "learner"), named("train", "learner")
+    train, early = named("train", "learner"), named("early", "learner")
+    # `early` spans lie inside `wait` ones: the learner's compute while it waited (learner/early.py), not waiting
+    computed = [x for x in inside if x["name"] == "early" and x["track"] == "learner"]
+    wait = [(e["dur"] - sum(x["dur"] for x in computed if e["ts"] <= x["ts"] < e["ts"] + e["dur"])) / 1e6
+            for e in inside if e["name"] == "wait" and e["track"] == "learner"]
     first_train = min((e["ts"] / 1e6 for e in spans if e["track"] == "learner" and e["name"] == "train"), default=None)
     out: dict[str, Any] = {"learner": {
         "steps": len(steps), "steady_steps": len(steady), "steps_per_min": 60 * len(steady) / ((t1 - t0) / 1e6),
         "median_step_s": statistics.median(step_s), "median_train_s": _median(train), "median_wait_s": _median(wait),
-        "wait_share": sum(wait) / sum(step_s), "longest_step_over_median": max(step_s) / statistics.median(step_s),
+        "wait_share": sum(wait) / sum(step_s), "early_share": sum(early) / sum(step_s),
+        "longest_step_over_median": max(step_s) / statistics.median(step_s),
         "launch_to_first_step_s": first_train - launched if launched and first_train else None}}
     out["startup"] = startup(spans, launched)
     generate = [e for e in inside if e["name"] == "generate"]

@@ -332,6 +332,11 @@ class Hub:
                 left = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
                 self.lock.wait(min(0.5, left, patience) if out else 0.5)
 
+    def ahead(self, step: int) -> list[P.RolloutGroup]:
+        """The buffered groups the batch for `step` would take first, as they stand now (`PromptLedger.ahead`)."""
+        with self.lock:
+            return self.ledger.ahead(step, self.cfg.trainer.max_staleness, self.cfg.trainer.batch_size)
+
     def next_step(self) -> int:
         """The first step whose batch is not taken yet: a run-time change made now holds from it."""
         return self.version + (1 if self.ledger.in_step else 0)

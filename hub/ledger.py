@@ -265,6 +265,12 @@ class PromptLedger:
         self.in_step = [g for g, *_ in ordered[:size]]
         return self.in_step, len(stale), 0
 
+    def ahead(self, step: int, k: int, size: int) -> list[P.RolloutGroup]:
+        """The buffered groups a batch for `step` would take first as the buffer stands: fresh enough for it, oldest
+        first, up to `size`. Nothing moves (learner/early.py reads them while the learner waits for the rest)."""
+        fresh, _ = staleness.split_stale(self.buffer, step, k)
+        return [g for g, *_ in staleness.oldest_first(fresh)[:size]]
+
     def left_behind(self, step: int, k: int, size: int, newest: int,
                     heard: Callable[[str], bool] = lambda generator_id: True) -> int:
         """Groups on leases of generators `heard` lately that a batch for `step` taking groups up to behaviour

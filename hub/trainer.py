@@ -27,6 +27,9 @@ class TrainerHub(Protocol):
     def take_batch(self, step: int, wait_s: float | None = None) -> tuple[list[P.RolloutGroup] | None, dict, dict]:
         """(batch_size groups fresh enough for `step`, None when `wait_s` passed first; their stats; the knobs)."""
 
+    def ahead(self, step: int) -> list[P.RolloutGroup]:
+        """The buffered groups the batch for `step` would take first as they stand (read only: nothing moves)."""
+
     def finish_step(self, version: int) -> None:
         """The step that made `version` is done: its groups are trained."""
 

@@ -23,7 +23,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +35,12 @@ import weights
 from hub.hub import DatasetExhausted, Hub
 from hub.trainer import TrainerHub
 from learner import checkpoint
+from learner.early import POLL_S, early_proximal
 from learner.model import Extras, build_engine, init_distributed, leave_distributed
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
 from learner.signal import Signal
-from learner.step import train_step, warm_up
+from learner.step import token_budget, train_step, warm_up
 from learner.timeline import StepTimes
 from learner.versions import version_kind
 from pipeline import protocol as P
@@ -231,6 +232,7 @@ class Learner:
         self.signal = Signal()  # whether the steps still teach anything (learner/signal.py)
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/environment.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
+        self.early = early_proximal(engine, cfg, pad_id, world) if hub is not None else None
 
     @classmethod
     def build(cls, cfg: Config, model_path: str, place: Place, resume: bool = False, token: str = "") -> Learner:
@@ -303,15 +305,16 @@ class Learner:
     def step(self, step: int) -> int | None:
         """The step from version `step`: the version it made (`step` again when it was not finite), None when the run
         ends early."""
+        idle = (lambda: self.ahead(step)) if self.early is not None else None
         with self.times.phase("wait"):
             groups, drop_stats, knobs, end = next_batch(self.hub, step, self.cfg, self.rank, self.world,
-                                                        self.engine.device)
+                                                        self.engine.device, idle)
         if end:
             log.warning("%s", end)
             return None
         assert groups is not None  # next_batch returns none only with `end`
         with self.times.phase("train"):
-            stats = train_step(self.engine, self.extras, groups, self.cfg, step, self.pad_id, knobs)
+            stats = train_step(self.engine, self.extras, groups, self.cfg, step, self.pad_id, knobs, self.early)
             if self.slowed_s:
                 time.sleep(self.slowed_s)
         if stats["skipped"]:
@@ -333,6 +336,14 @@ class Learner:
                 self.save(step + 1)
         self.times.end(step)
         return step + 1
+
+    def ahead(self, step: int) -> bool:
+        """While the learner waits for its batch: a micro-batch of the proximal log-probs of the groups it will take
+        first, when one is full (learner/early.py). Its time is the step's `early` phase, inside `wait`."""
+        assert self.early is not None and self.hub is not None
+        with self.times.phase("early"):
+            budget = token_budget(self.engine, self.cfg.trainer.micro_batch_tokens, self.extras.bytes_per_token)
+            return self.early.advance(self.hub.ahead(step), step, budget)
 
     def record(self, hub: TrainerHub, step: int, stats: dict, knobs: dict, groups: list, sync_ms: float) -> None:
         now, seen = time.perf_counter(), hub.step_stats()
@@ -369,22 +380,25 @@ class Learner:
                         self.cfg.trainer.keep_checkpoints, self.what)
 
 
-def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int,
-               device) -> tuple[list | None, dict, dict, str]:
+def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int, device,
+               idle: Callable[[], bool] | None = None) -> tuple[list | None, dict, dict, str]:
     """Rank 0's next batch, on every rank: (groups, counts of the groups gone stale and the wait for those about to,
     knobs, why the run ends). While
     rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
-    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone."""
+    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone. `idle` (one rank): work
+    done while the batch is not complete, a little at a time (True: it did some), between looks at the hub."""
     # dropped by the hub, stopped by their generators; how long the batch waited for groups whose last chance it was
     counts = {"staleness/dropped": 0, "staleness/stopped": 0, "staleness/last_chance_wait_s": 0.0}
+    wait = KEEPALIVE_S if world > 1 else None if idle is None else 0.0
     while True:
-        groups, stats, knobs, end = _take(hub, step, None if world == 1 else KEEPALIVE_S) if rank == 0 else \
-            (None, {}, {}, "")
+        groups, stats, knobs, end = _take(hub, step, wait) if rank == 0 else (None, {}, {}, "")
         for key in counts:
             counts[key] += stats.get(key, 0)
         groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, device)
         if groups is not None or end:
             return groups, counts, knobs, end
+        if idle is not None:
+            wait = 0.0 if idle() else POLL_S  # look again at once after some work; else wait a while for groups
 
 
 def _take(hub: TrainerHub | None, step: int,

@@ -21,6 +21,7 @@ health metrics.
 from __future__ import annotations
 
 import random
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,10 +37,19 @@ from pipeline.config import Config
 from pipeline.runtime_knobs import runtime_values
 
 
+class Ahead(Protocol):
+    """Proximal log-probs computed before the step (learner/early.py's EarlyProximal)."""
+
+    def fill(self, rows: list[Row], step: int) -> int:
+        """Set the `prox` of the rows computed at this step's weights; returns how many."""
+        ...
+
+
 def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config, step: int, pad_id: int,
-               knobs: dict | None = None) -> dict:
+               knobs: dict | None = None, early: Ahead | None = None) -> dict:
     """`extras`: what build_engine made beside the engine. `knobs`: the run-time knobs the batch was built under
-    (`Hub.take_batch`, the same on every rank); None: as `cfg` holds them now (one read)."""
+    (`Hub.take_batch`, the same on every rank); None: as `cfg` holds them now (one read). `early`: the proximal
+    log-probs of rows computed while the learner waited for the batch (learner/early.py), at this step's weights."""
     t = cfg.trainer
     knobs = knobs or runtime_values(cfg)
     rows, stats = build_rows(groups, step, t.scale_rewards, (cfg.sampling.max_tokens, t.overlong_buffer,
@@ -52,8 +62,9 @@ def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config
     memory = MemoryWatch(extras)
     loss_fn = Loss.of(t)
     measured = parts if loss_fn.needs_proximal else parts[1:]  # the parts measured against the proximal policy
-    if any(measured):
-        proximal(engine, [r for part in measured for r in part], budget, pad_id, rows, groups)
+    ahead = early.fill([r for part in measured for r in part], step) if early is not None else 0
+    if any(r.prox is None for part in measured for r in part):
+        proximal(engine, [r for part in measured for r in part if r.prox is None], budget, pad_id, rows, groups)
     health = StepHealth(max((r.lag for r in rows), default=0))  # the lags present (<= k), whatever k is
     losses, norms, applied = [], [], 0
     try:
@@ -69,6 +80,8 @@ def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config
                                      f"(trainer.micro_batch_tokens={t.micro_batch_tokens}): lower it. {e}") from e
     stats.update(health.summary())
     stats["learner/micro_batch_tokens"] = budget
+    if early is not None:
+        stats["learner/early_rows"] = ahead  # rows whose proximal log-probs were computed while the learner waited
     if memory.on:
         stats["learner/peak_gpu_gib"] = memory.peak / 2**30
     stats.update({

@@ -3,6 +3,7 @@
 A step is its phases, one after another, each a span on the learner's track and a number in the record:
 
     wait       for a batch of rollouts (time/wait_s)
+      early    inside `wait`: proximal log-probs of the batch's first groups (time/early_s, not in time/wait_s)
     train      the step itself (time/step_s)
     publish    the new weights version sent on its way (time/publish_s)
     record     the step's metrics record
@@ -48,8 +49,11 @@ class StepTimes:
         """The step's phases so far, and from `hub` (rank 0's figures now; None: none) the hub's and the generators'
         seconds since the last record."""
         s = self.sums
-        out = {"time/wait_s": s.get("wait", 0.0), "time/step_s": s.get("train", 0.0),
+        early = s.get("early", 0.0)  # inside `wait`: the learner's compute while it waited (learner/early.py)
+        out = {"time/wait_s": s.get("wait", 0.0) - early, "time/step_s": s.get("train", 0.0),
                "time/publish_s": s.get("publish", 0.0)}
+        if early:
+            out["time/early_s"] = early
         if hub is None:
             return out
         busy = hub.busy

@@ -143,7 +143,9 @@ def _usual(pairs: Sequence[tuple[dict, float]]) -> list[tuple[dict, float]]:
 def _figures(records: list[dict], wall: float) -> dict[str, float]:
     """Shares of the learner's wall time, of the hub thread's, and of the generators' own time."""
     t = totals(records)
-    f = {"wait": t.get("time/wait_s", 0.0) / wall, "train": t.get("time/step_s", 0.0) / wall,
+    # the learner's compute: its steps, and what it computed of a batch while waiting for the rest (learner/early.py)
+    train = t.get("time/step_s", 0.0) + t.get("time/early_s", 0.0)
+    f = {"wait": t.get("time/wait_s", 0.0) / wall, "train": train / wall,
          "publish": t.get("time/publish_s", 0.0) / wall,
          "hub_busy": sum(v for k, v in t.items() if k.startswith("time/hub/")) / wall}
     groups = sum(len(r["trained"]) if "trained" in r else r.get("groups", 0) for r in records)

@@ -241,6 +241,63 @@ def test_m2po_measures_the_first_update_too_and_masks_over_all_its_micro_batches
     assert train_step(engine, extras, groups, cfg, 1, PAD_ID)["correction/token_masked"] == 0 and len(measured) == 1
 
 
+def test_proximal_log_probs_computed_while_waiting_train_the_step_as_computed_in_it(model_cache, monkeypatch):
+    """trainer.early_proximal (learner/early.py): the rows of the groups buffered first get their proximal log-probs
+    while the learner waits, a full micro-batch at a time (or what waits, once no group came for QUIET_S), and the
+    step computes only the rest. m2po's mask and the
+    update are those of the step that computed them all; a skipped look leaves nothing for the next step's weights."""
+    import numpy as np
+
+    import learner.early
+    import learner.step
+    from learner.early import QUIET_S, EarlyProximal
+
+    measured, real = [], learner.step.proximal
+
+    def proximal(engine, rows, *args):
+        measured.append(len(rows))
+        real(engine, rows, *args)
+
+    monkeypatch.setattr(learner.step, "proximal", proximal)
+    monkeypatch.setattr(learner.early, "proximal", proximal)
+    init_distributed()
+    cfg = learner_config({"trainer": {"batch_size": 6, "group_size": 2, "micro_batch_tokens": 24, "loss": "m2po",
+                                      "m2po_tau": 1.0, "lr": 0.05}})
+    groups = _distinct_groups(6)
+    for g in groups:  # behaviour log-probs far from the model's and near them: m2po masks some tokens, not all
+        for s in g.samples:
+            s.logprobs = P.pack_floats([-1.0, -3.5, -6.0])
+    states, stats, now = [], [], [0.0]  # the clock EarlyProximal reads
+    for ahead in (False, True):
+        measured.clear()
+        engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
+        early = EarlyProximal(engine, cfg, PAD_ID, clock=lambda: now[0]) if ahead else None
+        if early is not None:
+            assert early.advance(groups[:1], 0, 24) is False  # two rows: one micro-batch, not full; more may join
+            while early.advance(groups[:4], 0, 24):  # four groups arrived: eight rows of 8 tokens, three a micro-batch
+                pass
+            assert len(early.done) == 6 and measured == [3, 3]
+            now[0] = QUIET_S  # no group came for that long: the two rows left are computed all the same
+            assert early.advance(groups[:4], 0, 24) and not early.advance(groups[:4], 0, 24)
+            assert len(early.done) == 8 and measured == [3, 3, 2]
+        measured.clear()
+        stats.append(train_step(engine, extras, groups, cfg, 0, PAD_ID, early=early))
+        states.append(_state(engine, extras, 0))
+        if early is not None:
+            assert measured == [4] and stats[-1]["learner/early_rows"] == 8  # the step computed the other four
+            early.advance(groups, 0, 24)  # computed at version 0's weights: of no use to step 1
+            rows = learner.step.build_rows(groups, 1, True)[0]
+            assert early.fill(rows, 1) == 0 and all(r.prox is None for r in rows)
+    without, with_early = stats
+    assert 0 < with_early["correction/token_masked"] < 1
+    assert with_early["correction/token_masked"] == pytest.approx(without["correction/token_masked"])
+    assert with_early["loss"] == pytest.approx(without["loss"], rel=1e-5)
+    for name, w in states[0]["weights"].items():
+        np.testing.assert_allclose(states[1]["weights"][name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(w, states[1]["weights"][n]) for n, w in _state(*build_engine(
+        cfg, resolve_model_path("builtin:tiny")), 0)["weights"].items())  # and the step moved the weights
+
+
 def test_the_kl_penalty_measures_the_distance_to_the_frozen_initial_model(model_cache):
     init_distributed()
     cfg = learner_config({"trainer": {"batch_size": 4, "group_size": 2, "lr": 0.05, "kl_coef": 0.1}})

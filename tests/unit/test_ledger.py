@@ -92,6 +92,27 @@ def test_stale_groups_are_dropped_and_leased_again_and_a_batch_takes_the_oldest_
     assert [staleness.behaviour_version(g) for g in batch] == [1, 2]
 
 
+def test_the_groups_ahead_of_a_batch_are_those_it_takes_first_and_looking_moves_nothing():
+    """`ahead` (learner/early.py computes their proximal log-probs while the learner waits): the fresh buffered groups,
+    oldest first, up to a batch; the stale one is neither among them nor dropped by looking."""
+    book = ledger()
+    keys = list(lease(book, 1, 5).items)
+    for key, version in zip(keys[:4], (2, 0, 1, 2), strict=True):
+        book.settle(1, key)
+        book.buffered(group(key, version))
+    before = list(book.buffer), list(book.pending), dict(book.counters)
+    ahead = book.ahead(step=2, k=1, size=3)
+    assert [(g.prompt_id, staleness.behaviour_version(g)) for g in ahead] == [(keys[2][1], 1), (keys[0][1], 2),
+                                                                              (keys[3][1], 2)]
+    assert (list(book.buffer), list(book.pending), dict(book.counters)) == before and not book.in_step
+    book.settle(1, keys[4])
+    book.buffered(group(keys[4], 1))  # an older group arrives: it goes ahead of the newer ones
+    ahead = book.ahead(step=2, k=1, size=3)
+    assert [g.prompt_id for g in ahead] == [keys[2][1], keys[4][1], keys[0][1]]
+    batch, dropped, _ = book.batch(step=2, k=1, size=3)
+    assert batch is not None and [id(g) for g in batch] == [id(g) for g in ahead] and dropped == 1
+
+
 def test_a_prompt_one_principal_failed_goes_to_another_first():
     book = ledger(n=3)
     first = lease(book, 1, 1, gen="a")

@@ -404,3 +404,27 @@ def test_a_wait_for_groups_on_their_last_step_is_named_whatever_binds():
         assert "`trainer.max_staleness=3`" in loud.sentence.split("last step")[1]
         assert loud.figures["last_chance"] == pytest.approx(0.2)
         assert V.slim(recs[-1])["staleness/last_chance_wait_s"] == 0.2
+
+
+def test_what_the_learner_computes_while_it_waits_is_its_compute_not_its_wait():
+    """trainer.early_proximal (learner/early.py): the `early` phase lies inside `wait`; the record counts it as
+    time/early_s and not in time/wait_s, and the verdict counts it as training. A run that waited 0.4 s of each 1 s
+    step, 0.3 s of it computing, is learner-bound (a wait of 10 %), not window-bound (40 %)."""
+    import time
+
+    from learner.timeline import StepTimes
+
+    times = StepTimes(None)
+    with times.phase("wait"):
+        time.sleep(0.02)
+        with times.phase("early"):
+            time.sleep(0.05)
+    record, spans = times.record(None), times.sums
+    assert record["time/early_s"] == spans["early"] > 0
+    assert record["time/wait_s"] == pytest.approx(spans["wait"] - spans["early"])
+    window = dict(STAGE_RUNS[V.WINDOW], wait=0.1, train=0.5)
+    runs = records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + [window] * 6)
+    for r in runs[2:]:
+        r["time/early_s"] = 0.3
+    v = V.verdict(V.timed(runs))
+    assert v is not None and v.stage == V.LEARNER and v.figures["train"] == pytest.approx(0.8)

@@ -1,0 +1,107 @@
+"""Proximal log-probs computed while the learner waits for the rest of its batch (trainer.early_proximal).
+
+A step whose loss measures its updates against the proximal policy (trainer.loss m2po, or trainer.minibatches > 1)
+begins with a no-grad forward over its rows: their log-probs under the weights the step starts from. Those weights are
+in place once the step before has published, while the learner still waits for its batch's last groups, the longest
+completions (at k = 1 it waited 16-37 % of the run on the shipped smollm2 config). So while it waits, it computes the
+rows of the buffered groups that the batch would take first (`TrainerHub.ahead`), a micro-batch at a time (a full one,
+or what waits once no group has come for QUIET_S), and the step computes only the rest (learner/step.py `proximal`).
+
+A row's proximal log-probs depend on its prompt, its completion, its temperature and the weights, nothing else: they
+are kept by that content for the step they were computed at, and dropped when the next step begins (a skipped step
+keeps its weights, and them). A group computed ahead that a later batch takes is computed again there. Nothing the step
+trains changes but the grouping of rows into micro-batches for that forward.
+
+One learner rank: with several, rank 0 alone hears the hub, and the ranks share the forward's work, so they would have
+to agree on the rows first; they compute them all in the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from learner.batching import Row, build_rows, micro_batches
+from learner.loss import Loss
+from learner.step import proximal
+from pipeline import protocol as P
+from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+EARLY_TOKENS = 16384  # the largest micro-batch computed ahead (trainer.micro_batch_tokens 0 may size the step's larger)
+POLL_S = 0.05  # seconds; how long the learner waits for its batch between looks at what it could compute ahead
+QUIET_S = 0.05  # seconds without a new group, after which a micro-batch that is not full is computed all the same
+
+
+def early_proximal(engine, cfg: Config, pad_id: int, world: int) -> EarlyProximal | None:
+    """The strategy, picked once: None where the step computes no proximal log-probs, with several learner ranks, or
+    with trainer.early_proximal false."""
+    t = cfg.trainer
+    needed = Loss.of(t).needs_proximal or t.minibatches > 1
+    if t.early_proximal and needed and world > 1:
+        log.info("trainer.early_proximal: the %d learner ranks compute the proximal log-probs in the step (one rank "
+                 "computes them ahead while it waits)", world)
+    return EarlyProximal(engine, cfg, pad_id) if t.early_proximal and needed and world == 1 else None
+
+
+def row_key(row: Row) -> tuple[float, bytes, bytes]:
+    """What a row's proximal log-probs are a function of, besides the weights."""
+    return row.temperature, row.prompt.tobytes(), row.completion.tobytes()
+
+
+class EarlyProximal:
+    def __init__(self, engine, cfg: Config, pad_id: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine, self.cfg, self.pad_id, self.clock = engine, cfg, pad_id, clock
+        self.step = -1
+        self.begin(-1)
+
+    def begin(self, step: int) -> None:
+        """What was computed at an earlier step's weights is of no use at this one's."""
+        self.step = step
+        self.done: dict[tuple, np.ndarray] = {}  # row_key -> proximal log-probs at this step's weights
+        self.seen: list[P.RolloutGroup] = []  # groups whose rows are computed or waiting (held: their ids stay theirs)
+        self.ids: set[int] = set()
+        self.waiting: list[Row] = []
+        self.arrived = self.clock()  # when the last new group was seen
+
+    def advance(self, groups: list[P.RolloutGroup], step: int, budget: int) -> bool:
+        """Take in the rows of `groups` (the batch's first groups as buffered now) not seen yet, and compute one
+        micro-batch of those waiting: a full one, or after QUIET_S without a new group whatever waits (the learner
+        has nothing else to do: the groups still out are the batch's longest). False when it computed none."""
+        if step != self.step:
+            self.begin(step)
+        new = [g for g in groups if id(g) not in self.ids]
+        if new:
+            self.arrived = self.clock()
+            t = self.cfg.trainer
+            rows, _ = build_rows(new, step, t.scale_rewards, (self.cfg.sampling.max_tokens, t.overlong_buffer,
+                                                            t.overlong_penalty))
+            self.seen += new
+            self.ids.update(id(g) for g in new)
+            self.waiting += [r for r in rows if row_key(r) not in self.done]
+        batches = micro_batches(self.waiting, min(budget, EARLY_TOKENS))
+        if not batches or len(batches) == 1 and self.clock() - self.arrived < QUIET_S:  # more rows may join it
+            return False
+        first = batches[0]
+        proximal(self.engine, first, min(budget, EARLY_TOKENS), self.pad_id, first, self.seen)
+        for r in first:
+            assert r.prox is not None  # proximal set it
+            self.done[row_key(r)] = r.prox
+        computed = {id(r) for r in first}
+        self.waiting = [r for r in self.waiting if id(r) not in computed]
+        return True
+
+    def fill(self, rows: list[Row], step: int) -> int:
+        """Set the proximal log-probs of the rows computed ahead at this step's weights; returns how many."""
+        if step != self.step:
+            return 0
+        n = 0
+        for r in rows:
+            prox = self.done.get(row_key(r))
+            if prox is not None:
+                r.prox, n = prox.copy(), n + 1
+        return n
