@@ -339,7 +339,7 @@ class Learner:
 
     def ahead(self, step: int) -> bool:
         """While the learner waits for its batch: a micro-batch of the proximal log-probs of the groups it will take
-        first, when one is full (learner/early.py). Its time is the step's `early` phase, inside `wait`."""
+        first, when there is one to compute (learner/early.py). Its time is the step's `early` phase, inside `wait`."""
         assert self.early is not None and self.hub is not None
         with self.times.phase("early"):
             budget = token_budget(self.engine, self.cfg.trainer.micro_batch_tokens, self.extras.bytes_per_token)
