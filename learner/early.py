@@ -12,13 +12,13 @@ are kept by that content for the step they were computed at, and dropped when th
 keeps its weights, and them). A group computed ahead that a later batch takes is computed again there. Nothing the step
 trains changes but the grouping of rows into micro-batches for that forward.
 
-One learner rank: with several, rank 0 alone hears the hub, and the ranks share the forward's work, so they would have
-to agree on the rows first; they compute them all in the step.
+With several learner ranks, rank 0 alone hears the hub: at each look it sends the other ranks the groups new to them
+and whether none has come for QUIET_S (`news`, learner/service.py `share_news`), and every rank takes them in the same
+order (`take`), so all choose the same micro-batch and share its forward as the step does (`proximal`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -30,22 +30,17 @@ from learner.step import proximal
 from pipeline import protocol as P
 from pipeline.config import Config
 
-log = logging.getLogger(__name__)
-
 EARLY_TOKENS = 16384  # the largest micro-batch computed ahead (trainer.micro_batch_tokens 0 may size the step's larger)
 POLL_S = 0.05  # seconds; how long the learner waits for its batch between looks at what it could compute ahead
 QUIET_S = 0.05  # seconds without a new group, after which a micro-batch that is not full is computed all the same
 
 
-def early_proximal(engine, cfg: Config, pad_id: int, world: int) -> EarlyProximal | None:
-    """The strategy, picked once: None where the step computes no proximal log-probs, with several learner ranks, or
-    with trainer.early_proximal false."""
+def early_proximal(engine, cfg: Config, pad_id: int) -> EarlyProximal | None:
+    """The strategy, picked once: None where the step computes no proximal log-probs, or with
+    trainer.early_proximal false."""
     t = cfg.trainer
     needed = Loss.of(t).needs_proximal or t.minibatches > 1
-    if t.early_proximal and needed and world > 1:
-        log.info("trainer.early_proximal: the %d learner ranks compute the proximal log-probs in the step (one rank "
-                 "computes them ahead while it waits)", world)
-    return EarlyProximal(engine, cfg, pad_id) if t.early_proximal and needed and world == 1 else None
+    return EarlyProximal(engine, cfg, pad_id) if t.early_proximal and needed else None
 
 
 def row_key(row: Row) -> tuple[float, bytes, bytes]:
@@ -69,14 +64,27 @@ class EarlyProximal:
         self.arrived = self.clock()  # when the last new group was seen
 
     def advance(self, groups: list[P.RolloutGroup], step: int, budget: int) -> bool:
-        """Take in the rows of `groups` (the batch's first groups as buffered now) not seen yet, and compute one
-        micro-batch of those waiting: a full one, or after QUIET_S without a new group whatever waits (the learner
-        has nothing else to do: the groups still out are the batch's longest). False when it computed none."""
+        """One learner rank: `news` and `take` in one."""
+        return self.take(*self.news(groups, step), step, budget)
+
+    def news(self, groups: list[P.RolloutGroup], step: int) -> tuple[list[P.RolloutGroup], bool]:
+        """Rank 0, from the batch's first groups as buffered now: (those not seen yet, whether none has come for
+        QUIET_S), what every rank's `take` is given."""
         if step != self.step:
             self.begin(step)
         new = [g for g in groups if id(g) not in self.ids]
         if new:
             self.arrived = self.clock()
+        return new, not new and self.clock() - self.arrived >= QUIET_S
+
+    def take(self, new: list[P.RolloutGroup], quiet: bool, step: int, budget: int) -> bool:
+        """Every rank, with rank 0's news: take in the rows of `new` and compute one micro-batch of those waiting: a
+        full one, or when `quiet` whatever waits (the learner has nothing else to do: the groups still out are the
+        batch's longest). False when it computed none. The ranks hold the same rows in the same order, so they
+        choose the same micro-batch and proximal()'s collectives line up."""
+        if step != self.step:
+            self.begin(step)
+        if new:
             t = self.cfg.trainer
             rows, _ = build_rows(new, step, t.scale_rewards, (self.cfg.sampling.max_tokens, t.overlong_buffer,
                                                             t.overlong_penalty))
@@ -84,7 +92,7 @@ class EarlyProximal:
             self.ids.update(id(g) for g in new)
             self.waiting += [r for r in rows if row_key(r) not in self.done]
         batches = micro_batches(self.waiting, min(budget, EARLY_TOKENS))
-        if not batches or len(batches) == 1 and self.clock() - self.arrived < QUIET_S:  # more rows may join it
+        if not batches or len(batches) == 1 and not quiet:  # more rows may join it
             return False
         first = batches[0]
         proximal(self.engine, first, min(budget, EARLY_TOKENS), self.pad_id, first, self.seen)

@@ -232,7 +232,7 @@ class Learner:
         self.signal = Signal()  # whether the steps still teach anything (learner/signal.py)
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/environment.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
-        self.early = early_proximal(engine, cfg, pad_id, world) if hub is not None else None
+        self.early = early_proximal(engine, cfg, pad_id)  # every rank: they share its forward
 
     @classmethod
     def build(cls, cfg: Config, model_path: str, place: Place, resume: bool = False, token: str = "") -> Learner:
@@ -340,10 +340,13 @@ class Learner:
     def ahead(self, step: int) -> bool:
         """While the learner waits for its batch: a micro-batch of the proximal log-probs of the groups it will take
         first, when there is one to compute (learner/early.py). Its time is the step's `early` phase, inside `wait`."""
-        assert self.early is not None and self.hub is not None
+        assert self.early is not None
         with self.times.phase("early"):
             budget = token_budget(self.engine, self.cfg.trainer.micro_batch_tokens, self.extras.bytes_per_token)
-            return self.early.advance(self.hub.ahead(step), step, budget)
+            new, quiet = self.early.news(self.hub.ahead(step), step) if self.hub is not None else ([], False)
+            if self.world > 1:
+                new, quiet = share_news(new, quiet, self.rank, self.engine.device)
+            return self.early.take(new, quiet, step, budget)
 
     def record(self, hub: TrainerHub, step: int, stats: dict, knobs: dict, groups: list, sync_ms: float) -> None:
         now, seen = time.perf_counter(), hub.step_stats()
@@ -385,11 +388,11 @@ def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world:
     """Rank 0's next batch, on every rank: (groups, counts of the groups gone stale and the wait for those about to,
     knobs, why the run ends). While
     rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
-    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone. `idle` (one rank): work
-    done while the batch is not complete, a little at a time (True: it did some), between looks at the hub."""
+    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone. `idle`: work every rank
+    does while the batch is not complete, a little at a time (True: it did some), between rank 0's looks at the hub."""
     # dropped by the hub, stopped by their generators; how long the batch waited for groups whose last chance it was
     counts = {"staleness/dropped": 0, "staleness/stopped": 0, "staleness/last_chance_wait_s": 0.0}
-    wait = KEEPALIVE_S if world > 1 else None if idle is None else 0.0
+    wait = 0.0 if idle is not None else KEEPALIVE_S if world > 1 else None
     while True:
         groups, stats, knobs, end = _take(hub, step, wait) if rank == 0 else (None, {}, {}, "")
         for key in counts:
@@ -430,21 +433,10 @@ def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world
     with that one snapshot) and why the run ends, if it does. `groups` None: no batch yet, rank 0 waits on."""
     if world == 1:
         return groups, knobs, end
-    import torch.distributed as dist
-
-    if rank == 0:
-        data = msgpack.packb({"groups": None if groups is None else [P.encode(g) for g in groups], "knobs": knobs,
-                              "end": end})
-        size = torch.tensor([len(data)], dtype=torch.long, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.long, device=device)
-    dist.broadcast(size, 0)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
-           else torch.empty(int(size), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, 0)
+    body = _from_rank0({"groups": None if groups is None else [P.encode(g) for g in groups], "knobs": knobs,
+                        "end": end} if rank == 0 else None, rank, device)
     if rank == 0:
         return groups, knobs, end
-    body = msgpack.unpackb(buf.cpu().numpy().tobytes())
     for key, value in body["knobs"].items():  # kept in this rank's config too (its checkpoints, its log)
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) != value:
@@ -453,6 +445,28 @@ def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world
     if body["groups"] is None:
         return None, body["knobs"], body["end"]
     return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["knobs"], body["end"]
+
+
+def share_news(new: list[P.RolloutGroup], quiet: bool, rank: int, device) -> tuple[list, bool]:
+    """Rank 0's news of the groups it will take first (learner/early.py `EarlyProximal.news`), on every rank, encoded
+    with the wire codec."""
+    body = _from_rank0({"groups": [P.encode(g) for g in new], "quiet": quiet} if rank == 0 else None, rank, device)
+    if rank == 0:
+        return new, quiet
+    return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["quiet"]
+
+
+def _from_rank0(body: dict | None, rank: int, device) -> dict:
+    """Rank 0's `body` (msgpack) on every rank: two broadcasts, its size and its bytes."""
+    import torch.distributed as dist
+
+    data = msgpack.packb(body) if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    dist.broadcast(size, 0)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
+           else torch.empty(int(size), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, 0)
+    return body if rank == 0 and body is not None else msgpack.unpackb(buf.cpu().numpy().tobytes())
 
 
 def reapply_changes(cfg: Config, run_dir: Path) -> None:
