@@ -47,9 +47,10 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         return [e["dur"] / 1e6 for e in among if e["name"] == name and (track is None or e["track"] == track)]
 
     step_s = [e["dur"] / 1e6 for e in steady]
-    train, early = named("train", "learner"), named("early", "learner")
+    train = named("train", "learner")
     # `early` spans lie inside `wait` ones: the learner's compute while it waited (learner/early.py), not waiting
     computed = [x for x in inside if x["name"] == "early" and x["track"] == "learner"]
+    early = [x["dur"] / 1e6 for x in computed]
     wait = [(e["dur"] - sum(x["dur"] for x in computed if e["ts"] <= x["ts"] < e["ts"] + e["dur"])) / 1e6
             for e in inside if e["name"] == "wait" and e["track"] == "learner"]
     first_train = min((e["ts"] / 1e6 for e in spans if e["track"] == "learner" and e["name"] == "train"), default=None)

@@ -51,7 +51,6 @@ def row_key(row: Row) -> tuple[float, bytes, bytes]:
 class EarlyProximal:
     def __init__(self, engine, cfg: Config, pad_id: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine, self.cfg, self.pad_id, self.clock = engine, cfg, pad_id, clock
-        self.step = -1
         self.begin(-1)
 
     def begin(self, step: int) -> None:

@@ -62,9 +62,10 @@ def train_step(engine, extras: Extras, groups: list[P.RolloutGroup], cfg: Config
     memory = MemoryWatch(extras)
     loss_fn = Loss.of(t)
     measured = parts if loss_fn.needs_proximal else parts[1:]  # the parts measured against the proximal policy
-    ahead = early.fill([r for part in measured for r in part], step) if early is not None else 0
-    if any(r.prox is None for part in measured for r in part):
-        proximal(engine, [r for part in measured for r in part if r.prox is None], budget, pad_id, rows, groups)
+    measured_rows = [r for part in measured for r in part]
+    ahead = early.fill(measured_rows, step) if early is not None else 0
+    if left := [r for r in measured_rows if r.prox is None]:
+        proximal(engine, left, budget, pad_id, rows, groups)
     health = StepHealth(max((r.lag for r in rows), default=0))  # the lags present (<= k), whatever k is
     losses, norms, applied = [], [], 0
     try:

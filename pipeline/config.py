@@ -182,8 +182,8 @@ class TrainerConfig:
     The proximal policy of decoupled, masked and m2po is the weights before the batch's first update."""
     early_proximal: bool = True
     """Where the step measures its updates against the proximal policy (loss m2po, or minibatches > 1), compute the
-    proximal log-probs of the batch's first groups while the learner waits for its last ones, a full micro-batch at a
-    time (learner/early.py): the same weights and values, out of the step's time; several learner ranks share that
+    proximal log-probs of the batch's first groups while the learner waits for its last ones, a micro-batch at a time
+    (learner/early.py): the same weights and values, out of the step's time; several learner ranks share that
     forward as the step's. metrics.jsonl: learner/early_rows, time/early_s."""
     token_mask: list[float] = field(default_factory=lambda: [0.5, 2.0])
     """masked: [low, high] of a token's behaviour weight exp(proximal - behaviour log-prob) inside which it is
