@@ -130,11 +130,14 @@ def step_breakdown(records: list[dict], events: list[dict] | None = None, skip: 
     periods = [b["time/elapsed_s"] - a["time/elapsed_s"] for a, b in zip(rs, rs[1:], strict=False)]
     wait = [r["time/wait_s"] for r in rs[1:]]
     train = [r["time/step_s"] for r in rs[1:]]
+    early = [r.get("time/early_s", 0.0) for r in rs[1:]]  # inside the wait, not in time/wait_s (learner/early.py)
     publish = [r["sync/weights_ms"] / 1000 for r in rs[1:]]
-    rest = [p - w - t - s for p, w, t, s in zip(periods, wait, train, publish, strict=True)]
+    rest = [p - w - e - t - s for p, w, e, t, s in zip(periods, wait, early, train, publish, strict=True)]
     out = {"steps": len(periods), "period_s": _median(periods), "wait_s": _median(wait), "train_s": _median(train),
            "publish_s": _median(publish), "learner_rest_s": _median(rest),
            "steps_per_min": 60 / _median(periods) if _median(periods) else None}
+    if any(early):
+        out["early_s"] = _median(early)
     loads = [e["load_ms"] / 1000 for e in events or [] if e.get("event") == "weights_applied" and e.get("version")]
     if loads:
         out["generator_weight_load_s"] = _median(loads)

@@ -233,6 +233,7 @@ class Learner:
         self.slowed_s = slowed_step_s()  # tests only: a learner slower than its compute (pipeline/environment.py)
         self.held_at, self.release = held_at_step()  # tests only: a run held at a known step
         self.early = early_proximal(engine, cfg, pad_id)  # every rank: they share its forward
+        self.early_budget = (-1, 0)  # (step, its micro-batch token budget), asked once a wait (a collective)
 
     @classmethod
     def build(cls, cfg: Config, model_path: str, place: Place, resume: bool = False, token: str = "") -> Learner:
@@ -342,7 +343,10 @@ class Learner:
         first, when there is one to compute (learner/early.py). Its time is the step's `early` phase, inside `wait`."""
         assert self.early is not None
         with self.times.phase("early"):
-            budget = token_budget(self.engine, self.cfg.trainer.micro_batch_tokens, self.extras.bytes_per_token)
+            if self.early_budget[0] != step:  # every rank's first look of the step: the collectives line up
+                self.early_budget = (step, token_budget(self.engine, self.cfg.trainer.micro_batch_tokens,
+                                                        self.extras.bytes_per_token))
+            budget = self.early_budget[1]
             new, quiet = self.early.news(self.hub.ahead(step), step) if self.hub is not None else ([], False)
             if self.world > 1:
                 new, quiet = share_news(new, quiet, self.rank, self.engine.device)

@@ -76,3 +76,15 @@ def test_a_runs_held_out_series_is_its_pass_at_1_not_a_reward_with_partial_credi
     rows = [step | {"step": s, "version": s + 1, "time/elapsed_s": 2.0 * s} for s in range(10)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert summarise_run(tmp_path / "k8", 8, 0.3, LAUNCH)["eval"] == [[0, 0.09], [10, 0.9238]]
+
+
+def test_a_steps_breakdown_counts_what_the_learner_computed_while_it_waited_apart_from_the_rest():
+    """time/early_s is inside the wait and not in time/wait_s (learner/timeline.py): the breakdown names it, and the
+    learner's rest (the period less its parts) does not take it in."""
+    from bench.curves import step_breakdown
+
+    rows = [{"time/elapsed_s": 2.0 * s, "time/wait_s": 0.5, "time/early_s": 0.3, "time/step_s": 1.0,
+             "sync/weights_ms": 100.0} for s in range(6)]
+    out = step_breakdown(rows)
+    assert out["early_s"] == 0.3 and abs(out["learner_rest_s"] - 0.1) < 1e-9
+    assert "early_s" not in step_breakdown([{k: v for k, v in r.items() if k != "time/early_s"} for r in rows])
