@@ -34,7 +34,7 @@ def test_a_waiting_learner_computes_the_proximal_log_probs_of_its_first_groups(p
         args += ["--set", o]
     run = procs(args, tmp_path / "run.log")
     assert run.wait(600) == 0, run.tail()
-    _computed_ahead(run_dir)
+    computed_ahead(run_dir)
 
 
 def test_two_learner_ranks_compute_them_ahead_together(procs, tmp_path, model_cache):
@@ -57,10 +57,10 @@ def test_two_learner_ranks_compute_them_ahead_together(procs, tmp_path, model_ca
     finally:
         learner.stop()
     assert "learner rank 1 of 2" in (tmp_path / "learner.log").read_text()
-    _computed_ahead(run_dir)
+    computed_ahead(run_dir)
 
 
-def _computed_ahead(run_dir) -> None:
+def computed_ahead(run_dir) -> None:
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(r["staleness/max_lag"] == 0 for r in records)  # k = 0: every group of version v trained at step v
