@@ -132,9 +132,9 @@ def phases(run_dir: Path, launched: float, joined: list[dict], settle: int) -> d
     """Steps/min and the learner's wait share with each number of registered generators, and what each join took."""
     registered = sorted(e["time"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "register")
     spans = trace.spans(trace.read(run_dir / "trace.json"))
-    steps, waits, early = (sorted(((e["ts"] + e["dur"]) / 1e6, e["dur"] / 1e6) for e in spans
-                                  if e["track"] == "learner" and e["name"] == what)
-                           for what in ("step", "wait", "early"))
+    steps = sorted(((e["ts"] + e["dur"]) / 1e6, e["dur"] / 1e6) for e in spans
+                   if e["track"] == "learner" and e["name"] == "step")
+    waits = timeline.learner_waits(spans)  # less what the learner computed while it waited
     out = []
     for n, since in enumerate(registered, 1):
         until = registered[n] if n < len(registered) else float("inf")
@@ -143,9 +143,7 @@ def phases(run_dir: Path, launched: float, joined: list[dict], settle: int) -> d
         if len(ends) >= 3:
             busy = sum(d for t, d in steps if ends[0] < t <= ends[-1])
             row |= {"steps_per_min": round(60 * (len(ends) - 1) / (ends[-1] - ends[0]), 2),
-                    # `early` lies inside `wait`: the learner's compute while it waited (learner/early.py)
-                    "wait_share": round(sum(d for t, d in waits + [(t, -d) for t, d in early]
-                                            if ends[0] < t <= ends[-1]) / busy, 3)}
+                    "wait_share": round(sum(d for t, d in waits if ends[0] < t <= ends[-1]) / busy, 3)}
         out.append(row)
     joins = []
     for j, since in zip(joined, registered[1:], strict=False):

@@ -31,6 +31,18 @@ from pipeline.metrics import read_jsonl
 from pipeline.verdict import timed, totals, verdict
 
 
+def learner_waits(spans: list[dict]) -> list[tuple[float, float]]:
+    """(end, seconds) of each of the learner's waits for a batch, less the `early` spans inside it: the learner's
+    compute while it waited (learner/early.py), not waiting."""
+    learner = [e for e in spans if e["track"] == "learner"]
+    early = [e for e in learner if e["name"] == "early"]
+
+    def computed(w: dict) -> float:
+        return sum(x["dur"] for x in early if x["pid"] == w["pid"] and w["ts"] <= x["ts"] < w["ts"] + w["dur"])
+
+    return [((e["ts"] + e["dur"]) / 1e6, (e["dur"] - computed(e)) / 1e6) for e in learner if e["name"] == "wait"]
+
+
 def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
     events = trace.read(Path(run_dir) / "trace.json")
     spans = trace.spans(events)
@@ -47,12 +59,8 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         return [e["dur"] / 1e6 for e in among if e["name"] == name and (track is None or e["track"] == track)]
 
     step_s = [e["dur"] / 1e6 for e in steady]
-    train = named("train", "learner")
-    # `early` spans lie inside `wait` ones: the learner's compute while it waited (learner/early.py), not waiting
-    computed = [x for x in inside if x["name"] == "early" and x["track"] == "learner"]
-    early = [x["dur"] / 1e6 for x in computed]
-    wait = [(e["dur"] - sum(x["dur"] for x in computed if e["ts"] <= x["ts"] < e["ts"] + e["dur"])) / 1e6
-            for e in inside if e["name"] == "wait" and e["track"] == "learner"]
+    train, early = named("train", "learner"), named("early", "learner")
+    wait = [s for _, s in learner_waits(inside)]
     first_train = min((e["ts"] / 1e6 for e in spans if e["track"] == "learner" and e["name"] == "train"), default=None)
     out: dict[str, Any] = {"learner": {
         "steps": len(steps), "steady_steps": len(steady), "steps_per_min": 60 * len(steady) / ((t1 - t0) / 1e6),

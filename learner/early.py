@@ -62,10 +62,6 @@ class EarlyProximal:
         self.waiting: list[Row] = []
         self.arrived = self.clock()  # when the last new group was seen
 
-    def advance(self, groups: list[P.RolloutGroup], step: int, budget: int) -> bool:
-        """One learner rank: `news` and `take` in one."""
-        return self.take(*self.news(groups, step), step, budget)
-
     def news(self, groups: list[P.RolloutGroup], step: int) -> tuple[list[P.RolloutGroup], bool]:
         """Rank 0, from the batch's first groups as buffered now: (those not seen yet, whether none has come for
         QUIET_S), what every rank's `take` is given."""

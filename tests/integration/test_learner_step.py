@@ -268,24 +268,29 @@ def test_proximal_log_probs_computed_while_waiting_train_the_step_as_computed_in
         for s in g.samples:
             s.logprobs = P.pack_floats([-1.0, -3.5, -6.0])
     states, stats, now = [], [], [0.0]  # the clock EarlyProximal reads
+
+    def advance(early: EarlyProximal, arrived: list, step: int, budget: int) -> bool:
+        """One look of a learner of one rank (learner/service.py `Learner.ahead`): rank 0's news, taken."""
+        return early.take(*early.news(arrived, step), step, budget)
+
     for ahead in (False, True):
         measured.clear()
         engine, extras = build_engine(cfg, resolve_model_path("builtin:tiny"))
         early = EarlyProximal(engine, cfg, PAD_ID, clock=lambda: now[0]) if ahead else None
         if early is not None:
-            assert early.advance(groups[:1], 0, 24) is False  # two rows: one micro-batch, not full; more may join
-            while early.advance(groups[:4], 0, 24):  # four groups arrived: eight rows of 8 tokens, three a micro-batch
+            assert advance(early, groups[:1], 0, 24) is False  # two rows: one micro-batch, not full; more may join
+            while advance(early, groups[:4], 0, 24):  # four groups arrived: eight rows of 8 tokens, three a micro-batch
                 pass
             assert len(early.done) == 6 and measured == [3, 3]
             now[0] = QUIET_S  # no group came for that long: the two rows left are computed all the same
-            assert early.advance(groups[:4], 0, 24) and not early.advance(groups[:4], 0, 24)
+            assert advance(early, groups[:4], 0, 24) and not advance(early, groups[:4], 0, 24)
             assert len(early.done) == 8 and measured == [3, 3, 2]
         measured.clear()
         stats.append(train_step(engine, extras, groups, cfg, 0, PAD_ID, early=early))
         states.append(_state(engine, extras, 0))
         if early is not None:
             assert measured == [4] and stats[-1]["learner/early_rows"] == 8  # the step computed the other four
-            early.advance(groups, 0, 24)  # computed at version 0's weights: of no use to step 1
+            advance(early, groups, 0, 24)  # computed at version 0's weights: of no use to step 1
             rows = learner.step.build_rows(groups, 1, True)[0]
             assert early.fill(rows, 1) == 0 and all(r.prox is None for r in rows)
     without, with_early = stats
