@@ -86,11 +86,12 @@ class EarlyProximal:
             self.seen += new
             self.ids.update(id(g) for g in new)
             self.waiting += [r for r in rows if row_key(r) not in self.done]
-        batches = micro_batches(self.waiting, min(budget, EARLY_TOKENS))
+        size = min(budget, EARLY_TOKENS)
+        batches = micro_batches(self.waiting, size)
         if not batches or len(batches) == 1 and not quiet:  # more rows may join it
             return False
         first = batches[0]
-        proximal(self.engine, first, min(budget, EARLY_TOKENS), self.pad_id, first, self.seen)
+        proximal(self.engine, first, size, self.pad_id, first, self.seen)
         for r in first:
             assert r.prox is not None  # proximal set it
             self.done[row_key(r)] = r.prox
