@@ -69,7 +69,15 @@ async def _generate(engine, prompt_ids: list[list[int]], n: int, max_tokens: int
     await generate_bare(engine.llm, prompt_ids, params, tag)
 
 
+def _said(what: str, since: float) -> float:
+    """Print how long a phase of the start took (a fresh machine's run once spent 330 s before the engine built)."""
+    now = time.perf_counter()
+    print(f"start: {what} in {now - since:.1f} s", flush=True)
+    return now
+
+
 async def main(args) -> dict:
+    t = time.perf_counter()
     import psutil
     from transformers import AutoTokenizer
 
@@ -78,14 +86,18 @@ async def main(args) -> dict:
     from pipeline.config import config_from_dict
     from pipeline.tasks import encode_prompt
 
+    t = _said("imports", t)
     model_dir = model_from_args(args)
+    t = _said(f"the model at {model_dir}", t)
     sizes = [int(s) for s in args.sequences.split(",")]
     data = write_dataset(model_dir.parent / "engine_host.jsonl", rows=max(sizes) // args.n,
                          prompt_tokens=(args.prompt_tokens + 1) // 2)  # a letter and a space: 2 tokens each
     cfg = config_from_dict(run_config(str(model_dir), str(data), generator={
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": 0, "enforce_eager": False}))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    t = _said("the dataset and the tokenizer", t)
     engine = Engine(cfg, str(model_dir), seed=0, eos_id=tok.eos_token_id)
+    t = _said("the engine", t)
     try:
         me = psutil.Process()
         core = me.children(recursive=True)  # the engine-core process (and vLLM's helpers, idle)
@@ -93,6 +105,7 @@ async def main(args) -> dict:
         await engine.keep_logprobs_in_workers(False)
         await _generate(engine, prompts[:8], args.n, 32, "vllm", "warm")
         await _generate(engine, prompts[:8], args.n, 32, "worker", "warm")
+        _said("the warm-up", t)
         runs = []
         for r in range(args.rounds):
             for size in sizes:

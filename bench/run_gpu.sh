@@ -80,6 +80,8 @@
 #                batch's first groups computed while the learner waits for its last (trainer.early_proximal, the
 #                default) against not, in the order on, off, on, off (RUNS: on* computes ahead, off* not), 60 steps
 #                each (1 GPU; about 8 min); MT=256: the config's completions
+#   engine-tail  one SmolLM2 engine alone decoding 16, 64 and 128 sequences of 128 tokens (bench.engine_host): the decode
+#                step at the sizes of a k = 1 batch's tail, with and without the sampled log-probs (1 GPU; about 3 min)
 #   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
 #                learner's GPU to itself), in the order colocated, split, split, colocated, 60 steps each (2 GPUs;
 #                about 8 min): whether k = 1's wait is the GPU's sharing or the window's
@@ -121,7 +123,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -424,6 +426,12 @@ run_part() {
     done
     step k1_early 585 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 \
       --first-timeout 230 --timeout 120 --name "k1_early_mt${MT:-128}_k$K${TAG:+_$TAG}" "${waves[@]}"
+    pack
+    ;;
+  engine-tail)  # the decode step at a k = 1 batch's tail sizes; engine_host says when each phase of its start ends
+    smollm2
+    step engine_tail 300 python3 -m bench.engine_host --gpus 0 --model-size smollm2 --sequences 16,64,128 \
+      --max-tokens 128 --rounds 3
     pack
     ;;
   split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)
