@@ -123,7 +123,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail engine-ab split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -432,6 +432,19 @@ run_part() {
     smollm2
     step engine_tail 300 python3 -m bench.engine_host --gpus 0 --model-size smollm2 --sequences 16,64,128 \
       --max-tokens 128 --rounds 3
+    pack
+    ;;
+  engine-ab)  # engine_host with the code in $OLD against this tree's, alternated in one call (old new old new). $OLD:
+    # a tree carried beside this one, e.g. `git archive REV generator hub learner pipeline weights bench configs
+    # pyproject.toml | tar x -C .scratch/old` with carry [".scratch"] (about 4 x 80 s)
+    smollm2
+    local i=0 v d
+    for v in old new old new; do
+      i=$((i + 1))
+      if [[ $v == old ]]; then d=$PWD/${OLD:?OLD: a tree of the code to compare against}; else d=$PWD; fi
+      (cd "$d" && PYTHONPATH=$d:$PYTHONPATH step "engine_ab_${i}_$v" 110 python3 -m bench.engine_host --gpus 0 \
+        --model-size smollm2 --sequences ${SEQS:-16,64} --max-tokens 128 --rounds 2)
+    done
     pack
     ;;
   split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)

