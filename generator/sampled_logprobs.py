@@ -208,7 +208,7 @@ class _RunnerV2:
     The sampled column is computed after `sample_tokens` has queued that copy, with vLLM's own kernel on the processed
     logits its sampler returns (the numbers vLLM's `logprobs=0` gives). Computed inside the sampler, as vLLM computes
     them, the copy of every step's tokens waited for the log-prob kernels, and the engine core for the copy: on an H200
-    a SmolLM2 engine's step at 16 sequences took 3.2-3.5 ms with them against 2.4 ms without (docs/figures.md,
+    a SmolLM2 engine's step at 16 sequences took 3.2-3.6 ms with them against 2.4-2.7 ms without (docs/figures.md,
     "The sampled log-probs off the step's path")."""
 
     def __init__(self, runner, tap: Tap):
