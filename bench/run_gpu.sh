@@ -82,6 +82,10 @@
 #                each (1 GPU; about 8 min); MT=256: the config's completions
 #   engine-tail  one SmolLM2 engine alone decoding 16, 64 and 128 sequences of 128 tokens (bench.engine_host): the decode
 #                step at the sizes of a k = 1 batch's tail, with and without the sampled log-probs (1 GPU; about 3 min)
+#   engine-ab    engine_host (16 and 64 sequences, or $SEQS) with the code in $OLD and with this tree, in turn (old,
+#                new, old, new; `alternate`): an engine change measured in one call (1 GPU; about 6 min)
+#   k1-ab        the smollm2 config at k = $K (1) and $MT (128) tokens, 60 steps a run, with the code in $OLD and with
+#                this tree, in turn: a change's effect on the learner's wait in one call (1 GPU; about 8 min)
 #   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
 #                learner's GPU to itself), in the order colocated, split, split, colocated, 60 steps each (2 GPUs;
 #                about 8 min): whether k = 1's wait is the GPU's sharing or the window's
