@@ -449,8 +449,11 @@ run_part() {
     pack
     ;;
   engine-ab)  # engine_host with the code in $OLD against this tree's, alternated in one call (about 4 x 80 s)
-    engine_ab() { step "engine_ab_$1_$2" 110 python3 -m bench.engine_host --gpus 0 --model-size smollm2 \
-      --sequences "${SEQS:-16,64}" --max-tokens 128 --rounds 2; }
+    engine_ab() {  # each run's result kept under its own name (engine_host writes one name: the old tree's has no --name)
+      local f="$BENCH_RESULTS/engine_host_smollm2_$(machine).json"
+      step "engine_ab_$1_$2" 110 python3 -m bench.engine_host --gpus 0 --model-size smollm2 \
+        --sequences "${SEQS:-16,64}" --max-tokens 128 --rounds 2
+      if [[ -f $f ]]; then mv "$f" "${f%_*}_ab_$1_$2${TAG:+_$TAG}_$(machine).json"; fi; }
     smollm2; alternate engine_ab; pack
     ;;
   k1-ab)  # the smollm2 config at k = $K (1), $MT (128) tokens, with the code in $OLD against this tree's (4 x 110 s)

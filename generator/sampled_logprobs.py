@@ -206,10 +206,11 @@ class _RunnerV2:
     carries the rows' requests and host copies of their lengths; the request states hold the prompt lengths.
 
     The sampled column is computed after `sample_tokens` has queued that copy, with vLLM's own kernel on the processed
-    logits its sampler returns (the numbers vLLM's `logprobs=0` gives). Computed inside the sampler, as vLLM computes
-    them, the copy of every step's tokens waited for the log-prob kernels, and the engine core for the copy: on an H200
-    a SmolLM2 engine's step at 16 sequences took 3.2-3.6 ms with them against 2.4-2.7 ms without (docs/figures.md,
-    "The sampled log-probs off the step's path")."""
+    logits its sampler returns (the numbers vLLM's `logprobs=0` gives), and vLLM's rank kernel, which nothing reads, is
+    not run. Computed inside the sampler, as vLLM computes them, the copy of every step's tokens waits for those kernels
+    and the engine core for the copy. On one H200 a SmolLM2 engine's step at 16 sequences took 3.2-3.6 ms with them
+    against 2.4-2.7 ms without; in one call against the code before on two more, the two steps were alike (the
+    log-probs +0.2-0.6 ms either way; docs/figures.md, "The sampled log-probs off the step's path, in one call")."""
 
     def __init__(self, runner, tap: Tap):
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
