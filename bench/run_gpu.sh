@@ -158,11 +158,12 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to /tmp/bench-l
   tail -n 15 "/tmp/bench-logs/$name.log"
   cleanup
 }
-alternate() {  # alternate FN: FN I V, run in the tree in $OLD and in this one in turn (old new old new), I = 1..4.
+alternate() {  # alternate FN: FN I V, run in the tree in $OLD and in this one in turn (old new new old: a machine that
+  # speeds up or slows down over the call favours neither; old new old new put new second in both pairs), I = 1..4.
   # $OLD: a tree carried beside this one, e.g. `git archive REV generator hub learner pipeline weights bench configs
   # pyproject.toml | tar x -C .scratch/old` with carry [".scratch"]: a change measured against REV on one machine
   local i=0 v d
-  for v in old new old new; do
+  for v in old new new old; do
     i=$((i + 1))
     if [[ $v == old ]]; then d=$PWD/${OLD:?OLD: a tree of the code to compare against}; else d=$PWD; fi
     (cd "$d" && export PYTHONPATH=$d:$PYTHONPATH && "$1" "$i" "$v")
