@@ -84,6 +84,8 @@
 #                step at the sizes of a k = 1 batch's tail, with and without the sampled log-probs (1 GPU; about 3 min)
 #   engine-ab    engine_host (16 and 64 sequences, or $SEQS) with the code in $OLD and with this tree, in turn (old,
 #                new, old, new; `alternate`): an engine change measured in one call (1 GPU; about 6 min)
+#   k1-engines   the smollm2 config at k = $K (1) and $MT (128) tokens, 60 steps a run: the config's two engines beside
+#                the learner on GPU 0 against three, in the order two, three, three, two (1 GPU; about 9 min)
 #   k1-ab        the smollm2 config at k = $K (1) and $MT (128) tokens, 60 steps a run, with the code in $OLD and with
 #                this tree, in turn: a change's effect on the learner's wait in one call (1 GPU; about 8 min)
 #   split-k1     the smollm2 config at k = $K (1), its two engines beside the learner on GPU 0 against on GPU 1 (the
@@ -127,7 +129,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail engine-ab k1-ab split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail engine-ab k1-ab k1-engines split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -456,6 +458,14 @@ run_part() {
         --sequences "${SEQS:-16,64}" --max-tokens 128 --rounds 2
       if [[ -f $f ]]; then mv "$f" "${f%_*}_ab_$1_$2${TAG:+_$TAG}_$(machine).json"; fi; }
     smollm2; alternate engine_ab; pack
+    ;;
+  k1-engines)  # the smollm2 config at k = $K (1), $MT (128) tokens: two engines beside the learner against three (A B B A)
+    smollm2
+    W="trainer.max_staleness=${K:-1};sampling.max_tokens=${MT:-128}"
+    step k1_engines 585 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 \
+      --first-timeout 230 --timeout 120 --name "k1_engines_k${K:-1}${TAG:+_$TAG}" \
+      --wave "two:0:0,0:$W" --wave "three:0:0,0,0:$W" --wave "threeb:0:0,0,0:$W" --wave "twob:0:0,0:$W"
+    pack
     ;;
   k1-ab)  # the smollm2 config at k = $K (1), $MT (128) tokens, with the code in $OLD against this tree's (4 x 110 s)
     k1_ab() { step "k1_ab_$1_$2" 200 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 \

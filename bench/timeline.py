@@ -2,6 +2,7 @@
 
     python -m bench.timeline RUN_DIR [--launched UNIX_TIME] [--skip 5]
     python -m bench.timeline RUN_DIR --plot FIRST LAST OUT.png      (a picture of steps FIRST..LAST)
+    python -m bench.timeline RUN_DIR --waits [--least 0.05]          (what each step that waited waited for)
 
 Steps before --skip are left out of the rates (start-up, first compilations). It prints one JSON object:
     learner    steps/min, median step, train and wait; the share of step time spent waiting; the longest step after
@@ -41,6 +42,36 @@ def learner_waits(spans: list[dict]) -> list[tuple[float, float]]:
         return sum(x["dur"] for x in early if x["pid"] == w["pid"] and w["ts"] <= x["ts"] < w["ts"] + w["dur"])
 
     return [((e["ts"] + e["dur"]) / 1e6, (e["dur"] - computed(e)) / 1e6) for e in learner if e["name"] == "wait"]
+
+
+def waits(run_dir: Path, skip: int = 5, least: float = 0.05) -> dict:
+    """What each steady step that waited at least `least` seconds (less its early compute) waited for: the group whose
+    generation ended last before the wait did (the batch's last), how long it generated, its tokens (all its samples),
+    and the groups that started on its engine while it generated (the next batch's, sharing its decode steps), with
+    how many of the engine's groups were still generating when it ended. A summary of them, and one row a step."""
+    spans = trace.spans(trace.read(Path(run_dir) / "trace.json"))
+    steps = {e["ts"] + e["dur"]: e["args"]["step"] for e in spans if e["track"] == "learner" and e["name"] == "step"}
+    generate = [e for e in spans if e["name"] == "generate"]
+    rows = []
+    for end, seconds in learner_waits(spans):
+        step = min((s for t, s in steps.items() if t / 1e6 >= end), default=None)
+        if step is None or step < skip or seconds < least:
+            continue
+        done = [e for e in generate if (e["ts"] + e["dur"]) / 1e6 <= end]
+        if not done:
+            continue
+        last = max(done, key=lambda e: e["ts"] + e["dur"])
+        a, b = last["ts"], last["ts"] + last["dur"]
+        engine = [e for e in generate if e["pid"] == last["pid"] and e is not last]
+        rows.append({"step": step, "wait_s": round(seconds, 3), "generated_s": round(last["dur"] / 1e6, 3),
+                     "before_wait_end_s": round(end - b / 1e6, 3), "tokens": last["args"].get("tokens"),
+                     "started_beside": sum(1 for e in engine if a < e["ts"] < b),
+                     "generating_at_end": sum(1 for e in engine if e["ts"] < b < e["ts"] + e["dur"])})
+    out: dict[str, Any] = {"steps": len(rows), "wait_s": round(sum(r["wait_s"] for r in rows), 3)}
+    for key in ("wait_s", "generated_s", "started_beside", "generating_at_end"):
+        out[f"median_{key}"] = _median([r[key] for r in rows])
+    out["rows"] = rows
+    return out
 
 
 def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
@@ -139,7 +170,12 @@ def main() -> None:
     p.add_argument("--launched", type=float, default=None, help="time.time() at launch")
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--plot", nargs=3, metavar=("FIRST", "LAST", "PNG"), help="draw steps FIRST..LAST into PNG")
+    p.add_argument("--waits", action="store_true", help="what each steady step that waited waited for")
+    p.add_argument("--least", type=float, default=0.05, help="--waits: the shortest wait shown, in seconds")
     a = p.parse_args()
+    if a.waits:
+        print(json.dumps(waits(a.run_dir, a.skip, a.least), indent=1))
+        return
     if a.plot:
         print(plot(a.run_dir, int(a.plot[0]), int(a.plot[1]), Path(a.plot[2])))
         return

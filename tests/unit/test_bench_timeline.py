@@ -88,3 +88,31 @@ def test_the_held_out_accuracy_of_each_round_comes_with_the_speed(tmp_path: Path
     assert timeline.summary(tmp_path, skip=2)["heldout_pass@1"] == {"0": 0.1523, "10": 0.4062}
     (tmp_path / "eval.jsonl").unlink()  # a run without evaluation rounds
     assert timeline.summary(tmp_path, skip=2)["heldout_pass@1"] == {}
+
+
+def test_a_step_that_waited_names_the_group_it_waited_for(tmp_path: Path) -> None:
+    """`--waits`: the group whose generation ended last before a wait did, how long it generated, and the groups that
+    started on its engine meanwhile (the next batch's, sharing its decode steps; issue 52's k = 1 waits)."""
+    s = 1_000_000
+
+    def span(pid: int, tid: int, name: str, at: float, dur: float, **args) -> dict:
+        return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": int(at * s), "dur": int(dur * s), "args": args}
+
+    events = (_process(10, "learner-rank0", ["learner"]) + _process(20, "generator", ["g0", "g1", "g2", "g3"])
+              + _process(30, "generator", ["g0"]))
+    for step, (start, wait) in enumerate([(0.0, 0.01), (1.0, 0.01), (2.0, 0.3), (3.3, 0.02)]):
+        events += [span(10, 1, "step", start, 1.0, step=step), span(10, 1, "wait", start, wait)]
+    events += [span(10, 1, "early", 2.0, 0.05)]  # computed while it waited: not waiting
+    events += [span(20, 1, "generate", 1.5, 0.79, tokens=300),  # the batch's last group: ends at 2.29
+               span(20, 2, "generate", 1.6, 0.2, tokens=40),  # started beside it, ended before it
+               span(20, 3, "generate", 2.1, 0.5, tokens=90),  # started beside it, still generating when it ended
+               span(20, 4, "generate", 2.4, 0.1, tokens=20),  # after it
+               span(30, 1, "generate", 1.7, 0.3, tokens=50)]  # another engine's
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+
+    out = timeline.waits(tmp_path, skip=1, least=0.05)
+
+    assert out["steps"] == 1 and out["wait_s"] == 0.25
+    assert out["rows"] == [{"step": 2, "wait_s": 0.25, "generated_s": 0.79, "before_wait_end_s": 0.01, "tokens": 300,
+                            "started_beside": 2, "generating_at_end": 1}]
+    assert timeline.waits(tmp_path, skip=1, least=0.5)["steps"] == 0
