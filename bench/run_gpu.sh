@@ -399,16 +399,17 @@ run_part() {
     step gpu_engine_graphs 540 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu/test_gpu_engine_graphs.py
     pack
     ;;
-  mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1), in the order $RUNS (off on onb offb):
-    # off* without MPS; on* with one MPS daemon of the part's; low* with it and the learner's context below normal
-    # priority (bench/mps_low). 2026-12-01, one engine: on 75.2 steps/min, waiting 27 %; off 63.9, 38 %: one pair
+  mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1), in the order $RUNS (off on onb offb),
+    # completions of $MT tokens (the config's 256 without it): off* without MPS; on* with one MPS daemon of the
+    # part's; low* with it and the learner's context below normal priority (bench/mps_low). 2026-12-01, one engine:
+    # on 75.2 steps/min, waiting 27 %; off 63.9, 38 %: one pair
     smollm2
     K=${K:-1}
     local pipe=/tmp/bench-mps/pipe first=250 run low
     mkdir -p "$pipe" /tmp/bench-mps/log
     for run in ${RUNS:-off on onb offb}; do
       local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 --timeout "$first"
-        --name "mps2_${run}_k$K" --wave "$run:0:0,0:trainer.max_staleness=$K")
+        --name "mps2_${run}_k$K${MT:+_mt$MT}" --wave "$run:0:0,0:trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}")
       if [[ $run == off* ]]; then
         step "mps_$run" 270 "${Q[@]}"
       else
