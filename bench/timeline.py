@@ -44,12 +44,20 @@ def learner_waits(spans: list[dict]) -> list[tuple[float, float]]:
     return [((e["ts"] + e["dur"]) / 1e6, (e["dur"] - computed(e)) / 1e6) for e in learner if e["name"] == "wait"]
 
 
+def _rank0(events: list[dict]) -> list[dict]:
+    """The spans of `events`, the learner's of rank 0 alone: every learner rank records its steps and waits, and rank
+    0's are the run's (a step counted once per rank doubled steps/min)."""
+    others = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"
+              and e["args"]["name"].startswith("learner-rank") and e["args"]["name"] != "learner-rank0"}
+    return [e for e in trace.spans(events) if e["track"] != "learner" or e["pid"] not in others]
+
+
 def waits(run_dir: Path, skip: int = 5, least: float = 0.05) -> dict:
     """What each steady step that waited at least `least` seconds (less its early compute) waited for: the group whose
     generation ended last before the wait did (the batch's last), how long it generated, its tokens (all its samples),
     and the groups that started on its engine while it generated (the next batch's, sharing its decode steps), with
     how many of the engine's groups were still generating when it ended. A summary of them, and one row a step."""
-    spans = trace.spans(trace.read(Path(run_dir) / "trace.json"))
+    spans = _rank0(trace.read(Path(run_dir) / "trace.json"))
     steps = {e["ts"] + e["dur"]: e["args"]["step"] for e in spans if e["track"] == "learner" and e["name"] == "step"}
     generate = [e for e in spans if e["name"] == "generate"]
     rows = []
@@ -76,11 +84,7 @@ def waits(run_dir: Path, skip: int = 5, least: float = 0.05) -> dict:
 
 def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict:
     events = trace.read(Path(run_dir) / "trace.json")
-    spans = trace.spans(events)
-    # every learner rank records its steps: rank 0's are the run's (a step counted once per rank doubled steps/min)
-    others = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"
-              and e["args"]["name"].startswith("learner-rank") and e["args"]["name"] != "learner-rank0"}
-    spans = [e for e in spans if e["track"] != "learner" or e["pid"] not in others]
+    spans = _rank0(events)
     steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
     steady = [e for e in steps if e["args"]["step"] >= skip] or steps
     t0, t1 = steady[0]["ts"], steady[-1]["ts"] + steady[-1]["dur"]

@@ -98,10 +98,11 @@ def test_a_step_that_waited_names_the_group_it_waited_for(tmp_path: Path) -> Non
     def span(pid: int, tid: int, name: str, at: float, dur: float, **args) -> dict:
         return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": int(at * s), "dur": int(dur * s), "args": args}
 
-    events = (_process(10, "learner-rank0", ["learner"]) + _process(20, "generator", ["g0", "g1", "g2", "g3"])
-              + _process(30, "generator", ["g0"]))
+    events = (_process(10, "learner-rank0", ["learner"]) + _process(11, "learner-rank1", ["learner"])
+              + _process(20, "generator", ["g0", "g1", "g2", "g3"]) + _process(30, "generator", ["g0"]))
     for step, (start, wait) in enumerate([(0.0, 0.01), (1.0, 0.01), (2.0, 0.3), (3.3, 0.02)]):
-        events += [span(10, 1, "step", start, 1.0, step=step), span(10, 1, "wait", start, wait)]
+        for rank in (10, 11):  # every rank records its steps: the run's are rank 0's
+            events += [span(rank, 1, "step", start, 1.0, step=step), span(rank, 1, "wait", start, wait)]
     events += [span(10, 1, "early", 2.0, 0.05)]  # computed while it waited: not waiting
     events += [span(20, 1, "generate", 1.5, 0.79, tokens=300),  # the batch's last group: ends at 2.29
                span(20, 2, "generate", 1.6, 0.2, tokens=40),  # started beside it, ended before it
