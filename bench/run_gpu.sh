@@ -400,17 +400,20 @@ run_part() {
     pack
     ;;
   mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1), in the order $RUNS (off on onb offb),
-    # completions of $MT tokens (the config's 256 without it): off* without MPS; on* with one MPS daemon of the
-    # part's; low* with it and the learner's context below normal priority (bench/mps_low). 2026-12-01, one engine:
-    # on 75.2 steps/min, waiting 27 %; off 63.9, 38 %: one pair
+    # completions of $MT tokens (the config's 256 without it): off* without MPS; on* with `run.mps=true` (the
+    # launcher's daemon, pipeline/mps.py); ext* with one MPS daemon of the part's started here; low* with that and the
+    # learner's context below normal priority (bench/mps_low). 2026-12-03, MT=128, a daemon of the part's (ext):
+    # 86.5-106.9 steps/min, waiting 7.6-8.3 %, against off's 83.6-93.8 and 9.5-11.9 % (four pairs)
     smollm2
     K=${K:-1}
     local pipe=/tmp/bench-mps/pipe first=250 run low
     mkdir -p "$pipe" /tmp/bench-mps/log
     for run in ${RUNS:-off on onb offb}; do
+      local knobs="trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}"
+      [[ $run == on* ]] && knobs="$knobs;run.mps=true"
       local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 --timeout "$first"
-        --name "mps2_${run}_k$K${MT:+_mt$MT}" --wave "$run:0:0,0:trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}")
-      if [[ $run == off* ]]; then
+        --name "mps2_${run}_k$K${MT:+_mt$MT}" --wave "$run:0:0,0:$knobs")
+      if [[ $run == off* || $run == on* ]]; then
         step "mps_$run" 270 "${Q[@]}"
       else
         low=; [[ $run == low* ]] && low=$PWD/bench/mps_low:

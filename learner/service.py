@@ -50,6 +50,7 @@ from pipeline.environment import held_at_step, slowed_step_s
 from pipeline.fingerprint import of_model
 from pipeline.host import remove_stale
 from pipeline.metrics import MetricsWriter, plot, read_jsonl, read_metrics, step_record, truncate_metrics
+from pipeline.mps import under_mps
 from pipeline.pinning import content_digests
 from pipeline.runtime_knobs import apply_runtime_change
 from pipeline.tasks import encode_prompt, load_eval_rows, load_rows
@@ -360,7 +361,7 @@ class Learner:
             step, {**stats, **self.times.record(seen)}, sync_ms=sync_ms, elapsed_s=now - self.started,
             publisher=self.publisher.metrics(), tokens_per_s=rate, generators=seen.generators,
             max_staleness=knobs["trainer.max_staleness"], groups=groups, counters=seen.counters,
-            evaluations=hub.evaluations(), on_learner_gpus=seen.on_learner_gpus)
+            evaluations=hub.evaluations(), on_learner_gpus=seen.on_learner_gpus, mps=under_mps())
         # what holds the run back, from the records so far and this one, whole: read, never changed
         due = self.verdicts.add(record)
         if due is not None:

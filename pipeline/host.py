@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -76,10 +77,8 @@ def write_private(path: Path, data) -> None:
 
 
 def remove_dir(d: Path) -> None:
-    for f in d.glob("*"):
-        f.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        d.rmdir()
+    """Remove folder `d` and what is in it (an MPS daemon's pipe directory may hold folders); gone already: fine."""
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def remove_stale() -> list[Path]:

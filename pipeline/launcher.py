@@ -35,6 +35,7 @@ from pathlib import Path
 from pipeline.config import Config, save_config
 from pipeline.host import alive, processes
 from pipeline.metrics import read_metrics
+from pipeline.mps import Mps
 from pipeline.netutil import local_address, port_free, reserved_port
 from pipeline.trace import merge, trace_dir
 from pipeline.verdict import timed, verdict
@@ -229,8 +230,10 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     argv += ["--profile"] if profile else []
     children: list[Child] = []
     rc = 1
+    mps = Mps(run_dir) if cfg.run.mps else None  # run.mps: the children are clients of a daemon of the run's
     try:
-        learner = Child("learner", argv, run_dir / "logs" / "learner.log")
+        env = mps.start() if mps is not None else None
+        learner = Child("learner", argv, run_dir / "logs" / "learner.log", env=env)
         children.append(learner)
         print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)
         built: dict[str | None, list[Child]] = {}  # GPU set -> its generators building their engines or built
@@ -239,7 +242,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
             argv = cli + ["generator", "-c", str(resolved), "--learner", address] + _gpus(mine)
             argv += ["--profile", str(trace_dir(run_dir))] if profile else []
             argv += ["--go-on-stdin"] if held else ["--build-first"]  # launch.yaml: the run's config
-            child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log", held=held)
+            child = Child(f"generator-{i}", argv, run_dir / "logs" / f"generator-{i}.log", env=env, held=held)
             children.append(child)
             when = ("imports vLLM now, builds its engine once the hub is up and the generators before it on its GPU "
                     "have registered") if held else "beside the learner"
@@ -275,6 +278,8 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     finally:
         seen = len(received)  # a signal from here on only hurries the shutdown
         stop_all(children, now=rc != 0, hurry=lambda: len(received) > seen)
+        if mps is not None:  # its clients are gone
+            mps.stop()
     from pipeline.host import remove_stale
 
     remove_stale()

@@ -59,15 +59,16 @@ class MetricsWriter:
 
 def step_record(step: int, stats: dict, *, sync_ms: float, elapsed_s: float, publisher: dict, tokens_per_s: float,
                 generators: int, max_staleness: int, groups: list, counters: dict, evaluations: list[dict],
-                on_learner_gpus: int = 0) -> dict:
+                on_learner_gpus: int = 0, mps: bool = False) -> dict:
     """One learner step's metrics.jsonl record: its version, its stats and phases (`stats`), the weights' sync, the
-    throughput, the generators registered (and of them, those on a learner rank's GPU), the groups it trained
+    throughput, the generators registered (and of them, those on a learner rank's GPU; `mps`: the learner is a CUDA MPS
+    client, pipeline/mps.py), the groups it trained
     (epoch, prompt, behaviour version, generator), the hub's counters (hub/...) and the evaluation rounds finished
     since the last record (eval/...; all of them are in eval.jsonl)."""
     record = {
         "step": step, "version": step + 1, **stats, "sync/weights_ms": sync_ms, "time/elapsed_s": elapsed_s,
         **publisher, "throughput/tokens_per_s": tokens_per_s, "generators": generators,
-        "generators_on_learner_gpus": on_learner_gpus, "max_staleness": max_staleness,
+        "generators_on_learner_gpus": on_learner_gpus, "mps": mps, "max_staleness": max_staleness,
         "trained": [[g.epoch, g.prompt_id, behaviour_version(g), g.generator_id] for g in groups],
         "groups_by_generator": dict(Counter(g.generator_id for g in groups)),
         **{f"hub/{k}": v for k, v in counters.items()},

@@ -118,7 +118,7 @@ def verdict(pairs: Sequence[tuple[dict, float]], lora: bool = False) -> Verdict 
     f = _figures([r for r, _ in kept], sum(w for _, w in kept))
     last = kept[-1][0]
     k, shared = last.get("max_staleness", 1), last.get("generators_on_learner_gpus", 0)
-    stage, share, sentence = _decide(f, k, lora, shared)
+    stage, share, sentence = _decide(f, k, lora, shared, bool(last.get("mps")))
     if f["stale"] >= STALE:
         sentence += (f"; {_pct(f['stale'])} as many groups as were trained went stale before their step and were "
                      f"generated again (samples that outlive k steps: the longest), where "
@@ -163,9 +163,10 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f} %"
 
 
-def _decide(f: dict[str, float], k: int, lora: bool = False, shared: int = 0) -> tuple[str, float, str]:
+def _decide(f: dict[str, float], k: int, lora: bool = False, shared: int = 0,
+            mps: bool = False) -> tuple[str, float, str]:
     """(stage, its figure, the sentence with the knob) from the shares of `_figures`; `shared`: generators on a
-    learner rank's GPU, whose time they and training take in turns."""
+    learner rank's GPU, whose time they and training take in turns (`mps`: share, under CUDA MPS)."""
     waited = f"the learner waited {_pct(f['wait'])} of its time"
     if f["wait"] < LEARNER_WAITS:
         if f["publish"] > f["train"]:
@@ -179,9 +180,13 @@ def _decide(f: dict[str, float], k: int, lora: bool = False, shared: int = 0) ->
         if not lora:  # not to a run that trains adapters already
             knobs.append("`model.lora`")
         many = shared > 1
-        beside = (f"; {shared} generator{'s' if many else ''} on the learner's GPUs take{'' if many else 's'} turns "
-                  "on them with training: a generator on a GPU of its own (`run.generator_gpus`, `pipeline generator "
-                  "--gpus`) leaves training the whole GPU" if shared else "")
+        own = ("a generator on a GPU of its own (`run.generator_gpus`, `pipeline generator --gpus`) leaves training "
+               "the whole GPU")
+        they = f"; {shared} generator{'s' if many else ''} on the learner's GPUs"
+        beside = ("" if not shared else
+                  f"{they} share{'' if many else 's'} them with training under CUDA MPS: {own}" if mps else
+                  f"{they} take{'' if many else 's'} turns on them with training: {own}, and CUDA MPS "
+                  "(`run.mps: true`) lets their kernels run beside training's")
         return LEARNER, f["train"], (
             f"training took {_pct(f['train'])} of the step, waiting for rollouts {_pct(f['wait'])}: the learner sets "
             f"the pace; {', '.join(knobs[:-1])} or {knobs[-1]} move it" + beside + window)
@@ -217,8 +222,8 @@ def _decide(f: dict[str, float], k: int, lora: bool = False, shared: int = 0) ->
 def slim(record: dict) -> dict:
     """What the verdict reads of a record (a learner keeps its last few without their trained keys)."""
     out = {k: v for k, v in record.items() if k.startswith(("time/", "gen/"))}
-    out.update({k: record.get(k, 0) for k in ("step", "generators", "generators_on_learner_gpus", "max_staleness",
-                                              "staleness/dropped", "staleness/stopped",
+    out.update({k: record.get(k, 0) for k in ("step", "generators", "generators_on_learner_gpus", "mps",
+                                              "max_staleness", "staleness/dropped", "staleness/stopped",
                                               "staleness/last_chance_wait_s")})
     out["groups"] = len(record.get("trained", ())) or record.get("groups", 0)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,10 @@ def prepare(args) -> tuple[Config, Path | None]:
         from pipeline.security import check_exposure
 
         check_exposure(cfg)
+        if args.command == "run":
+            from pipeline.mps import check_mps
+
+            check_mps(cfg)  # run.mps where its daemon cannot start: refused now, not once the learner is up
         if not env_flag("RANK"):  # more ranks than GPUs given is refused here, not in torch.cuda.set_device
             gpus = args.gpus or (cfg.run.learner_gpus if args.command == "run" else None)
             world_size(cfg.trainer.ranks, None if gpus is None else str(gpus))  # a str (RunConfig.__post_init__)
@@ -81,6 +86,10 @@ def prepare(args) -> tuple[Config, Path | None]:
         apply_environment(cfg, args.gpus)
     except ConfigError as e:
         raise Refused(str(e)) from None
+    from pipeline.mps import PIPE, under_mps
+
+    if under_mps():  # run.mps's children, or services a user started under a daemon of theirs
+        logging.getLogger("pipeline").info("CUDA MPS: a client of the daemon at %s=%s", PIPE, os.environ[PIPE])
     if args.command in ("learner", "run"):  # the learner pins what every generator runs: it must find it too
         from pipeline.pinning import content_digests
 

@@ -348,17 +348,23 @@ def test_a_learner_bound_run_is_told_of_the_generators_that_share_its_gpus():
     """Training beside an engine on its GPU took 9.7 s a step against 5.5 s alone: processes on one GPU take turns.
     A learner-bound verdict names the generators on the learner's GPUs (the record's generators_on_learner_gpus, the
     hub's count) and the knob that gives training the GPU back; a run without them, or bound elsewhere, is not told."""
-    def judged(steps, shared, **kw):
+    def judged(steps, shared, mps=False, **kw):
         recs = records([{"wall": 60.0, "wait": 59.0}, {"wall": 1.0}] + steps, **kw)
         for r in recs:
-            r["generators_on_learner_gpus"] = shared
+            r["generators_on_learner_gpus"], r["mps"] = shared, mps
         return V.verdict(V.timed(recs)), recs
 
     one, recs = judged([ONE_GPU_1_5B] * 9, 1, k=2)
     assert one.stage == V.LEARNER, one.line()
     assert "1 generator on the learner's GPUs takes turns on them with training" in one.sentence, one.sentence
     assert "`run.generator_gpus`" in one.sentence and "`pipeline generator --gpus`" in one.sentence
+    assert one.sentence.endswith("and CUDA MPS (`run.mps: true`) lets their kernels run beside training's")
     assert V.slim(recs[-1])["generators_on_learner_gpus"] == 1  # what a learner keeps for its verdicts
+    # under CUDA MPS (the record's `mps`: pipeline/mps.py) they do not take turns, and run.mps is not offered again
+    mps, recs = judged([ONE_GPU_1_5B] * 9, 1, mps=True, k=2)
+    assert mps.stage == V.LEARNER and V.slim(recs[-1])["mps"] is True
+    shares = "1 generator on the learner's GPUs shares them with training under CUDA MPS: a generator on a GPU of its"
+    assert shares in mps.sentence and "turns" not in mps.sentence and "run.mps" not in mps.sentence, mps.sentence
     two, _ = judged([ONE_GPU_1_5B] * 9, 4, k=2, generators=4)  # two ranks, two engines on each rank's GPU
     assert "4 generators on the learner's GPUs take turns" in two.sentence, two.sentence
     alone, _ = judged([ONE_GPU_1_5B] * 9, 0, k=2)

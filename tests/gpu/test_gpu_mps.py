@@ -1,0 +1,68 @@
+"""GPU, one device: `pipeline run` of the shipped smollm2 config with run.mps (pipeline/mps.py). NVIDIA's MPS control
+daemon starts with the run, the learner and both engines are clients of its server (nvidia-smi lists the server on
+the GPU while the run goes on), every record says `mps`, and once the run ends no MPS process and no pipe directory is
+left."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.metrics import read_jsonl
+from tests.conftest import REPO, wait_for
+from tests.gpu.helpers import gpu_count
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the GPU build of vllm"),
+    pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU"),
+    pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="needs NVIDIA's MPS control daemon"),
+]
+
+STEPS = 12
+
+
+def _mps_processes() -> list[str]:
+    """This machine's MPS daemons and servers: 'PID COMMAND'."""
+    found = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            name = comm.read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("nvidia-cuda-mps"):
+            found.append(f"{comm.parent.name} {name}")
+    return found
+
+
+def test_the_run_is_a_client_of_its_own_mps_daemon_and_leaves_none(procs, tmp_path):
+    assert not _mps_processes(), "an MPS daemon runs already: this test needs the machine's GPU to itself"
+    run_dir = tmp_path / "run"
+    run = procs(["run", "-c", str(REPO / "configs/gpu-smollm2-math.yaml"), "--run-dir", str(run_dir),
+                 "--set", "run.mps=true", "--set", f"trainer.total_steps={STEPS}", "--set", "trainer.max_staleness=1",
+                 "--set", "sampling.max_tokens=128", "--set", "eval.every=0"], tmp_path / "run.log")
+    wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3 if (run_dir / "metrics.jsonl").exists()
+             else False, 400, "three steps", [run])
+    smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60).stdout
+    during = _mps_processes()
+    assert run.wait(400) == 0, run.tail()
+    print(smi)
+    assert "nvidia-cuda-mps-server" in smi, smi  # the server holds the GPU for its clients
+    assert any(p.endswith("nvidia-cuda-mps-control") for p in during), during
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert all(r["mps"] is True for r in records)
+    assert all(math.isfinite(r["reward/mean"]) for r in records)
+    assert records[-1]["generators"] == 2 and records[-1]["generators_on_learner_gpus"] == 2
+    assert re.search(r"^CUDA MPS: control daemon pid \d+, pipe /\S+/pipeline-mps-\d+", run.tail(200), re.M)
+    assert not _mps_processes(), "left running"
+    assert not list(Path(tempfile.gettempdir()).glob(f"pipeline-mps-{run.pid}")), "pipe directory left"
+    print(*sorted(p.name for p in (run_dir / "logs" / "mps").iterdir()))
+    print((run_dir / "logs" / "mps" / "daemon.log").read_text()[-2000:])
