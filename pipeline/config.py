@@ -478,9 +478,10 @@ class RunConfig:
     mps: bool = False
     """`pipeline run`: start a CUDA MPS control daemon of the run's (NVIDIA's `nvidia-cuda-mps-control`,
     pipeline/mps.py) with the learner and the generators as its clients: the kernels of engines on the learner's GPU
-    run beside training's instead of taking turns with them. At k = 1 with two engines beside the learner on one
-    H200, 9 % more steps/min on average and the learner's wait 8 % against 10-12 % (docs/figures.md, "CUDA MPS
-    under `pipeline run`"). Services started apart join a daemon of yours by CUDA_MPS_PIPE_DIRECTORY instead."""
+    run beside training's instead of taking turns with them. At k = 1 with two engines beside the learner, five pairs
+    on two H200s: 8 % more steps/min on average and the learner's wait lower in each (7.6-8.3 % against 9.5-11.9 % on
+    one machine, 10.4 against 10.7 % on the other; docs/figures.md, "CUDA MPS under `pipeline run`"). Services started
+    apart join a daemon of yours by CUDA_MPS_PIPE_DIRECTORY instead."""
     log_level: str = "INFO"
     """Python logging level."""
     tensorboard: bool = True

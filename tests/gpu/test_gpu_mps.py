@@ -30,15 +30,16 @@ STEPS = 12
 
 
 def _mps_processes() -> list[str]:
-    """This machine's MPS daemons and servers: 'PID COMMAND'."""
+    """This machine's MPS daemons and servers: 'PID PROGRAM' (from the command line: /proc/PID/comm cuts names to 15
+    characters, "nvidia-cuda-mps" for both)."""
     found = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            name = comm.read_text().strip()
+            name = Path(cmdline.read_bytes().split(b"\0")[0].decode(errors="replace")).name
         except OSError:
             continue
         if name.startswith("nvidia-cuda-mps"):
-            found.append(f"{comm.parent.name} {name}")
+            found.append(f"{cmdline.parent.name} {name}")
     return found
 
 
