@@ -67,3 +67,22 @@ def test_the_run_is_a_client_of_its_own_mps_daemon_and_leaves_none(procs, tmp_pa
     assert not list(Path(tempfile.gettempdir()).glob(f"pipeline-mps-{run.pid}")), "pipe directory left"
     print(*sorted(p.name for p in (run_dir / "logs" / "mps").iterdir()))
     print((run_dir / "logs" / "mps" / "daemon.log").read_text()[-2000:])
+
+
+def test_a_run_killed_with_sigkill_leaves_no_mps_process(procs, tmp_path):
+    """SIGKILL to `pipeline run` under run.mps: the guards stop the learner, the engines and the daemon's group; the
+    server the daemon started goes with it or once its clients are gone (checked here: not said by NVIDIA's docs)."""
+    import signal
+
+    assert not _mps_processes(), "an MPS daemon runs already: this test needs the machine's GPU to itself"
+    run_dir = tmp_path / "run"
+    run = procs(["run", "-c", str(REPO / "configs/gpu-smollm2-math.yaml"), "--run-dir", str(run_dir),
+                 "--set", "run.mps=true", "--set", "trainer.total_steps=200", "--set", "eval.every=0"],
+                tmp_path / "run.log")
+    wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2 if (run_dir / "metrics.jsonl").exists()
+             else False, 400, "two steps", [run])
+    assert any(p.endswith("nvidia-cuda-mps-server") for p in _mps_processes()), _mps_processes()
+    run.signal(signal.SIGKILL)
+    wait_for(lambda: not _mps_processes(), 120, "no MPS process left")
+    pipe = Path(tempfile.gettempdir()) / f"pipeline-mps-{run.pid}"
+    wait_for(lambda: not pipe.exists(), 60, "the pipe directory gone")

@@ -113,3 +113,30 @@ def test_the_pipe_directory_of_a_launcher_killed_with_sigkill_is_removed_by_the_
     (pipe / "log").mkdir()  # a folder of the daemon's in it
     (pipe / "log" / "control.log").write_text("x")
     assert host.remove_stale() == [pipe] and not pipe.exists()
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_daemon_and_no_pipe_directory(tmp_path, stub_path):
+    """The daemon is a `Child`: its guard stops it once its starter is gone, however it went, and sweeps the starter's
+    pipe directory (remove_stale: its owner is dead)."""
+    import re
+    import signal
+
+    from tests.conftest import wait_for
+
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from pipeline.mps import Mps; "
+         "Mps(Path(sys.argv[1])).start(); time.sleep(600)", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        line = starter.stdout.readline() if starter.stdout else ""
+        said = re.match(r"CUDA MPS: control daemon pid (\d+), pipe (\S+),", line)
+        assert said, line
+        daemon, pipe = int(said[1]), said[2]
+        assert running(daemon) and os.path.isdir(pipe) and pipe.endswith(f"pipeline-mps-{starter.pid}")
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(10)
+        wait_for(lambda: not running(daemon) and not os.path.exists(pipe), 60, "the daemon stopped, its pipe gone")
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
