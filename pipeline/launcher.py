@@ -11,7 +11,8 @@ exits 130 after a Ctrl-C however many more came.
 
 Nothing outlives the process that started it: each child has a guard (`guard`, a small process in a session of
 its own) that ends the child's process group once the child or its starter is gone, however it went (SIGKILL,
-the OOM killer, a CI time-out killing pytest), then removes the /dev/shm files of dead processes.
+the OOM killer, a CI time-out killing pytest), then removes the /dev/shm files of dead processes. With `run.mps` the
+first child is NVIDIA's CUDA MPS control daemon, whose clients the others are; it stops after them (pipeline/mps.py).
 
 A run directory holds one run. A new run refuses a directory that holds one (`check_run_dir`), naming what is
 there and the ways on (`--resume`, another `run.name`): a second run of a fixed `run.name` would otherwise read
