@@ -233,7 +233,7 @@ def launch(cfg: Config, run_dir: Path, resume: bool = False, profile: bool = Fal
     rc = 1
     mps = Mps(run_dir) if cfg.run.mps else None  # run.mps: the children are clients of a daemon of the run's
     try:
-        env = mps.start() if mps is not None else None
+        env = mps.start(Child) if mps is not None else None
         learner = Child("learner", argv, run_dir / "logs" / "learner.log", env=env)
         children.append(learner)
         print(f"run directory: {run_dir}\nlearner pid {learner.pid}, logs in {run_dir / 'logs'}", flush=True)

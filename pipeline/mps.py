@@ -21,14 +21,12 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pipeline.host import private_dir, remove_dir
 from pipeline.validate import ConfigError
-
-if TYPE_CHECKING:
-    from pipeline.launcher import Child
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE = "CUDA_MPS_PIPE_DIRECTORY"
@@ -60,17 +58,16 @@ class Mps:
         self.pipe = Path(tempfile.gettempdir()) / f"pipeline-mps-{os.getpid()}"  # short: the daemon's sockets are in it
         self.logs = run_dir / "logs" / "mps"
         self.env: dict[str, str] = {}
-        self.daemon: Child | None = None
+        self.daemon: Any = None  # a pipeline.launcher.Child
 
-    def start(self, timeout: float = 30.0) -> dict[str, str]:
-        """Start the daemon and wait for its control socket; the environment of its clients (this one's, with the
-        pipe directory). RuntimeError, with its log, if it does not come up."""
-        from pipeline.launcher import Child
-
+    def start(self, child: Callable[..., Any], timeout: float = 30.0) -> dict[str, str]:
+        """Start the daemon with `child` (pipeline.launcher.Child, which imports this module) and wait for its control
+        socket; the environment of its clients (this one's, with the pipe directory). RuntimeError, with its log, if
+        it does not come up."""
         private_dir(self.pipe)  # 0700, its owner named: a launcher killed with SIGKILL leaves it to remove_stale
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, PIPE: str(self.pipe), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
-        self.daemon = daemon = Child("mps", [CONTROL, "-f"], self.logs / "daemon.log", env=self.env)
+        self.daemon = daemon = child("mps", [CONTROL, "-f"], self.logs / "daemon.log", env=self.env)
         deadline = time.monotonic() + timeout
         while not (self.pipe / "control").exists():
             if daemon.proc.poll() is not None or time.monotonic() > deadline:
@@ -86,8 +83,6 @@ class Mps:
     def stop(self, grace: float = 30.0) -> None:
         """Tell the daemon `quit` (it ends its server; the clients are gone by now); stop it by its PID if it has not
         left within `grace` seconds. Then its pipe directory goes."""
-        from pipeline.launcher import stop_all
-
         daemon = self.daemon
         if daemon is not None:
             if daemon.proc.poll() is None:
@@ -99,6 +94,6 @@ class Mps:
                 if daemon.proc.poll() is None:
                     print(f"CUDA MPS: the control daemon (pid {daemon.pid}) did not quit within {grace:g} s; stopping "
                           "it by its PID", flush=True)
-            stop_all([daemon], grace=5.0)
+            daemon.stop(grace=5.0)
             self.daemon = None
         remove_dir(self.pipe)

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline import host
 from pipeline.config import load_config
+from pipeline.launcher import Child
 from pipeline.mps import PIPE, Mps, check_mps, under_mps
 from pipeline.validate import ConfigError
 from tests.conftest import running
@@ -34,7 +35,7 @@ def _control_log(run_dir) -> list[str]:
 def test_the_daemon_serves_the_run_and_is_told_to_quit_once_its_clients_are_gone(tmp_path, stub_path):
     run_dir = tmp_path / "run"
     mps = Mps(run_dir)
-    env = mps.start()
+    env = mps.start(Child)
     daemon = mps.daemon
     assert daemon is not None and running(daemon.pid)
     pipe = mps.pipe
@@ -55,7 +56,7 @@ def test_a_daemon_that_does_not_quit_is_stopped_by_its_pid(tmp_path, stub_path, 
     monkeypatch.setenv("MPS_STUB", "stuck")
     run_dir = tmp_path / "run"
     mps = Mps(run_dir)
-    mps.start()
+    mps.start(Child)
     daemon = mps.daemon
     assert daemon is not None
     mps.stop(grace=1.0)
@@ -71,7 +72,7 @@ def test_a_daemon_that_fails_at_start_is_a_clear_error_and_leaves_nothing(tmp_pa
     mps = Mps(tmp_path / "run")
     with pytest.raises(RuntimeError, match=r"run.mps: the CUDA MPS control daemon \(nvidia-cuda-mps-control -f\) "
                                            r"exited with 3(.|\n)*stub: failing at start"):
-        mps.start()
+        mps.start(Child)
     assert mps.daemon is None and not mps.pipe.exists()
 
 
@@ -124,8 +125,8 @@ def test_a_launcher_killed_with_sigkill_leaves_no_daemon_and_no_pipe_directory(t
     from tests.conftest import wait_for
 
     starter = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from pipeline.mps import Mps; "
-         "Mps(Path(sys.argv[1])).start(); time.sleep(600)", str(tmp_path / "run")],
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from pipeline.launcher import Child; "
+         "from pipeline.mps import Mps; Mps(Path(sys.argv[1])).start(Child); time.sleep(600)", str(tmp_path / "run")],
         stdout=subprocess.PIPE, text=True, cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         line = starter.stdout.readline() if starter.stdout else ""
