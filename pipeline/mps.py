@@ -88,12 +88,11 @@ class Mps:
             if daemon.proc.poll() is None:
                 with contextlib.suppress(OSError, subprocess.SubprocessError):
                     subprocess.run([CONTROL], input=b"quit\n", env=self.env, capture_output=True, timeout=10)
-                deadline = time.monotonic() + grace
-                while daemon.proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                if daemon.proc.poll() is None:
+                try:
+                    daemon.proc.wait(grace)
+                except subprocess.TimeoutExpired:
                     print(f"CUDA MPS: the control daemon (pid {daemon.pid}) did not quit within {grace:g} s; stopping "
                           "it by its PID", flush=True)
-            daemon.stop(grace=5.0)
+            daemon.stop(grace=5.0)  # its log closed, its guard gone; by its PID if it is still there
             self.daemon = None
         remove_dir(self.pipe)
