@@ -70,10 +70,12 @@
 #                with (1 GPU; about 8 min on a fresh machine, whose first run pays for the cold caches)
 #   two-engines  the smollm2 config colocated at k = $K (the config's 8 unless set), one engine on GPU 0 against two
 #                (run.generators 2 on GPU 0), in the order one, two, two, one, 60 steps each (1 GPU; about 8 min)
-#   mps          CUDA MPS under the smollm2 config as shipped but k = $K (1): the learner and two engines on GPU 0 with
-#                one MPS daemon of this part's (its pipe under /tmp/bench-mps, stopped by `quit` after each run) against
-#                without, in the order $RUNS (off on onb offb; `low` runs: MPS with the learner below normal priority),
-#                60 steps each (1 GPU; about 9 min for four)
+#   mps          CUDA MPS under the smollm2 config as shipped but k = $K (1) and completions of $MT tokens (256): the
+#                learner and two engines on GPU 0 with `run.mps=true` (`on` runs; `ext` and `low` runs: one MPS daemon
+#                of this part's, `low` with the learner below normal priority) against without (`off`), in the order
+#                $RUNS (off on onb offb), $STEPS (60) steps each (1 GPU; about 7 min for four)
+#   mps-two      two runs of the smollm2 config as shipped side by side on GPU 0, each with run.mps (two daemons on one
+#                GPU), then the pair without (1 GPU; about 6 min)
 #   k1-tail      the smollm2 config at k = $K (1) with 128-token completions (issue 52's) against its 256, then one
 #                engine alone decoding 128 and 256 sequences (bench.engine_host): the decode step's floor (1 GPU; 9 min)
 #   k1-early     the smollm2 config at k = $K (1) with 128-token completions (issue 52's), the proximal log-probs of a
@@ -129,7 +131,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps k1-tail k1-early engine-tail engine-ab k1-ab k1-engines split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps mps-two k1-tail k1-early engine-tail engine-ab k1-ab k1-engines split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -402,17 +404,18 @@ run_part() {
   mps)  # CUDA MPS under the learner and the config's two engines at k = $K (1), in the order $RUNS (off on onb offb),
     # completions of $MT tokens (the config's 256 without it): off* without MPS; on* with `run.mps=true` (the
     # launcher's daemon, pipeline/mps.py); ext* with one MPS daemon of the part's started here; low* with that and the
-    # learner's context below normal priority (bench/mps_low). 2026-12-03, MT=128, a daemon of the part's (ext):
-    # 86.5-106.9 steps/min, waiting 7.6-8.3 %, against off's 83.6-93.8 and 9.5-11.9 % (four pairs)
+    # learner's context below normal priority (bench/mps_low); $STEPS (60) steps a run. 2026-12-03, MT=128, a daemon of
+    # the part's (ext): 86.5-106.9 steps/min, waiting 7.6-8.3 %, against off's 83.6-93.8 and 9.5-11.9 % (four pairs);
+    # K=8 at 256 tokens (the config as shipped) with run.mps: 95.6 and 93.5 against 82.2 and 83.4 (two pairs)
     smollm2
     K=${K:-1}
     local pipe=/tmp/bench-mps/pipe first=250 run low
     mkdir -p "$pipe" /tmp/bench-mps/log
     for run in ${RUNS:-off on onb offb}; do
-      local knobs="trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}"
+      local knobs="trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}" label="${run}_k$K${MT:+_mt$MT}"
       [[ $run == on* ]] && knobs="$knobs;run.mps=true"
-      local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps 60 --skip 5 --timeout "$first"
-        --name "mps2_${run}_k$K${MT:+_mt$MT}" --wave "$run:0:0,0:$knobs")
+      local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "${STEPS:-60}" --skip 5
+        --timeout "$first" --name "mps2_$label" --wave "$label:0:0,0:$knobs")
       if [[ $run == off* || $run == on* ]]; then
         step "mps_$run" 270 "${Q[@]}"
       else
@@ -424,6 +427,17 @@ run_part() {
       fi
       first=130
     done
+    pack
+    ;;
+  mps-two)  # two runs of configs/gpu-smollm2-math.yaml as shipped side by side on GPU 0 (as the arith parts share a
+    # card), each with run.mps and so a daemon of its own on the one GPU; then the same pair without MPS. Does a second
+    # run's MPS server share the GPU with the first's, and what do two runs make under it? $STEPS (60) steps each
+    smollm2
+    local s=${STEPS:-60}
+    step mps_two_on 290 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "$s" --skip 5 \
+      --timeout 260 --name mps_two_on --wave "a_on:0:0,0:run.mps=true b_on:0:0,0:run.mps=true"
+    step mps_two_off 250 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "$s" --skip 5 \
+      --timeout 220 --name mps_two_off --wave "a_off:0:0,0 b_off:0:0,0"
     pack
     ;;
   k1-tail)  # k = 1's wait against the batch's tail: the config at k = $K (1) with issue 52's 128-token completions
