@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,16 @@ def under_mps() -> bool:
 
 
 def check_mps(cfg) -> None:
-    """run.mps on a machine where `pipeline run` cannot start its daemon, or where one serves the environment already:
-    refused at start, with the way on."""
+    """run.mps where it would not act (each GPU holds one of the run's processes), on a machine where `pipeline run`
+    cannot start its daemon, or where one serves the environment already: refused at start, with the way on."""
     if not cfg.run.mps:
         return
+    placed = [cfg.run.learner_gpus, *(cfg.run.gpus_of(i) for i in range(cfg.run.generators))]
+    if None not in placed and max(Counter(g for gpus in placed for g in str(gpus).split(",")).values()) == 1:
+        raise ConfigError(f"run.mps: true, but each GPU holds one of the run's processes (the learner on "
+                          f"{cfg.run.learner_gpus!r}, its generators on {placed[1:]}): MPS lets processes that share a "
+                          "GPU run their kernels at once, and here none share one. Set run.mps false, or put a "
+                          "generator on the learner's GPU (run.generator_gpus)")
     if os.environ.get(PIPE):
         raise ConfigError(f"run.mps: true, but {PIPE}={os.environ[PIPE]} is set: an MPS daemon of yours serves this "
                           "environment already, and the run's processes are its clients. Set run.mps false, or unset "

@@ -65,7 +65,7 @@ def prepare(args) -> tuple[Config, Path | None]:
         if args.command == "run":
             from pipeline.mps import check_mps
 
-            check_mps(cfg)  # run.mps where its daemon cannot start: refused now, not once the learner is up
+            check_mps(cfg)  # run.mps where it would not act or cannot start: refused now, not once the learner is up
         if not env_flag("RANK"):  # more ranks than GPUs given is refused here, not in torch.cuda.set_device
             gpus = args.gpus or (cfg.run.learner_gpus if args.command == "run" else None)
             world_size(cfg.trainer.ranks, None if gpus is None else str(gpus))  # a str (RunConfig.__post_init__)

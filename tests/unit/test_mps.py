@@ -5,6 +5,7 @@ tests/gpu/test_gpu_mps.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,24 @@ def test_run_mps_is_refused_at_start_where_its_daemon_cannot_start(tmp_path, mon
         check_mps(cfg)
     assert under_mps()
     check_mps(load_config(None, []))  # run.mps false: nothing is asked of the machine
+
+
+@pytest.mark.parametrize("learner, generators, refused", [
+    ("0", ["1"], True), ("0,1", ["2", "3"], True), ("0", ["1", "2,3"], True),  # a GPU each: MPS would change nothing
+    ("0", ["0"], False), ("0", ["1", "1"], False), ("0,1", ["1"], False),  # a GPU shared: its kernels run together
+])
+def test_run_mps_where_no_gpu_is_shared_is_refused_as_a_knob_that_would_not_act(learner, generators, refused,
+                                                                                tmp_path, monkeypatch):
+    monkeypatch.delenv(PIPE, raising=False)
+    monkeypatch.setenv("PATH", f"{stub_control(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    cfg = load_config(None, ["run.mps=true", "generator.gpu_memory_utilization=0.3", f"run.learner_gpus='{learner}'",
+                             f"run.generators={len(generators)}", f"run.generator_gpus={json.dumps(generators)}"])
+    if refused:
+        with pytest.raises(ConfigError, match=rf"run.mps: true, but each GPU holds one of the run's processes \(the "
+                                              rf"learner on '{learner}'.*Set run.mps false, or put a generator"):
+            check_mps(cfg)
+    else:
+        check_mps(cfg)
 
 
 def test_pipeline_run_refuses_run_mps_without_the_daemon_before_it_starts_anything(tmp_path, monkeypatch, capsys):
