@@ -432,12 +432,14 @@ run_part() {
   mps-two)  # two runs of configs/gpu-smollm2-math.yaml as shipped side by side on GPU 0 (as the arith parts share a
     # card), each with run.mps and so a daemon of its own on the one GPU; then the same pair without MPS. Does a second
     # run's MPS server share the GPU with the first's, and what do two runs make under it? $STEPS (60) steps each
+    # (generator.gpu_memory_utilization 0.15: vLLM checks each engine's share against the memory free at its start,
+    # and four engines of 0.25 would not pass; the KV caches stay the config's 13 GB)
     smollm2
-    local s=${STEPS:-60}
+    local s=${STEPS:-60} m="generator.gpu_memory_utilization=0.15"
     step mps_two_on 290 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "$s" --skip 5 \
-      --timeout 260 --name mps_two_on --wave "a_on:0:0,0:run.mps=true b_on:0:0,0:run.mps=true"
+      --timeout 260 --name mps_two_on --wave "a_on:0:0,0:run.mps=true;$m b_on:0:0,0:run.mps=true;$m"
     step mps_two_off 250 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "$s" --skip 5 \
-      --timeout 220 --name mps_two_off --wave "a_off:0:0,0 b_off:0:0,0"
+      --timeout 220 --name mps_two_off --wave "a_off:0:0,0:$m b_off:0:0,0:$m"
     pack
     ;;
   k1-tail)  # k = 1's wait against the batch's tail: the config at k = $K (1) with issue 52's 128-token completions
