@@ -417,11 +417,11 @@ run_part() {
       local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "${STEPS:-60}" --skip 5
         --timeout "$first" --name "mps2_$label" --wave "$label:0:0,0:$knobs")
       if [[ $run == off* || $run == on* ]]; then
-        step "mps_$run" 270 "${Q[@]}"
+        step "mps_$label" 270 "${Q[@]}"
       else
         low=; [[ $run == low* ]] && low=$PWD/bench/mps_low:
         CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=/tmp/bench-mps/log nvidia-cuda-mps-control -d
-        step "mps_$run" 270 env CUDA_MPS_PIPE_DIRECTORY="$pipe" PYTHONPATH="$low$PYTHONPATH" "${Q[@]}"
+        step "mps_$label" 270 env CUDA_MPS_PIPE_DIRECTORY="$pipe" PYTHONPATH="$low$PYTHONPATH" "${Q[@]}"
         echo quit | CUDA_MPS_PIPE_DIRECTORY=$pipe nvidia-cuda-mps-control
         sleep 2  # the daemon and its server gone before the next run
       fi
