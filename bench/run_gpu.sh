@@ -406,13 +406,15 @@ run_part() {
     # launcher's daemon, pipeline/mps.py); ext* with one MPS daemon of the part's started here; low* with that and the
     # learner's context below normal priority (bench/mps_low); $STEPS (60) steps a run. 2026-12-03, MT=128, a daemon of
     # the part's (ext): 86.5-106.9 steps/min, waiting 7.6-8.3 %, against off's 83.6-93.8 and 9.5-11.9 % (four pairs);
-    # K=8 at 256 tokens (the config as shipped) with run.mps: 95.6 and 93.5 against 82.2 and 83.4 (two pairs)
+    # K=8 at 256 tokens (the config as shipped) with run.mps: 95.6 and 93.5 against 82.2 and 83.4 (two pairs), on
+    # another machine 89.1 against 88.3, and with STEPS=150 150.9 and 145.5 against 159.4. TAG names a machine's
+    # results apart from another's of the same runs (bench/results keeps both)
     smollm2
     K=${K:-1}
     local pipe=/tmp/bench-mps/pipe first=250 run low
     mkdir -p "$pipe" /tmp/bench-mps/log
     for run in ${RUNS:-off on onb offb}; do
-      local knobs="trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}" label="${run}_k$K${MT:+_mt$MT}"
+      local knobs="trainer.max_staleness=$K${MT:+;sampling.max_tokens=$MT}" label="${run}_k$K${MT:+_mt$MT}${STEPS:+_s$STEPS}${TAG:+_$TAG}"
       [[ $run == on* ]] && knobs="$knobs;run.mps=true"
       local Q=(python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "${STEPS:-60}" --skip 5
         --timeout "$first" --name "mps2_$label" --wave "$label:0:0,0:$knobs")
@@ -433,7 +435,8 @@ run_part() {
     # card), each with run.mps and so a daemon of its own on the one GPU; then the same pair without MPS. Does a second
     # run's MPS server share the GPU with the first's, and what do two runs make under it? $STEPS (60) steps each
     # (generator.gpu_memory_utilization 0.15: vLLM checks each engine's share against the memory free at its start,
-    # and four engines of 0.25 would not pass; the KV caches stay the config's 13 GB)
+    # and four engines of 0.25 would not pass; the KV caches stay the config's 13 GB). 2026-12-03: two daemons, two
+    # servers on the one GPU; 83.0 + 82.1 steps/min with MPS, 70.6 + 78.1 without
     smollm2
     local s=${STEPS:-60} m="generator.gpu_memory_utilization=0.15"
     step mps_two_on 290 python3 -m bench.busy --config configs/gpu-smollm2-math.yaml --steps "$s" --skip 5 \

@@ -478,10 +478,11 @@ class RunConfig:
     mps: bool = False
     """`pipeline run`: start a CUDA MPS control daemon of the run's (NVIDIA's `nvidia-cuda-mps-control`,
     pipeline/mps.py) with the learner and the generators as its clients: the kernels of engines on the learner's GPU
-    run beside training's instead of taking turns with them. At k = 1 with two engines beside the learner, seven pairs
-    on three H200s: 8 % more steps/min on average and the learner's wait lower in each; configs/gpu-smollm2-math.yaml
-    as shipped (k = 8, the learner the bound): 14 % more over two pairs (docs/figures.md, "CUDA MPS under `pipeline
-    run`" and the section after it). Refused at start where no GPU holds two of the run's processes (there it would
+    run beside training's instead of taking turns with them. At k = 1 with two engines beside the learner, ten pairs
+    on four H200s: 7 % more steps/min on average and the learner's wait lower in eight; configs/gpu-smollm2-math.yaml
+    as shipped (k = 8, the learner the bound): +14 % over two pairs on one machine, +1 % and over 150 steps -5 to -9 %
+    on another; two runs to a card, each with its daemon: +11 % together (docs/figures.md, "CUDA MPS under `pipeline
+    run`" and the two sections after it). Refused at start where no GPU holds two of the run's processes (there it would
     change nothing). Services started apart join a daemon of yours by CUDA_MPS_PIPE_DIRECTORY instead."""
     log_level: str = "INFO"
     """Python logging level."""
