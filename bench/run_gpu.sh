@@ -523,9 +523,10 @@ run_part() {
     ;;
   gpubound-ranks)  # 2026-11-29: k = 2 9.65, k = 3 7.36 steps/min (the engines, sharing their GPUs, the bound at k = 3)
     shape15b
-    # ONE=1: the one-GPU run at k = 2 first, for a ratio within the call (a call holds it and one k: KS=3)
+    # ONE=1: the one-GPU run at k = 2 first, for a ratio within the call (a call holds it and one k: KS=3); ONE_EXTRA:
+    # more KEY=VALUE;... for it alone (ONE_EXTRA="run.mps=true" beside EXTRA="run.mps=true": CUDA MPS on both sides)
     if [ "${ONE:-0}" = 1 ]; then
-      local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=2"
+      local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=2${ONE_EXTRA:+;$ONE_EXTRA}"
       step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
         --timeout 235 --name "gpubound_one_k2_rankscall${TAG:+_$TAG}" \
         --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
