@@ -1,7 +1,8 @@
-"""GPU, one device: `pipeline run` of the shipped smollm2 config with run.mps (pipeline/mps.py). NVIDIA's MPS control
+"""GPU: `pipeline run` of the shipped smollm2 config with run.mps (pipeline/mps.py). NVIDIA's MPS control
 daemon starts with the run, the learner and both engines are clients of its server (nvidia-smi lists the server on
 the GPU while the run goes on), every record says `mps`, and once the run ends no MPS process and no pipe directory is
-left."""
+left. On two GPUs, two learner ranks each beside an engine (issue 54's second setup) under one daemon whose server
+holds both (not run yet: written when only one GPU was lent)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,29 @@ def test_a_run_killed_with_sigkill_leaves_no_mps_process(procs, tmp_path):
     wait_for(lambda: not _mps_processes(), 120, "no MPS process left")
     pipe = Path(tempfile.gettempdir()) / f"pipeline-mps-{run.pid}"
     wait_for(lambda: not pipe.exists(), 60, "the pipe directory gone")
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (a learner rank and an engine on each)")
+def test_two_learner_ranks_each_beside_an_engine_are_clients_of_one_daemon_on_both_gpus(procs, tmp_path):
+    """Issue 54's second setup under run.mps: two nccl learner ranks, each with an engine on its GPU, all clients of
+    the run's one daemon, whose server holds both GPUs; the ranks' all-reduce and the versions go on as without it."""
+    assert not _mps_processes(), "an MPS daemon runs already: this test needs the machine's GPUs to itself"
+    run_dir = tmp_path / "run"
+    run = procs(["run", "-c", str(REPO / "configs/gpu-smollm2-math.yaml"), "--run-dir", str(run_dir),
+                 "--set", "run.mps=true", "--set", "run.learner_gpus='0,1'", "--set", 'run.generator_gpus=["0", "1"]',
+                 "--set", f"trainer.total_steps={STEPS}", "--set", "trainer.max_staleness=2",
+                 "--set", "sampling.max_tokens=128", "--set", "eval.every=0"], tmp_path / "run.log")
+    wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 3 if (run_dir / "metrics.jsonl").exists()
+             else False, 500, "three steps", [run])
+    smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60).stdout
+    assert run.wait(500) == 0, run.tail()
+    print(smi)
+    served = {int(m[1]) for m in re.finditer(r"^\|\s+(\d+)\s+.*nvidia-cuda-mps-server", smi, re.M)}
+    assert served == {0, 1}, smi  # one server, listed on each GPU it holds for its clients
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["mps"] is True for r in records)
+    assert all(math.isfinite(r["reward/mean"]) for r in records)
+    assert records[-1]["generators"] == 2 and records[-1]["generators_on_learner_gpus"] == 2
+    assert not _mps_processes(), "left running"
+    assert not list(Path(tempfile.gettempdir()).glob(f"pipeline-mps-{run.pid}")), "pipe directory left"
