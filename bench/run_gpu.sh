@@ -4,7 +4,8 @@
 #   bash bench/run_gpu.sh [--site DIR] PART
 #
 #   tests        the GPU tests but the setups' below (2 GPUs; the tensor-parallel joiner and the ZeRO-3 learner on
-#                GPUs 0-2 need 4)
+#                GPUs 0-2 need 4). bitsandbytes, a dependency of the project's, is not in the GPU kit: carry its wheel
+#                (.whl/bnb) and install it into the kit's site first, or the QLoRA tests fail at start, naming it
 #   weight-sync  weight_sync over nccl with the 0.5B and 1.5B shapes, over shm and zmq with 0.5B (2 GPUs)
 #   generator    generator_overhead (ours vs bare vLLM, CUDA graphs), engine_host (one engine's CPU and GPU, with
 #                and without log-probs) and join_latency (2 GPUs)
