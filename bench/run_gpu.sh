@@ -100,6 +100,12 @@
 #   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml
 #                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min); ONE=1: the one-GPU
 #                run first, in the same call (then one k: KS=3, about 9 min)
+#   rank-share   issue 54 setup 2 on one GPU: one rank's share of configs/colocated-2gpu.yaml (half the batch, 16 groups,
+#                its engine beside it, k = $K (3)), without CUDA MPS (`off` runs) and with run.mps (`on` runs), in the
+#                order $RUNS (off on); ONE=1: the one-GPU run of gpubound-ranks first (the ratio's denominator;
+#                ONE_EXTRA as there). Steps/min of one rank's share over one GPU's is the two ranks' ratio less
+#                what the ranks pay each other (the gradients' all-reduce, the weights' broadcast to GPU 1's engine)
+#                (1 GPU; about 3 min a run, 4 for the one-GPU run)
 #   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
 #                service held to 40 GB) (2 GPUs; bitsandbytes; up to 9 min)
 #   setups-2gpu-trl  then, on the same machine, TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
@@ -132,7 +138,7 @@ SITE=${BENCH_SITE:-}
 if [ "${1:-}" = --site ]; then SITE=${2:?--site needs a directory}; shift 2; fi
 PARTS="tests weight-sync generator speedup scaling 7b colocated hostile delta learning learning-0.5b learner vs-trl"
 PARTS="$PARTS arith-lr learning-arith arith-grid arith-alone vs-trl-arith busy grow grow-1.5b gens13 vs-trl-server"
-PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps mps-two k1-tail k1-early engine-tail engine-ab k1-ab k1-engines split-k1 gpubound-2gpu gpubound-ranks setups-2gpu setups-2gpu-trl"
+PARTS="$PARTS vs-trl-async agent rg-arith-easy quickstart compile compile-k1 compile-test last-chance two-engines mps mps-two k1-tail k1-early engine-tail engine-ab k1-ab k1-engines split-k1 gpubound-2gpu gpubound-ranks rank-share setups-2gpu setups-2gpu-trl"
 PARTS="$PARTS qlora-smollm2 qlora-compile setups-4gpu setups-4gpu-lora"
 PART=${1:-}
 if [[ -z $PART || " $PARTS all " != *" $PART "* ]]; then
@@ -539,6 +545,28 @@ run_part() {
       step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
         --skip 2 --timeout 235 --name "gpubound_two_k$k${TAG:+_$TAG}" \
         --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k;trainer.gradient_checkpointing=false${EXTRA:+;$EXTRA}"
+      pack
+    done
+    grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
+    ;;
+  rank-share)  # what one GPU of setup 2 does: its rank trains half the batch while its engine generates beside it
+    shape15b
+    if [ "${ONE:-0}" = 1 ]; then
+      local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=2${ONE_EXTRA:+;$ONE_EXTRA}"
+      step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
+        --timeout 235 --name "gpubound_one_k2_sharecall${TAG:+_$TAG}" \
+        --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
+      pack
+    fi
+    local run mps
+    for run in ${RUNS:-off on}; do
+      mps=""
+      if [[ $run == on* ]]; then mps=";run.mps=true"; fi
+      # the two ranks' run (gpubound-ranks) on one GPU with half its batch: the config's engine share, sequences
+      # and micro-batch; no gradient checkpointing (on H200s); EXTRA: more KEY=VALUE;..., named by TAG
+      step "rank_share_$run" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
+        --skip 2 --timeout 235 --name "rank_share_k${K:-3}_$run${TAG:+_$TAG}" \
+        --wave "share:0:0:trainer.batch_size=16;trainer.compile=true;trainer.max_staleness=${K:-3};trainer.gradient_checkpointing=false$mps${EXTRA:+;$EXTRA}"
       pack
     done
     grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
