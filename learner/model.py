@@ -43,6 +43,23 @@ def init_distributed(timeout_s: float = TrainerConfig.rank_timeout_s) -> tuple[i
     return dist.get_rank(), dist.get_world_size()
 
 
+def control_group(world: int, timeout_s: float = TrainerConfig.rank_timeout_s) -> Any:
+    """The ranks' group for rank 0's messages (learner/service.py `_from_rank0`: each batch, the news of the groups
+    buffered, "still waiting" every KEEPALIVE_S): gloo, on the CPU, whatever the ranks train with. A rank that waits
+    for rank 0 waits in a socket read. Over nccl it waited in a kernel that spins on its GPU until rank 0 sends (for
+    as long as rank 0 waits for rollouts), and an engine beside it on that GPU (one engine per learner GPU,
+    configs/colocated-2gpu.yaml) had the GPU in turns with that kernel. NCCL's maintainers advise the same for a
+    kernel that would spin: meet on the CPU first (NVIDIA/nccl#1025). None with one rank. Every rank calls it once,
+    right after init_distributed: making a group is a collective."""
+    if world == 1:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def leave_distributed() -> None:
     """A rank that finished ends its process group itself, before the interpreter does: left to the interpreter's
     exit, gloo's threads once aborted a finished rank ("terminate called without an active exception", SIGABRT, in a

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import torch
@@ -36,7 +37,7 @@ from hub.hub import DatasetExhausted, Hub
 from hub.trainer import TrainerHub
 from learner import checkpoint
 from learner.early import POLL_S, early_proximal
-from learner.model import Extras, build_engine, init_distributed, leave_distributed
+from learner.model import Extras, build_engine, control_group, init_distributed, leave_distributed
 from learner.publisher import WeightPublisher
 from learner.ranks import Roster
 from learner.signal import Signal
@@ -99,7 +100,8 @@ def stop_on_signals() -> None:
 class Place:
     """This rank among the learner's ranks, and what it closes however the run ends: rank 0's hub once started
     (`hub`, set by `Learner.build`), the roster of ranks (several ranks: it tells a lost rank from a failed
-    collective), the timeline (`--profile`)."""
+    collective), the timeline (`--profile`). `control`: the ranks' CPU group for rank 0's messages
+    (learner/model.py `control_group`)."""
 
     rank: int
     world: int
@@ -108,6 +110,7 @@ class Place:
     profile: bool = False
     roster: Roster | None = None
     hub: Hub | None = None
+    control: Any = None
 
     @classmethod
     def join(cls, cfg: Config, run_dir: Path, profile: bool) -> Place:
@@ -115,6 +118,7 @@ class Place:
         if profile:
             trace.start(trace.trace_dir(run_dir), f"learner-rank{rank}")
         place = cls(rank, world, f"{run_dir.name}-{secrets.token_hex(3)}", run_dir, profile)
+        place.control = control_group(world, cfg.trainer.rank_timeout_s)
         if world > 1:
             place.roster = Roster(rank, world)
             end_if_stuck(place.run_id)
@@ -220,9 +224,10 @@ class Learner:
 
     def __init__(self, cfg: Config, engine, extras: Extras, *, hub: TrainerHub | None, publisher: WeightPublisher,
                  metrics: MetricsWriter | None, run_dir: Path, rank: int = 0, world: int = 1, pad_id: int = 0,
-                 what: dict | None = None, version: int = 0, tokenizer=None):
+                 what: dict | None = None, version: int = 0, tokenizer=None, control: Any = None):
         self.cfg, self.engine, self.extras, self.hub, self.publisher = cfg, engine, extras, hub, publisher
         self.metrics, self.run_dir, self.rank, self.world = metrics, run_dir, rank, world
+        self.control = control  # the ranks' CPU group for rank 0's messages (Place.control)
         self.pad_id, self.what, self.version, self.tokenizer = pad_id, what, version, tokenizer
         seen = hub.step_stats() if hub is not None else None
         self.times = StepTimes(seen)
@@ -270,7 +275,8 @@ class Learner:
                          time.perf_counter() - began)
         metrics = MetricsWriter(run_dir, cfg.run.tensorboard, cfg.run.wandb_project) if rank == 0 else None
         return cls(cfg, engine, extras, hub=hub, publisher=publisher, metrics=metrics, run_dir=run_dir, rank=rank,
-                   world=place.world, pad_id=pad_id, what=what, version=version, tokenizer=tokenizer)
+                   world=place.world, pad_id=pad_id, what=what, version=version, tokenizer=tokenizer,
+                   control=place.control)
 
     def run(self) -> int:
         """Train from the version built at; then the final checkpoint, the last weights sent and the final model
@@ -310,7 +316,7 @@ class Learner:
         idle = (lambda: self.ahead(step)) if self.early is not None else None
         with self.times.phase("wait"):
             groups, drop_stats, knobs, end = next_batch(self.hub, step, self.cfg, self.rank, self.world,
-                                                        self.engine.device, idle)
+                                                        self.control, idle)
         if end:
             log.warning("%s", end)
             return None
@@ -350,7 +356,7 @@ class Learner:
             budget = self.early_budget[1]
             new, quiet = self.early.news(self.hub.ahead(step), step) if self.hub is not None else ([], False)
             if self.world > 1:
-                new, quiet = share_news(new, quiet, self.rank, self.engine.device)
+                new, quiet = share_news(new, quiet, self.rank, self.control)
             return self.early.take(new, quiet, step, budget)
 
     def record(self, hub: TrainerHub, step: int, stats: dict, knobs: dict, groups: list, sync_ms: float) -> None:
@@ -388,13 +394,15 @@ class Learner:
                         self.cfg.trainer.keep_checkpoints, self.what)
 
 
-def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int, device,
+def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world: int, group: Any,
                idle: Callable[[], bool] | None = None) -> tuple[list | None, dict, dict, str]:
     """Rank 0's next batch, on every rank: (groups, counts of the groups gone stale and the wait for those about to,
     knobs, why the run ends). While
     rank 0 waits for rollouts it tells the others every KEEPALIVE_S, so that no rank waits in a collective longer
-    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone. `idle`: work every rank
-    does while the batch is not complete, a little at a time (True: it did some), between rank 0's looks at the hub."""
+    than a step takes: a collective that waits trainer.rank_timeout_s means a rank is gone. `group`: the ranks' CPU
+    group (learner/model.py `control_group`), so that the others wait on the CPU, not on their GPUs. `idle`: work
+    every rank does while the batch is not complete, a little at a time (True: it did some), between rank 0's looks
+    at the hub."""
     # dropped by the hub, stopped by their generators; how long the batch waited for groups whose last chance it was
     counts = {"staleness/dropped": 0, "staleness/stopped": 0, "staleness/last_chance_wait_s": 0.0}
     wait = 0.0 if idle is not None else KEEPALIVE_S if world > 1 else None
@@ -402,7 +410,7 @@ def next_batch(hub: TrainerHub | None, step: int, cfg: Config, rank: int, world:
         groups, stats, knobs, end = _take(hub, step, wait) if rank == 0 else (None, {}, {}, "")
         for key in counts:
             counts[key] += stats.get(key, 0)
-        groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, device)
+        groups, knobs, end = broadcast_batch(groups, knobs, cfg, end, rank, world, group)
         if groups is not None or end:
             return groups, counts, knobs, end
         if idle is not None:
@@ -431,15 +439,15 @@ def _skipped(hub: TrainerHub | None, step: int, stats: dict, n_groups: int, in_a
                         f"the weights of version {step} were kept. Check trainer.lr, the rewards and the data")
 
 
-def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world: int, device) -> tuple[list | None,
-                                                                                                       dict, str]:
+def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world: int, group: Any) -> tuple[
+        list | None, dict, str]:
     """Send rank 0's batch to every rank, encoded with the wire codec (no pickle), with the run-time knobs it was
     built under (`pipeline set` reaches rank 0's hub, which read them once for the batch: every rank trains the step
     with that one snapshot) and why the run ends, if it does. `groups` None: no batch yet, rank 0 waits on."""
     if world == 1:
         return groups, knobs, end
     body = _from_rank0({"groups": None if groups is None else [P.encode(g) for g in groups], "knobs": knobs,
-                        "end": end} if rank == 0 else None, rank, device)
+                        "end": end} if rank == 0 else None, rank, group)
     if rank == 0:
         return groups, knobs, end
     for key, value in body["knobs"].items():  # kept in this rank's config too (its checkpoints, its log)
@@ -452,26 +460,27 @@ def broadcast_batch(groups, knobs: dict, cfg: Config, end: str, rank: int, world
     return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["knobs"], body["end"]
 
 
-def share_news(new: list[P.RolloutGroup], quiet: bool, rank: int, device) -> tuple[list, bool]:
+def share_news(new: list[P.RolloutGroup], quiet: bool, rank: int, group: Any) -> tuple[list, bool]:
     """Rank 0's news of the groups it will take first (learner/early.py `EarlyProximal.news`), on every rank, encoded
     with the wire codec."""
-    body = _from_rank0({"groups": [P.encode(g) for g in new], "quiet": quiet} if rank == 0 else None, rank, device)
+    body = _from_rank0({"groups": [P.encode(g) for g in new], "quiet": quiet} if rank == 0 else None, rank, group)
     if rank == 0:
         return new, quiet
     return [P.decode(b, limits=P.FROM_HUB)[0] for b in body["groups"]], body["quiet"]
 
 
-def _from_rank0(body: dict | None, rank: int, device) -> dict:
-    """Rank 0's `body` (msgpack) on every rank: two broadcasts, its size and its bytes."""
+def _from_rank0(body: dict | None, rank: int, group: Any) -> dict:
+    """Rank 0's `body` (msgpack) on every rank: two broadcasts over `group` (gloo: CPU tensors), its size and its
+    bytes."""
     import torch.distributed as dist
 
     data = msgpack.packb(body) if rank == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.long, device=device)
-    dist.broadcast(size, 0)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
-           else torch.empty(int(size), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, 0)
-    return body if rank == 0 and body is not None else msgpack.unpackb(buf.cpu().numpy().tobytes())
+    size = torch.tensor([len(data)], dtype=torch.long)
+    dist.broadcast(size, 0, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0
+           else torch.empty(int(size), dtype=torch.uint8))
+    dist.broadcast(buf, 0, group=group)
+    return body if rank == 0 and body is not None else msgpack.unpackb(buf.numpy().tobytes())
 
 
 def reapply_changes(cfg: Config, run_dir: Path) -> None:

@@ -35,19 +35,20 @@ def groups(n: int):
 def main(out: str, specs: dict) -> None:
     import torch.distributed as dist
 
-    from learner.model import init_distributed
+    from learner.model import control_group, init_distributed
     from pipeline.tinymodel import resolve_model_path
 
     resolve_model_path("builtin:tiny")  # before the process group, as the learner does: transformers writes a
     # model on rank 0 of a group only, so a rank that built it first inside one would fail
     rank, world = init_distributed()
+    control = control_group(world)
     for name, spec in specs.items():
         Path(out, name).mkdir(parents=True, exist_ok=True)
-        run(f"{out}/{name}/rank{rank}.pt", spec, rank, world)
+        run(f"{out}/{name}/rank{rank}.pt", spec, rank, world, control)
         dist.barrier()
 
 
-def run(path: str, spec: dict, rank: int, world: int) -> None:
+def run(path: str, spec: dict, rank: int, world: int, control) -> None:
     from learner.model import build_engine, gathered_weights
     from learner.service import broadcast_batch
     from learner.step import train_step
@@ -62,7 +63,7 @@ def run(path: str, spec: dict, rank: int, world: int) -> None:
         batch, knobs = (groups(8), runtime_values(cfg)) if rank == 0 else (None, {})
         if rank == 0 and "live_lr" in spec:
             cfg.trainer.lr = spec["live_lr"]
-        batch, knobs, _ = broadcast_batch(batch, knobs, cfg, "", rank, world, engine.device)
+        batch, knobs, _ = broadcast_batch(batch, knobs, cfg, "", rank, world, control)
         stats.append(train_step(engine, extras, batch, cfg, step, PAD_ID, knobs))
     weights = {name: t.detach().clone() for name, t in gathered_weights(engine, cfg.trainer.zero_stage)}
     torch.save({"weights": weights, "stats": stats}, path)
