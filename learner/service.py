@@ -8,7 +8,8 @@
         hub.finish_step(step + 1)              # its groups are trained: admission moves on
         metrics, checkpoint (every rank: ZeRO's save is collective)
 Rank 0 runs the hub (its own thread) and broadcasts each batch, with the run-time knobs (`pipeline set`),
-to the other ranks. The run ends after total_steps, or early when the dataset is exhausted (trainer.epochs).
+to the other ranks, over the ranks' gloo group on the CPU (learner/model.py `control_group`). The run ends after
+total_steps, or early when the dataset is exhausted (trainer.epochs).
 SIGTERM ends it like Ctrl-C: the hub stops and the shared-memory files are removed.
 """
 
