@@ -27,6 +27,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out) -> None:
     dist.init_process_group("gloo")
     group = control_group(2, 120)
     rng = np.random.default_rng(0)
+
     def sample() -> P.Sample:  # a completion of TOKENS tokens with their sampled log-probs
         tokens, logprobs = rng.integers(0, 150_000, args.tokens).tolist(), (rng.random(args.tokens) - 2).tolist()
         return P.Sample(P.pack_ints(tokens), P.pack_floats(logprobs), 1.0, [1.0], "length", 0, 0)

@@ -62,7 +62,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     broadcast = dist.broadcast
 
     def recorded(tensor, src, group=None, **kw):
-        sent.append([group is not None and group is place.control, tensor.device.type])
+        sent.append([group is place.control, tensor.device.type])  # a gloo group, never None here
         return broadcast(tensor, src, group=group, **kw)
 
     dist.broadcast = recorded
