@@ -189,8 +189,9 @@ shape15b() {  # the 1.5B shape built once per machine before the runs that time 
 gpubound_one() {  # gpubound_one CALL: the 1.5B shape's learner and engine on GPU 0 at k = $K_ONE (2), the denominator
   # of the two-GPU ratios (ONE=1 in gpubound-ranks and rank-share); ONE_EXTRA: more KEY=VALUE;... for it alone
   local one="trainer.compile=true;trainer.micro_batch_tokens=16384;trainer.max_staleness=${K_ONE:-2}${ONE_EXTRA:+;$ONE_EXTRA}"
+  local name="gpubound_one_k${K_ONE:-2}_$1${TAG:+_$TAG}"
   step gpubound_one 250 python3 -m bench.busy --config configs/gpu-qwen-math.yaml --shape 1.5b --steps 12 --skip 2 \
-    --timeout 235 --name "gpubound_one_k${K_ONE:-2}_$1${TAG:+_$TAG}" \
+    --timeout 235 --name "$name" --out "/tmp/bench-runs/busy/$name" \
     --wave "one:0:0:$one;generator.gpu_memory_utilization=0.3"
   pack
 }
@@ -545,27 +546,29 @@ run_part() {
     for k in ${KS:-2 3}; do
       # EXTRA: more KEY=VALUE;... for both ranks' run (e.g. EXTRA="generator.max_num_seqs=256"), named by TAG
       step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
-        --skip 2 --timeout 235 --name "gpubound_two_k$k${TAG:+_$TAG}" \
+        --skip 2 --timeout 235 --name "gpubound_two_k$k${TAG:+_$TAG}" --out "/tmp/bench-runs/busy/gpubound_two_k$k" \
         --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k;trainer.gradient_checkpointing=false${EXTRA:+;$EXTRA}"
       pack
     done
-    grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
+    grep -h "bound:" /tmp/bench-runs/busy/*/*.log | cut -c1-300
     ;;
   rank-share)  # what one GPU of setup 2 does: its rank trains half the batch while its engine generates beside it
     shape15b
     if [ "${ONE:-0}" = 1 ]; then gpubound_one sharecall; fi
-    local run mps
+    local run mps name
     for run in ${RUNS:-off on}; do
       mps=""
       if [[ $run == on* ]]; then mps=";run.mps=true"; fi
       # the two ranks' run (gpubound-ranks) on one GPU with half its batch: the config's engine share, sequences
-      # and micro-batch; no gradient checkpointing (on H200s); EXTRA: more KEY=VALUE;..., named by TAG
+      # and micro-batch; no gradient checkpointing (on H200s); EXTRA: more KEY=VALUE;..., named by TAG; each run's
+      # records under a directory of its name (the part's archive keeps every run's trace)
+      name="rank_share_k${K:-3}_$run${TAG:+_$TAG}"
       step "rank_share_$run" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
-        --skip 2 --timeout 235 --name "rank_share_k${K:-3}_$run${TAG:+_$TAG}" \
+        --skip 2 --timeout 235 --name "$name" --out "/tmp/bench-runs/busy/$name" \
         --wave "share:0:0:trainer.batch_size=16;trainer.compile=true;trainer.max_staleness=${K:-3};trainer.gradient_checkpointing=false$mps${EXTRA:+;$EXTRA}"
       pack
     done
-    grep -h "bound:" /tmp/bench-runs/busy/*.log | cut -c1-300
+    grep -h "bound:" /tmp/bench-runs/busy/*/*.log | cut -c1-300
     ;;
   setups-2gpu)  # the 7B shape is built by the test, into /tmp/bench-models/q-7b; setups-2gpu-trl reuses it
     step gpu_qlora_split 560 python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider --basetemp /tmp/bench-runs/qlora-split \

@@ -4,9 +4,12 @@
     python -m bench.timeline RUN_DIR --plot FIRST LAST OUT.png      (a picture of steps FIRST..LAST)
     python -m bench.timeline RUN_DIR --waits [--least 0.05]          (what each step that waited waited for)
 
-Steps before --skip are left out of the rates (start-up, first compilations). It prints one JSON object:
+Steps before --skip are left out of the rates (start-up, first compilations), and so are the run's last steps that
+ended after the engines' last group did (the tail: batches generated ahead, trained with nothing generating beside
+them). It prints one JSON object:
     learner    steps/min, median step, train and wait; the share of step time spent waiting; the longest step after
-               the skipped ones against the median; launch to the first training step (with --launched)
+               the skipped ones against the median; the tail's steps left out; launch to the first training step
+               (with --launched)
     startup    the start's phases in order, seconds from launch (from the first event without --launched) and long:
                the learner's (tokenizer, build engine, start the hub, publish the first version), each engine's
                (import vllm, held until the hub is up, build engine), then the first batch's first generate, the
@@ -86,7 +89,8 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     events = trace.read(Path(run_dir) / "trace.json")
     spans = _rank0(events)
     steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
-    steady = [e for e in steps if e["args"]["step"] >= skip] or steps
+    after_skip = [e for e in steps if e["args"]["step"] >= skip] or steps
+    steady = _while_generating(after_skip, [e for e in spans if e["name"] == "generate"])
     t0, t1 = steady[0]["ts"], steady[-1]["ts"] + steady[-1]["dur"]
     inside = [e for e in spans if t0 <= e["ts"] < t1]
 
@@ -98,7 +102,8 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     wait = [s for _, s in learner_waits(inside)]
     first_train = min((e["ts"] / 1e6 for e in spans if e["track"] == "learner" and e["name"] == "train"), default=None)
     out: dict[str, Any] = {"learner": {
-        "steps": len(steps), "steady_steps": len(steady), "steps_per_min": 60 * len(steady) / ((t1 - t0) / 1e6),
+        "steps": len(steps), "steady_steps": len(steady), "tail_steps": len(after_skip) - len(steady),
+        "steps_per_min": 60 * len(steady) / ((t1 - t0) / 1e6),
         "median_step_s": statistics.median(step_s), "median_train_s": _median(train), "median_wait_s": _median(wait),
         "wait_share": sum(wait) / sum(step_s), "early_share": sum(early) / sum(step_s),
         "longest_step_over_median": max(step_s) / statistics.median(step_s),
@@ -119,7 +124,8 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
         if e["track"] == "hub":
             hub[e["name"]] = hub.get(e["name"], 0.0) + e["dur"] / 1e6
     out["hub"] = {k: round(v, 4) for k, v in sorted(hub.items())}
-    pairs = [(r, wall) for r, wall in timed(read_jsonl(Path(run_dir) / "metrics.jsonl")) if r["step"] >= skip]
+    last = steady[-1]["args"]["step"]
+    pairs = [(r, wall) for r, wall in timed(read_jsonl(Path(run_dir) / "metrics.jsonl")) if skip <= r["step"] <= last]
     out["metrics"] = dict(sorted(totals([r for r, _ in pairs], ("gen/", "time/hub/")).items()))
     bound = verdict(pairs, _trains_adapters(Path(run_dir)))
     out["verdict"] = {**bound.fields(), "sentence": bound.line()} if bound else None
@@ -127,6 +133,19 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     rounds = sorted(read_jsonl(Path(run_dir) / "eval.jsonl"), key=lambda e: e["version"])
     out["heldout_pass@1"] = {str(e["version"]): round(e["eval/pass@1"], 4) for e in rounds}
     return out
+
+
+def _while_generating(steps: list[dict], generate: list[dict]) -> list[dict]:
+    """The steps that ended before the engines' last group did: a run's last steps (up to k of them) train batches
+    generated ahead, with nothing generating beside them. They trained a GPU-bound colocated run's step in 3 s
+    against 5 s, and would count a generation-bound run's buffered batches as a rate; 12-step runs counted 1-2 of
+    them, 5-9 % over the steady rate (docs/figures.md, "a short run's tail"). All of `steps` where fewer than two
+    are left."""
+    if not generate:
+        return steps
+    done = max(e["ts"] + e["dur"] for e in generate)
+    live = [e for e in steps if e["ts"] + e["dur"] <= done]
+    return live if len(live) >= 2 else steps
 
 
 def startup(spans: list[dict], launched: float | None = None) -> list[dict]:

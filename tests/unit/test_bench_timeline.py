@@ -50,6 +50,25 @@ def test_a_single_rank_run_is_summarised_as_before(tmp_path: Path) -> None:
     assert learner["steps"] == 12 and abs(learner["steps_per_min"] - 20.0) < 0.01
 
 
+def test_the_last_steps_trained_after_generation_ended_are_not_the_rate(tmp_path: Path) -> None:
+    """A run's last k steps train batches generated ahead, with nothing generating beside them: a colocated GPU-bound
+    run trained them in 3 s against 5 s, and its 12-step rate counted two (13.2 steps/min for 12.1)."""
+    events = _process(10, "learner-rank0", ["startup", "hub", "learner"]) + _steps(10, 3, 10, 6_000_000)
+    for step, ts in ((10, 60_000_000), (11, 63_000_000)):  # 3 s each, after the engine's last group
+        events += [{"name": "step", "ph": "X", "pid": 10, "tid": 3, "ts": ts, "dur": 3_000_000, "args": {"step": step}},
+                   {"name": "train", "ph": "X", "pid": 10, "tid": 3, "ts": ts, "dur": 3_000_000, "args": {}}]
+    events += _process(20, "generator", ["g0"]) + [
+        {"name": "generate", "ph": "X", "pid": 20, "tid": 1, "ts": t, "dur": 5_000_000, "args": {"tokens": 100}}
+        for t in range(0, 60_000_000, 5_000_000)]  # the last ends at 60 s, as step 9 does
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "metrics.jsonl").write_text("")
+
+    learner = timeline.summary(tmp_path, skip=2)["learner"]
+
+    assert learner["steady_steps"] == 8 and learner["tail_steps"] == 2
+    assert abs(learner["steps_per_min"] - 10.0) < 0.01  # steps 2-9, 6 s each (with the tail: 12.5)
+
+
 def test_the_start_is_listed_phase_by_phase_from_launch(tmp_path: Path) -> None:
     """The quick-start figure (issue 52 item 4) comes apart into the learner's and the engine's phases."""
     s = 1_000_000
