@@ -542,11 +542,14 @@ run_part() {
     # ONE=1: the one-GPU run at k = 2 first, for a ratio within the call (a call holds it and one k: KS=3); ONE_EXTRA:
     # more KEY=VALUE;... for it alone (ONE_EXTRA="run.mps=true" beside EXTRA="run.mps=true": CUDA MPS on both sides)
     if [ "${ONE:-0}" = 1 ]; then gpubound_one rankscall; fi
-    # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards)
+    # on H200s the ranks need no gradient checkpointing (the config's is for 80 GB cards); each run's records under a
+    # directory of its name
+    local name
     for k in ${KS:-2 3}; do
       # EXTRA: more KEY=VALUE;... for both ranks' run (e.g. EXTRA="generator.max_num_seqs=256"), named by TAG
+      name="gpubound_two_k$k${TAG:+_$TAG}"
       step "gpubound_two_k$k" 250 python3 -m bench.busy --config configs/colocated-2gpu.yaml --shape 1.5b --steps 12 \
-        --skip 2 --timeout 235 --name "gpubound_two_k$k${TAG:+_$TAG}" --out "/tmp/bench-runs/busy/gpubound_two_k$k" \
+        --skip 2 --timeout 235 --name "$name" --out "/tmp/bench-runs/busy/$name" \
         --wave "two:0,1:0,1:trainer.compile=true;trainer.max_staleness=$k;trainer.gradient_checkpointing=false${EXTRA:+;$EXTRA}"
       pack
     done
