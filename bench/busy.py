@@ -129,11 +129,13 @@ def join(name: str, gpu: str, step: int, run_dir: Path) -> dict:
 
 
 def phases(run_dir: Path, launched: float, joined: list[dict], settle: int) -> dict:
-    """Steps/min and the learner's wait share with each number of registered generators, and what each join took."""
+    """Steps/min and the learner's wait share with each number of registered generators, and what each join took;
+    the run's tail (its last steps, trained after the engines' last group: timeline.while_generating) in no rate."""
     registered = sorted(e["time"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "register")
     spans = trace.spans(trace.read(run_dir / "trace.json"))
-    steps = sorted(((e["ts"] + e["dur"]) / 1e6, e["dur"] / 1e6) for e in spans
-                   if e["track"] == "learner" and e["name"] == "step")
+    learner = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
+    generate = [e for e in spans if e["name"] == "generate"]  # the run's tail counts in no phase's rate
+    steps = sorted(((e["ts"] + e["dur"]) / 1e6, e["dur"] / 1e6) for e in timeline.while_generating(learner, generate))
     waits = timeline.learner_waits(spans)  # less what the learner computed while it waited
     out = []
     for n, since in enumerate(registered, 1):

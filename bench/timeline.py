@@ -90,7 +90,7 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     spans = _rank0(events)
     steps = [e for e in spans if e["track"] == "learner" and e["name"] == "step"]
     after_skip = [e for e in steps if e["args"]["step"] >= skip] or steps
-    steady = _while_generating(after_skip, [e for e in spans if e["name"] == "generate"])
+    steady = while_generating(after_skip, [e for e in spans if e["name"] == "generate"])
     t0, t1 = steady[0]["ts"], steady[-1]["ts"] + steady[-1]["dur"]
     inside = [e for e in spans if t0 <= e["ts"] < t1]
 
@@ -135,7 +135,7 @@ def summary(run_dir: Path, launched: float | None = None, skip: int = 5) -> dict
     return out
 
 
-def _while_generating(steps: list[dict], generate: list[dict]) -> list[dict]:
+def while_generating(steps: list[dict], generate: list[dict]) -> list[dict]:
     """The steps that ended before the engines' last group did: a run's last steps (up to k of them) train batches
     generated ahead, with nothing generating beside them. They trained a GPU-bound colocated run's step in 3 s
     against 5 s, and would count a generation-bound run's buffered batches as a rate; 12-step runs counted 1-2 of

@@ -1,7 +1,8 @@
 """bench/busy.py's jobs: a job whose form is wrong is refused before the first wave starts (a GPU call once ran two
 waves, then died on a third job named `et:0`, and its last waves never ran); an offline engine's job takes the run's
-overrides, so it measures the engine the runs beside it build."""
+overrides, so it measures the engine the runs beside it build; a phase's rate leaves out the run's tail."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.busy import job_argv
+from bench.busy import job_argv, phases
 from tests.conftest import REPO
 
 ARGS = SimpleNamespace(out=Path("/tmp/busy-test"), config="configs/gpu-smollm2-math.yaml", shape_sets=[], steps=5)
@@ -37,3 +38,22 @@ def test_a_wrong_job_in_a_later_wave_stops_the_command_before_any_wave_runs(tmp_
                           env={**os.environ, "BENCH_RESULTS": str(results)})
     assert proc.returncode != 0 and "job 'et:0' names no generator GPUs" in proc.stderr
     assert not runs.exists() and not results.exists()  # the first wave's run never started, no result was written
+
+
+def test_the_last_phase_leaves_out_the_steps_trained_after_generation_ended(tmp_path):
+    """The phase with the most generators runs to the end of the run: its last k steps, trained from batches generated
+    ahead with nothing generating beside them (3 s against 6 s here), are not its rate."""
+    def span(name, pid, ts, dur, **args):
+        return {"name": name, "ph": "X", "pid": pid, "tid": 1, "ts": int(ts * 1e6), "dur": int(dur * 1e6), "args": args}
+
+    meta = [{"name": "thread_name", "ph": "M", "pid": 10, "tid": 1, "args": {"name": "learner"}},
+            {"name": "thread_name", "ph": "M", "pid": 20, "tid": 1, "args": {"name": "g0"}}]
+    steps = [span("step", 10, 6 * i, 6, step=i) for i in range(10)]
+    steps += [span("step", 10, 60 + 3 * i, 3, step=10 + i) for i in range(2)]
+    generate = [span("generate", 20, 5 * i, 5, tokens=100) for i in range(12)]  # the last ends at 60 s, as step 9
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": meta + steps + generate}))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "register", "time": 0.5}) + "\n")
+
+    row = phases(tmp_path, launched=0.0, joined=[], settle=1)["by_generators"][0]
+
+    assert row["steps"] == 9 and row["steps_per_min"] == 10.0  # steps 0-9 ended 6 s apart (with the tail: 11.0)
